@@ -1,0 +1,7 @@
+// Tests, examples and benches of this crate load libmlx at run time: embed the
+// directory mlx-sys found it in, since a dependency's link args never reach us.
+fn main() {
+    if let Ok(dir) = std::env::var("DEP_MLX_LIBDIR") {
+        println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");
+    }
+}
