@@ -1,8 +1,24 @@
-pub fn smoke() -> Result<Vec<f32>, mlx_rs::error::Exception> {
-    let a = mlx_rs::Array::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[2, 2]);
-    let b = mlx_rs::ops::matmul(&a, &a)?;
-    b.eval()?;
-    Ok(b.as_slice::<f32>().to_vec())
-}
-#[test]
-fn t() { println!("{:?}", smoke()); }
+//! Qwen-family text generation on MLX.
+//!
+//! A plain Rust library: load a checkpoint ([`Model::load`]), a tokenizer
+//! ([`Tokenizer::load`]) and generate ([`Generation`], [`generate`]). The
+//! Elixir NIF is a thin wrapper over this crate.
+
+pub mod cache;
+pub mod config;
+pub mod device;
+pub mod error;
+pub mod generate;
+pub mod layers;
+pub mod model;
+pub mod sampler;
+pub mod tokenizer;
+pub mod weights;
+
+pub use config::{Arch, ModelConfig, QuantSpec};
+pub use error::{Error, Result};
+pub use generate::{generate, FinishReason, GenerateOptions, Generation, Output, RowDelta, Stats};
+pub use model::{LoadOptions, Model};
+pub use sampler::{SamplerConfig, SamplerKind};
+pub use tokenizer::{Detokenizer, Tokenizer};
+pub use mlx_rs::Dtype;

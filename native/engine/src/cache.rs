@@ -1,0 +1,69 @@
+//! Preallocated KV cache: one `[B, kv_heads, capacity, head_dim]` buffer per
+//! layer for keys and for values, written in place at the current offset.
+
+use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
+use mlx_rs::ops::zeros_dtype;
+use mlx_rs::Array;
+
+use crate::error::{Error, Result};
+use crate::model::Model;
+
+pub struct KvCache {
+    layers: Vec<(Array, Array)>,
+    offset: i32,
+    capacity: i32,
+}
+
+impl KvCache {
+    pub fn new(model: &Model, batch: i32, capacity: i32) -> Result<Self> {
+        let c = &model.config;
+        let shape = [batch, c.num_kv_heads, capacity, c.head_dim];
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for _ in 0..c.num_layers {
+            layers.push((zeros_dtype(&shape, model.dtype)?, zeros_dtype(&shape, model.dtype)?));
+        }
+        Ok(KvCache {
+            layers,
+            offset: 0,
+            capacity,
+        })
+    }
+
+    pub fn offset(&self) -> i32 {
+        self.offset
+    }
+
+    pub fn capacity(&self) -> i32 {
+        self.capacity
+    }
+
+    pub(crate) fn advance(&mut self, n: i32) {
+        self.offset += n;
+    }
+
+    /// Writes `k`, `v` (`[B, kv_heads, L, head_dim]`) at the offset and returns
+    /// the filled part of the buffers. Replacing our handle with the update's
+    /// result leaves the graph as the buffer's only owner, so MLX donates it
+    /// and the write happens in place.
+    pub(crate) fn update(&mut self, layer: usize, k: &Array, v: &Array) -> Result<(Array, Array)> {
+        let (start, end) = (self.offset, self.offset + k.dim(2));
+        if end > self.capacity {
+            return Err(Error::invalid(format!(
+                "KV cache is full ({} positions)",
+                self.capacity
+            )));
+        }
+        let (keys, values) = &mut self.layers[layer];
+        keys.try_index_mut((.., .., start..end, ..), k)
+            .map_err(|e| Error::Mlx(e.to_string()))?;
+        values
+            .try_index_mut((.., .., start..end, ..), v)
+            .map_err(|e| Error::Mlx(e.to_string()))?;
+        Ok((keys.index((.., .., ..end, ..)), values.index((.., .., ..end, ..))))
+    }
+
+    /// Every buffer, for evaluation alongside a step's output.
+    pub fn arrays(&self) -> impl Iterator<Item = &Array> {
+        self.layers.iter().flat_map(|(k, v)| [k, v])
+    }
+}

@@ -1,0 +1,309 @@
+//! `config.json` of Qwen2 / Qwen3 checkpoints, including MLX's `quantization` block.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use serde_json::Value;
+
+use crate::error::{read_json, Error, Result};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    Qwen2,
+    Qwen3,
+}
+
+impl Arch {
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+        }
+    }
+}
+
+/// Affine group-wise quantization parameters, as MLX's `quantize` takes them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuantSpec {
+    pub bits: i32,
+    pub group_size: i32,
+}
+
+impl QuantSpec {
+    pub const BITS: [i32; 6] = [2, 3, 4, 5, 6, 8];
+    pub const GROUP_SIZES: [i32; 3] = [32, 64, 128];
+
+    pub fn new(bits: i32, group_size: i32) -> Result<Self> {
+        if !Self::BITS.contains(&bits) {
+            return Err(Error::Unsupported(format!(
+                "quantization bits {bits} (supported: 2, 3, 4, 5, 6, 8)"
+            )));
+        }
+        if !Self::GROUP_SIZES.contains(&group_size) {
+            return Err(Error::Unsupported(format!(
+                "quantization group_size {group_size} (supported: 32, 64, 128)"
+            )));
+        }
+        Ok(QuantSpec { bits, group_size })
+    }
+}
+
+/// The checkpoint's quantization: a default plus per-layer overrides keyed by
+/// module path (e.g. `model.layers.0.mlp.down_proj`), as mlx-lm writes them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Quantization {
+    pub default: QuantSpec,
+    pub per_layer: HashMap<String, QuantSpec>,
+}
+
+impl Quantization {
+    pub fn for_module(&self, path: &str) -> QuantSpec {
+        self.per_layer.get(path).copied().unwrap_or(self.default)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub hidden_size: i32,
+    pub num_layers: usize,
+    pub intermediate_size: i32,
+    pub num_heads: i32,
+    pub num_kv_heads: i32,
+    pub head_dim: i32,
+    pub rms_norm_eps: f32,
+    pub rope_theta: f32,
+    /// Position scale for RoPE: 1 / factor for linear scaling, else 1.
+    pub rope_scale: f32,
+    pub tie_word_embeddings: bool,
+    pub vocab_size: i32,
+    pub max_position_embeddings: usize,
+    pub eos_token_ids: Vec<u32>,
+    pub quantization: Option<Quantization>,
+}
+
+fn get<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
+    v.get(key).filter(|x| !x.is_null())
+}
+
+fn int(v: &Value, key: &str) -> Result<Option<i64>> {
+    match get(v, key) {
+        None => Ok(None),
+        Some(x) => x
+            .as_i64()
+            .filter(|n| *n > 0)
+            .map(Some)
+            .ok_or_else(|| Error::Config(format!("`{key}` must be a positive integer, got {x}"))),
+    }
+}
+
+fn req_int(v: &Value, key: &str) -> Result<i64> {
+    int(v, key)?.ok_or_else(|| Error::Config(format!("missing required key `{key}`")))
+}
+
+fn i32_of(n: i64, key: &str) -> Result<i32> {
+    i32::try_from(n).map_err(|_| Error::Config(format!("`{key}` is too large: {n}")))
+}
+
+fn float(v: &Value, key: &str) -> Result<Option<f64>> {
+    match get(v, key) {
+        None => Ok(None),
+        Some(x) => x
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| Error::Config(format!("`{key}` must be a number, got {x}"))),
+    }
+}
+
+/// `eos_token_id` is an int in some checkpoints and a list in others.
+pub(crate) fn token_ids(v: Option<&Value>, key: &str) -> Result<Vec<u32>> {
+    let as_id = |x: &Value| {
+        x.as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(|| Error::Config(format!("`{key}` must hold token ids, got {x}")))
+    };
+    match v {
+        None | Some(Value::Null) => Ok(vec![]),
+        Some(Value::Array(items)) => items.iter().map(as_id).collect(),
+        Some(x) => Ok(vec![as_id(x)?]),
+    }
+}
+
+fn quant_spec(v: &Value, context: &str) -> Result<QuantSpec> {
+    if let Some(mode) = get(v, "mode") {
+        if mode.as_str() != Some("affine") {
+            return Err(Error::Unsupported(format!(
+                "quantization mode {mode} in {context} (only affine)"
+            )));
+        }
+    }
+    let bits = int(v, "bits")?.ok_or_else(|| Error::Config(format!("{context}: missing `bits`")))?;
+    let group = int(v, "group_size")?
+        .ok_or_else(|| Error::Config(format!("{context}: missing `group_size`")))?;
+    QuantSpec::new(i32_of(bits, "bits")?, i32_of(group, "group_size")?)
+}
+
+fn quantization(v: &Value) -> Result<Option<Quantization>> {
+    let Some(q) = get(v, "quantization").or_else(|| get(v, "quantization_config")) else {
+        return Ok(None);
+    };
+    let obj = q
+        .as_object()
+        .ok_or_else(|| Error::Config("`quantization` must be an object".into()))?;
+    let default = quant_spec(q, "`quantization`")?;
+    let mut per_layer = HashMap::new();
+    for (key, value) in obj {
+        if value.is_object() {
+            per_layer.insert(key.clone(), quant_spec(value, &format!("`quantization.{key}`"))?);
+        }
+    }
+    Ok(Some(Quantization { default, per_layer }))
+}
+
+fn rope_scale(v: &Value) -> Result<f32> {
+    let scaling = get(v, "rope_scaling").or_else(|| {
+        get(v, "rope_parameters").filter(|p| get(p, "factor").is_some())
+    });
+    let Some(scaling) = scaling else {
+        return Ok(1.0);
+    };
+    let kind = get(scaling, "type")
+        .or_else(|| get(scaling, "rope_type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    match kind {
+        "default" => Ok(1.0),
+        "linear" => {
+            let factor = float(scaling, "factor")?
+                .filter(|f| *f > 0.0)
+                .ok_or_else(|| Error::Config("linear rope_scaling needs a positive `factor`".into()))?;
+            Ok((1.0 / factor) as f32)
+        }
+        other => Err(Error::Unsupported(format!(
+            "rope_scaling type `{other}` (supported: default, linear)"
+        ))),
+    }
+}
+
+impl ModelConfig {
+    pub fn from_file(path: &Path) -> Result<Self> {
+        Self::from_json(&read_json(path)?)
+    }
+
+    pub fn from_json(v: &Value) -> Result<Self> {
+        if !v.is_object() {
+            return Err(Error::Config("must be a JSON object".into()));
+        }
+        let arch = match get(v, "model_type").and_then(Value::as_str) {
+            Some("qwen3") => Arch::Qwen3,
+            Some("qwen2") => Arch::Qwen2,
+            Some(other) => {
+                return Err(Error::Unsupported(format!(
+                    "model_type `{other}` (supported: qwen3, qwen2)"
+                )))
+            }
+            None => return Err(Error::Config("missing required key `model_type`".into())),
+        };
+        let hidden_size = i32_of(req_int(v, "hidden_size")?, "hidden_size")?;
+        let num_heads = i32_of(req_int(v, "num_attention_heads")?, "num_attention_heads")?;
+        let num_kv_heads = match int(v, "num_key_value_heads")? {
+            Some(n) => i32_of(n, "num_key_value_heads")?,
+            None => num_heads,
+        };
+        if num_heads % num_kv_heads != 0 {
+            return Err(Error::Config(format!(
+                "num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
+            )));
+        }
+        let head_dim = match int(v, "head_dim")? {
+            Some(n) => i32_of(n, "head_dim")?,
+            None if hidden_size % num_heads == 0 => hidden_size / num_heads,
+            None => return Err(Error::Config("hidden_size must be divisible by num_attention_heads".into())),
+        };
+        let rope_theta = float(v, "rope_theta")?
+            .or(get(v, "rope_parameters").and_then(|p| p.get("rope_theta")).and_then(Value::as_f64));
+        let rope_theta = match (rope_theta, arch) {
+            (Some(t), _) => t,
+            (None, Arch::Qwen2) => 1_000_000.0,
+            (None, Arch::Qwen3) => return Err(Error::Config("missing required key `rope_theta`".into())),
+        };
+        let tie_default = arch == Arch::Qwen2;
+        let tie_word_embeddings = match get(v, "tie_word_embeddings") {
+            None => tie_default,
+            Some(Value::Bool(b)) => *b,
+            Some(x) => return Err(Error::Config(format!("`tie_word_embeddings` must be a boolean, got {x}"))),
+        };
+        Ok(ModelConfig {
+            arch,
+            hidden_size,
+            num_layers: req_int(v, "num_hidden_layers")? as usize,
+            intermediate_size: i32_of(req_int(v, "intermediate_size")?, "intermediate_size")?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            rms_norm_eps: float(v, "rms_norm_eps")?.unwrap_or(1e-6) as f32,
+            rope_theta: rope_theta as f32,
+            rope_scale: rope_scale(v)?,
+            tie_word_embeddings,
+            vocab_size: i32_of(req_int(v, "vocab_size")?, "vocab_size")?,
+            max_position_embeddings: int(v, "max_position_embeddings")?.unwrap_or(32768) as usize,
+            eos_token_ids: token_ids(get(v, "eos_token_id"), "eos_token_id")?,
+            quantization: quantization(v)?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn base() -> Value {
+        json!({"model_type": "qwen3", "hidden_size": 128, "num_hidden_layers": 2,
+               "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "head_dim": 32, "vocab_size": 1000, "rope_theta": 1e6, "eos_token_id": 7})
+    }
+
+    #[test]
+    fn parses_minimal_qwen3() {
+        let c = ModelConfig::from_json(&base()).unwrap();
+        assert_eq!(c.arch, Arch::Qwen3);
+        assert_eq!(c.eos_token_ids, vec![7]);
+        assert!(!c.tie_word_embeddings);
+        assert_eq!(c.rope_scale, 1.0);
+    }
+
+    #[test]
+    fn per_layer_quantization_and_linear_rope() {
+        let mut v = base();
+        v["quantization"] = json!({"bits": 4, "group_size": 64, "mode": "affine",
+                                   "model.layers.0.mlp.down_proj": {"bits": 8, "group_size": 64}});
+        v["rope_scaling"] = json!({"type": "linear", "factor": 4.0});
+        v["eos_token_id"] = json!([1, 2]);
+        let c = ModelConfig::from_json(&v).unwrap();
+        let q = c.quantization.unwrap();
+        assert_eq!(q.for_module("model.layers.0.mlp.down_proj").bits, 8);
+        assert_eq!(q.for_module("model.layers.1.mlp.down_proj").bits, 4);
+        assert_eq!(c.rope_scale, 0.25);
+        assert_eq!(c.eos_token_ids, vec![1, 2]);
+    }
+
+    #[test]
+    fn typed_errors() {
+        let mut v = base();
+        v["model_type"] = json!("llama");
+        assert_eq!(ModelConfig::from_json(&v).unwrap_err().kind(), "unsupported");
+        let mut v = base();
+        v.as_object_mut().unwrap().remove("hidden_size");
+        assert!(ModelConfig::from_json(&v).unwrap_err().to_string().contains("hidden_size"));
+        let mut v = base();
+        v["num_hidden_layers"] = json!("two");
+        assert_eq!(ModelConfig::from_json(&v).unwrap_err().kind(), "config");
+        let mut v = base();
+        v["quantization"] = json!({"bits": 7, "group_size": 64});
+        assert_eq!(ModelConfig::from_json(&v).unwrap_err().kind(), "unsupported");
+        let mut v = base();
+        v["rope_scaling"] = json!({"type": "yarn", "factor": 4.0});
+        assert_eq!(ModelConfig::from_json(&v).unwrap_err().kind(), "unsupported");
+    }
+}

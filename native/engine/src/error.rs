@@ -1,0 +1,86 @@
+//! The engine's one error type; the NIF maps `Error::kind` to Elixir atoms.
+
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{}: invalid JSON: {message}", path.display())]
+    Json { path: PathBuf, message: String },
+    #[error("config.json: {0}")]
+    Config(String),
+    #[error("{}: {message}", path.display())]
+    Safetensors { path: PathBuf, message: String },
+    #[error("missing tensor `{0}`")]
+    MissingTensor(String),
+    #[error("tensor `{name}` has shape {got:?}, expected {expected:?}")]
+    ShapeMismatch {
+        name: String,
+        expected: Vec<i64>,
+        got: Vec<i64>,
+    },
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    #[error("MLX: {0}")]
+    Mlx(String),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("chat template: {0}")]
+    Template(String),
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("prompt has {len} tokens but max_len is {max_len}: it must leave room for at least one generated token")]
+    PromptTooLong { len: usize, max_len: usize },
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// A stable, machine-readable name for the error's class.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::Io { .. } => "io",
+            Error::Json { .. } => "json",
+            Error::Config(_) => "config",
+            Error::Safetensors { .. } => "safetensors",
+            Error::MissingTensor(_) => "missing_tensor",
+            Error::ShapeMismatch { .. } => "shape_mismatch",
+            Error::Unsupported(_) => "unsupported",
+            Error::Mlx(_) => "mlx",
+            Error::Tokenizer(_) => "tokenizer",
+            Error::Template(_) => "template",
+            Error::InvalidArgument(_) => "invalid_argument",
+            Error::PromptTooLong { .. } => "prompt_too_long",
+        }
+    }
+
+    pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+
+    pub(crate) fn invalid(message: impl Into<String>) -> Self {
+        Error::InvalidArgument(message.into())
+    }
+}
+
+impl From<mlx_rs::error::Exception> for Error {
+    fn from(e: mlx_rs::error::Exception) -> Self {
+        Error::Mlx(e.what().to_string())
+    }
+}
+
+/// Reads a JSON file, naming the file in both kinds of failure.
+pub(crate) fn read_json(path: &Path) -> Result<serde_json::Value> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    serde_json::from_str(&text).map_err(|e| Error::Json {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })
+}

@@ -1,0 +1,439 @@
+//! Prefill and decode for one prompt or a batch of prompts decoded together.
+//!
+//! Rows are left-padded to a common length and masked, so every row attends
+//! only to its own tokens; RoPE depends on relative positions, so padding does
+//! not change a row's result. Decoding is chunked (`Generation::next`) so a
+//! caller can stream, cancel or time out between chunks. With a device
+//! sampler each step's graph is queued before the previous token is read
+//! back (`async_eval`), as mlx-lm does, so the host never stalls the device.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::ops::{arange, ge, le, logical_and};
+use mlx_rs::{transforms, Array};
+
+use crate::cache::KvCache;
+use crate::device::MlxStream;
+use crate::error::{Error, Result};
+use crate::model::{AttentionMask, Model};
+use crate::sampler::{Sampler, SamplerConfig};
+use crate::tokenizer::{Detokenizer, Tokenizer};
+
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    pub max_new_tokens: usize,
+    /// KV budget: prompt plus generated tokens of a row.
+    pub max_len: usize,
+    pub sampler: SamplerConfig,
+    /// `None`: the model's EOS ids and the tokenizer's.
+    pub eos_token_ids: Option<Vec<u32>>,
+    pub ignore_eos: bool,
+    /// Stop strings (need a tokenizer); the matched text is not returned.
+    pub stop: Vec<String>,
+    pub profile_timing: bool,
+    /// Longest prompt slice run through the model at once.
+    pub prefill_chunk: usize,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        GenerateOptions {
+            max_new_tokens: 100,
+            max_len: 2048,
+            sampler: SamplerConfig::default(),
+            eos_token_ids: None,
+            ignore_eos: false,
+            stop: vec![],
+            profile_timing: true,
+            prefill_chunk: 512,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    Eos,
+    /// A stop string matched.
+    Stop,
+    /// `max_new_tokens` reached.
+    Length,
+    MaxLen,
+}
+
+impl FinishReason {
+    pub fn name(self) -> &'static str {
+        match self {
+            FinishReason::Eos => "eos",
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::MaxLen => "max_len",
+        }
+    }
+}
+
+/// What one `next` call produced for a row.
+#[derive(Debug, Clone, Default)]
+pub struct RowDelta {
+    pub ids: Vec<u32>,
+    pub text: String,
+    pub finish: Option<FinishReason>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Stats {
+    pub prompt_tokens: Vec<usize>,
+    pub generated_tokens: Vec<usize>,
+    pub prefill_ms: f64,
+    pub time_to_first_token_ms: f64,
+    pub decode_ms: f64,
+    /// Decode steps after the first token, per second (per row).
+    pub decode_tokens_per_s: f64,
+}
+
+struct Row {
+    prompt_len: usize,
+    generated: Vec<u32>,
+    detok: Detokenizer,
+    /// Text not yet returned, held back while it could start a stop string.
+    pending_text: String,
+    finish: Option<FinishReason>,
+}
+
+pub struct Generation {
+    model: Arc<Model>,
+    tokenizer: Option<Arc<Tokenizer>>,
+    stream: Option<MlxStream>,
+    options: GenerateOptions,
+    sampler: Sampler,
+    cache: KvCache,
+    rows: Vec<Row>,
+    /// Left padding of each row, when rows differ in length.
+    padding: Option<Vec<i32>>,
+    eos: Vec<u32>,
+    /// The next tokens `[B]`, possibly still being computed.
+    pending: Option<Array>,
+    started: Instant,
+    first_token_at: Option<Instant>,
+    last_token_at: Option<Instant>,
+    prefill_ms: f64,
+    steps: usize,
+}
+
+fn run_on<T>(stream: &Option<MlxStream>, f: impl FnOnce() -> T) -> T {
+    match stream {
+        Some(s) => mlx_rs::with_stream(s.stream(), f),
+        None => f(),
+    }
+}
+
+impl Generation {
+    /// Validates the request and runs the prefill.
+    pub fn start(
+        model: Arc<Model>,
+        tokenizer: Option<Arc<Tokenizer>>,
+        stream: Option<MlxStream>,
+        prompts: &[Vec<u32>],
+        options: GenerateOptions,
+    ) -> Result<Self> {
+        validate(&model, tokenizer.as_deref(), prompts, &options)?;
+        let eos = match &options.eos_token_ids {
+            Some(ids) => ids.clone(),
+            None => {
+                let mut ids = model.config.eos_token_ids.clone();
+                for id in tokenizer.iter().flat_map(|t| t.eos_token_ids()) {
+                    if !ids.contains(id) {
+                        ids.push(*id);
+                    }
+                }
+                ids
+            }
+        };
+        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        let padding = prompts
+            .iter()
+            .any(|p| p.len() != longest)
+            .then(|| prompts.iter().map(|p| (longest - p.len()) as i32).collect());
+        let capacity = longest + options.max_new_tokens.min(options.max_len);
+        let sampler = Sampler::new(options.sampler.clone())?;
+        let cache = run_on(&stream, || KvCache::new(&model, prompts.len() as i32, capacity as i32))?;
+        let mut generation = Generation {
+            model,
+            tokenizer,
+            stream,
+            sampler,
+            cache,
+            rows: prompts
+                .iter()
+                .map(|p| Row {
+                    prompt_len: p.len(),
+                    generated: vec![],
+                    detok: Detokenizer::default(),
+                    pending_text: String::new(),
+                    finish: None,
+                })
+                .collect(),
+            padding,
+            eos,
+            pending: None,
+            started: Instant::now(),
+            first_token_at: None,
+            last_token_at: None,
+            prefill_ms: 0.0,
+            steps: 0,
+            options,
+        };
+        let stream = generation.stream.clone();
+        run_on(&stream, || generation.prefill(prompts, longest))?;
+        Ok(generation)
+    }
+
+    fn prefill(&mut self, prompts: &[Vec<u32>], longest: usize) -> Result<()> {
+        let batch = prompts.len() as i32;
+        let mut ids = Vec::with_capacity(prompts.len() * longest);
+        for p in prompts {
+            ids.extend(std::iter::repeat_n(0u32, longest - p.len()));
+            ids.extend(p);
+        }
+        let ids = Array::from_slice(&ids, &[batch, longest as i32]);
+        let chunk = self.options.prefill_chunk.max(1) as i32;
+        let mut start = 0;
+        loop {
+            let end = (start + chunk).min(longest as i32);
+            let part = ids.index((.., start..end));
+            let mask = self.mask(end - start)?;
+            let last = end == longest as i32;
+            let logits = self.model.forward(&part, &mut self.cache, &mask, last)?;
+            if last {
+                self.pending = Some(self.sample(&logits)?);
+                break;
+            }
+            // Bound the graph: materialize the cache before the next chunk.
+            transforms::eval(self.cache.arrays())?;
+            start = end;
+        }
+        if self.options.profile_timing {
+            transforms::eval(self.pending.iter())?;
+            self.prefill_ms = self.started.elapsed().as_secs_f64() * 1e3;
+        }
+        Ok(())
+    }
+
+    /// The attention mask for `len` new positions at the cache's offset.
+    fn mask(&self, len: i32) -> Result<AttentionMask> {
+        let Some(padding) = &self.padding else {
+            return Ok(if len > 1 { AttentionMask::Causal } else { AttentionMask::None });
+        };
+        let offset = self.cache.offset();
+        let keys = arange::<_, i32>(0, offset + len, 1)?.reshape(&[1, 1, 1, offset + len])?;
+        let queries = arange::<_, i32>(offset, offset + len, 1)?.reshape(&[1, 1, len, 1])?;
+        let pad = Array::from_slice(padding, &[padding.len() as i32, 1, 1, 1]);
+        Ok(AttentionMask::Array(logical_and(ge(&keys, &pad)?, le(&keys, &queries)?)?))
+    }
+
+    /// Logits `[B, 1, V]` -> next tokens `[B]` (uint32), queued on the device.
+    fn sample(&mut self, logits: &Array) -> Result<Array> {
+        let logits = logits.reshape(&[logits.dim(0), logits.dim(-1)])?;
+        let next = if self.sampler.on_device() {
+            self.sampler.sample_device(&logits)?
+        } else {
+            let ids = self.sampler.sample_host(&logits)?;
+            Array::from_slice(&ids, &[ids.len() as i32])
+        };
+        transforms::async_eval([&next])?;
+        Ok(next)
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.rows.iter().all(|r| r.finish.is_some())
+    }
+
+    /// Decodes up to `max_steps` tokens for every unfinished row.
+    pub fn next(&mut self, max_steps: usize) -> Result<Vec<RowDelta>> {
+        let stream = self.stream.clone();
+        run_on(&stream, || self.decode(max_steps))
+    }
+
+    fn decode(&mut self, max_steps: usize) -> Result<Vec<RowDelta>> {
+        let mut deltas = vec![RowDelta::default(); self.rows.len()];
+        for _ in 0..max_steps {
+            let Some(current) = self.pending.take() else {
+                break;
+            };
+            // Queue the following step before reading this one back.
+            let more = self.steps + 1 < self.options.max_new_tokens && self.cache.offset() < self.cache.capacity();
+            if more && self.sampler.on_device() {
+                self.pending = Some(self.step(&current)?);
+            }
+            current.eval()?;
+            let now = Instant::now();
+            self.first_token_at.get_or_insert(now);
+            self.last_token_at = Some(now);
+            self.steps += 1;
+            let tokens: Vec<u32> = current.as_slice::<u32>().to_vec();
+            for (i, &token) in tokens.iter().enumerate() {
+                self.accept(i, token, &mut deltas[i])?;
+            }
+            if self.is_done() {
+                self.pending = None;
+                break;
+            }
+            if more && !self.sampler.on_device() {
+                self.pending = Some(self.step(&current)?);
+            }
+        }
+        Ok(deltas)
+    }
+
+    /// Feeds `tokens` `[B]` through the model and samples the next ones.
+    fn step(&mut self, tokens: &Array) -> Result<Array> {
+        let mask = self.mask(1)?;
+        let ids = tokens.reshape(&[tokens.dim(0), 1])?;
+        let logits = self.model.forward(&ids, &mut self.cache, &mask, false)?;
+        self.sample(&logits)
+    }
+
+    fn accept(&mut self, row: usize, token: u32, delta: &mut RowDelta) -> Result<()> {
+        let options = &self.options;
+        let r = &mut self.rows[row];
+        if r.finish.is_some() {
+            return Ok(());
+        }
+        r.generated.push(token);
+        delta.ids.push(token);
+        if !options.ignore_eos && self.eos.contains(&token) {
+            r.finish = Some(FinishReason::Eos);
+        } else if let Some(tokenizer) = &self.tokenizer {
+            r.pending_text.push_str(&r.detok.push(tokenizer, token)?);
+            if let Some(at) = options.stop.iter().filter_map(|s| r.pending_text.find(s.as_str())).min() {
+                r.pending_text.truncate(at);
+                r.finish = Some(FinishReason::Stop);
+            }
+        }
+        if r.finish.is_none() {
+            if r.generated.len() >= options.max_new_tokens {
+                r.finish = Some(FinishReason::Length);
+            } else if r.prompt_len + r.generated.len() >= options.max_len {
+                r.finish = Some(FinishReason::MaxLen);
+            }
+        }
+        if let (Some(reason), Some(tokenizer)) = (r.finish, &self.tokenizer) {
+            if reason != FinishReason::Stop {
+                r.pending_text.push_str(&r.detok.flush(tokenizer)?);
+            }
+        }
+        let ready = if r.finish.is_some() {
+            r.pending_text.len()
+        } else {
+            r.pending_text.len() - held_back(&r.pending_text, &options.stop)
+        };
+        delta.text.push_str(&r.pending_text[..ready]);
+        r.pending_text.drain(..ready);
+        delta.finish = r.finish;
+        Ok(())
+    }
+
+    pub fn stats(&self) -> Stats {
+        let mut stats = Stats {
+            prompt_tokens: self.rows.iter().map(|r| r.prompt_len).collect(),
+            generated_tokens: self.rows.iter().map(|r| r.generated.len()).collect(),
+            prefill_ms: self.prefill_ms,
+            ..Stats::default()
+        };
+        if let (true, Some(first), Some(last)) = (self.options.profile_timing, self.first_token_at, self.last_token_at) {
+            stats.time_to_first_token_ms = (first - self.started).as_secs_f64() * 1e3;
+            stats.decode_ms = (last - first).as_secs_f64() * 1e3;
+            if self.steps > 1 && stats.decode_ms > 0.0 {
+                stats.decode_tokens_per_s = (self.steps - 1) as f64 / (stats.decode_ms / 1e3);
+            }
+        }
+        stats
+    }
+
+    /// Every row's generated ids so far.
+    pub fn generated(&self) -> Vec<Vec<u32>> {
+        self.rows.iter().map(|r| r.generated.clone()).collect()
+    }
+}
+
+/// Bytes at the end of `text` that could begin one of the stop strings, kept
+/// back so a stop string split across tokens is never partly returned.
+fn held_back(text: &str, stop: &[String]) -> usize {
+    stop.iter()
+        .map(|s| {
+            (1..s.len().min(text.len() + 1))
+                .rev()
+                .find(|&n| s.is_char_boundary(n) && text.ends_with(&s[..n]))
+                .unwrap_or(0)
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+fn validate(model: &Model, tokenizer: Option<&Tokenizer>, prompts: &[Vec<u32>], o: &GenerateOptions) -> Result<()> {
+    if prompts.is_empty() {
+        return Err(Error::invalid("no prompts given"));
+    }
+    if o.max_new_tokens == 0 {
+        return Err(Error::invalid("max_new_tokens must be at least 1"));
+    }
+    if o.max_len == 0 {
+        return Err(Error::invalid("max_len must be at least 1"));
+    }
+    if !o.stop.is_empty() && tokenizer.is_none() {
+        return Err(Error::invalid("stop strings need a tokenizer"));
+    }
+    if o.stop.iter().any(String::is_empty) {
+        return Err(Error::invalid("stop strings must not be empty"));
+    }
+    o.sampler.validate()?;
+    let vocab = model.config.vocab_size as u32;
+    for p in prompts {
+        if p.is_empty() {
+            return Err(Error::invalid("a prompt is empty: give at least one token"));
+        }
+        if let Some(bad) = p.iter().find(|&&id| id >= vocab) {
+            return Err(Error::invalid(format!("token id {bad} is outside the model's vocabulary (size {vocab})")));
+        }
+        if p.len() >= o.max_len {
+            return Err(Error::PromptTooLong {
+                len: p.len(),
+                max_len: o.max_len,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Result of a whole single-prompt generation.
+#[derive(Debug, Clone)]
+pub struct Output {
+    pub ids: Vec<u32>,
+    pub text: String,
+    pub finish: FinishReason,
+    pub stats: Stats,
+}
+
+/// Generates for one prompt until it finishes.
+pub fn generate(
+    model: Arc<Model>,
+    tokenizer: Option<Arc<Tokenizer>>,
+    prompt: &[u32],
+    options: GenerateOptions,
+) -> Result<Output> {
+    let mut generation = Generation::start(model, tokenizer, None, &[prompt.to_vec()], options)?;
+    let mut text = String::new();
+    let mut finish = None;
+    while !generation.is_done() {
+        let delta = generation.next(16)?.remove(0);
+        text.push_str(&delta.text);
+        finish = delta.finish.or(finish);
+    }
+    Ok(Output {
+        ids: generation.generated().remove(0),
+        text,
+        finish: finish.unwrap_or(FinishReason::Length),
+        stats: generation.stats(),
+    })
+}

@@ -1,0 +1,269 @@
+//! Qwen3 and Qwen2 decoder-only transformers (the two differ only in q/k
+//! RMSNorm versus q/k/v bias), following mlx-lm's models/qwen3.py and qwen2.py.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use mlx_rs::fast::{rms_norm, rope, scaled_dot_product_attention, ScaledDotProductAttentionMask};
+use mlx_rs::ops::{multiply, sigmoid};
+use mlx_rs::{Array, Dtype};
+
+use crate::cache::KvCache;
+use crate::config::{Arch, ModelConfig, QuantSpec};
+use crate::error::{read_json, Error, Result};
+use crate::layers::{Embedding, Linear, LoadPlan};
+use crate::weights::Weights;
+
+#[derive(Debug, Clone, Default)]
+pub struct LoadOptions {
+    /// Compute dtype; default float32 on CPU (MLX's CPU bf16 is ~10x slower),
+    /// bfloat16 on GPU.
+    pub dtype: Option<Dtype>,
+    /// Quantize dense weights while loading.
+    pub quantize: Option<QuantSpec>,
+}
+
+pub enum AttentionMask {
+    None,
+    Causal,
+    Array(Array),
+}
+
+struct Attention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Option<Array>,
+    k_norm: Option<Array>,
+}
+
+struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+struct Block {
+    attn: Attention,
+    mlp: Mlp,
+    input_norm: Array,
+    post_norm: Array,
+}
+
+pub struct Model {
+    pub config: ModelConfig,
+    pub dtype: Dtype,
+    pub path: PathBuf,
+    pub load_ms: f64,
+    pub weight_bytes: usize,
+    /// Quantization applied at load, if any.
+    pub quantized_at_load: Option<QuantSpec>,
+    embed: Embedding,
+    blocks: Vec<Block>,
+    norm: Array,
+    lm_head: Option<Linear>,
+}
+
+// SAFETY: after loading, every array of the model is evaluated and only ever
+// read as a graph input; MLX arrays are reference counted with atomic counts,
+// so sharing them between threads (each running its own stream) is sound.
+unsafe impl Sync for Model {}
+
+pub fn default_dtype() -> Dtype {
+    if crate::device::gpu_available() {
+        Dtype::Bfloat16
+    } else {
+        Dtype::Float32
+    }
+}
+
+impl Model {
+    pub fn load(dir: &Path, options: &LoadOptions) -> Result<Self> {
+        let started = Instant::now();
+        if !dir.is_dir() {
+            return Err(Error::io(
+                dir,
+                std::io::Error::new(std::io::ErrorKind::NotFound, "checkpoint folder not found"),
+            ));
+        }
+        let mut config = ModelConfig::from_file(&dir.join("config.json"))?;
+        add_generation_eos(dir, &mut config)?;
+        if config.quantization.is_some() && options.quantize.is_some() {
+            return Err(Error::invalid(
+                "the checkpoint is already quantized; drop the quantize option",
+            ));
+        }
+        let dtype = options.dtype.unwrap_or_else(default_dtype);
+        if !matches!(dtype, Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16) {
+            return Err(Error::invalid(format!("compute dtype must be float32, float16 or bfloat16, got {dtype:?}")));
+        }
+        let mut weights = Weights::load_dir(dir)?;
+        let weight_bytes = weights.bytes;
+        let c = &config;
+        let plan = |path: &str| LoadPlan {
+            stored: c.quantization.as_ref().map(|q| q.for_module(path)),
+            at_load: options.quantize,
+            dtype,
+        };
+        let norm = |w: &mut Weights, name: &str, dim: i32| -> Result<Array> {
+            Ok(w.take(name, Some(&[dim]))?.as_dtype(dtype)?)
+        };
+
+        let (d, hd) = (c.hidden_size, c.head_dim);
+        let embed = Embedding::load(&mut weights, "model.embed_tokens", c.vocab_size, d, plan("model.embed_tokens"))?;
+        let mut blocks = Vec::with_capacity(c.num_layers);
+        for i in 0..c.num_layers {
+            let p = format!("model.layers.{i}");
+            let linear = |w: &mut Weights, name: &str, i: i32, o: i32, bias: bool| {
+                let path = format!("{p}.{name}");
+                Linear::load(w, &path, i, o, bias, plan(&path))
+            };
+            let qkv_bias = c.arch == Arch::Qwen2;
+            let attn = Attention {
+                q: linear(&mut weights, "self_attn.q_proj", d, c.num_heads * hd, qkv_bias)?,
+                k: linear(&mut weights, "self_attn.k_proj", d, c.num_kv_heads * hd, qkv_bias)?,
+                v: linear(&mut weights, "self_attn.v_proj", d, c.num_kv_heads * hd, qkv_bias)?,
+                o: linear(&mut weights, "self_attn.o_proj", c.num_heads * hd, d, false)?,
+                q_norm: match c.arch {
+                    Arch::Qwen3 => Some(norm(&mut weights, &format!("{p}.self_attn.q_norm.weight"), hd)?),
+                    Arch::Qwen2 => None,
+                },
+                k_norm: match c.arch {
+                    Arch::Qwen3 => Some(norm(&mut weights, &format!("{p}.self_attn.k_norm.weight"), hd)?),
+                    Arch::Qwen2 => None,
+                },
+            };
+            let mlp = Mlp {
+                gate: linear(&mut weights, "mlp.gate_proj", d, c.intermediate_size, false)?,
+                up: linear(&mut weights, "mlp.up_proj", d, c.intermediate_size, false)?,
+                down: linear(&mut weights, "mlp.down_proj", c.intermediate_size, d, false)?,
+            };
+            blocks.push(Block {
+                attn,
+                mlp,
+                input_norm: norm(&mut weights, &format!("{p}.input_layernorm.weight"), d)?,
+                post_norm: norm(&mut weights, &format!("{p}.post_attention_layernorm.weight"), d)?,
+            });
+        }
+        let final_norm = norm(&mut weights, "model.norm.weight", d)?;
+        let lm_head = if c.tie_word_embeddings {
+            None
+        } else {
+            Some(Linear::load(&mut weights, "lm_head", d, c.vocab_size, false, plan("lm_head"))?)
+        };
+        let model = Model {
+            quantized_at_load: options.quantize,
+            config,
+            dtype,
+            path: dir.to_path_buf(),
+            load_ms: 0.0,
+            weight_bytes,
+            embed,
+            blocks,
+            norm: final_norm,
+            lm_head,
+        };
+        // Materialize everything now: loading errors surface here rather than
+        // mid-generation, and later readers only see evaluated arrays.
+        mlx_rs::transforms::eval(model.arrays())?;
+        Ok(Model {
+            load_ms: started.elapsed().as_secs_f64() * 1e3,
+            ..model
+        })
+    }
+
+    fn arrays(&self) -> Vec<&Array> {
+        let mut all = self.embed.arrays();
+        for b in &self.blocks {
+            let a = &b.attn;
+            for l in [&a.q, &a.k, &a.v, &a.o, &b.mlp.gate, &b.mlp.up, &b.mlp.down] {
+                all.extend(l.arrays());
+            }
+            all.extend(a.q_norm.iter().chain(a.k_norm.iter()));
+            all.push(&b.input_norm);
+            all.push(&b.post_norm);
+        }
+        all.push(&self.norm);
+        if let Some(h) = &self.lm_head {
+            all.extend(h.arrays());
+        }
+        all
+    }
+
+    /// Whether any layer holds quantized weights.
+    pub fn is_quantized(&self) -> bool {
+        self.embed.is_quantized() || self.blocks.iter().any(|b| b.attn.q.is_quantized())
+    }
+
+    /// Runs `ids` (`[B, L]` int32) through the model, writing keys and values
+    /// into `cache` at its offset. Returns logits `[B, L, vocab]`, or
+    /// `[B, 1, vocab]` for the last position only when `last_only`.
+    pub fn forward(&self, ids: &Array, cache: &mut KvCache, mask: &AttentionMask, last_only: bool) -> Result<Array> {
+        let c = &self.config;
+        let mut h = self.embed.forward(ids)?;
+        for (i, block) in self.blocks.iter().enumerate() {
+            let r = self.attention(&block.attn, &rms_norm(&h, Some(&block.input_norm), c.rms_norm_eps)?, cache, i, mask)?;
+            h = h.add(&r)?;
+            let x = rms_norm(&h, Some(&block.post_norm), c.rms_norm_eps)?;
+            let gate = block.mlp.gate.forward(&x)?;
+            let act = multiply(multiply(&gate, sigmoid(&gate)?)?, block.mlp.up.forward(&x)?)?;
+            h = h.add(&block.mlp.down.forward(&act)?)?;
+        }
+        cache.advance(ids.dim(1));
+        if last_only {
+            let l = h.dim(1);
+            h = mlx_rs::ops::indexing::IndexOp::index(&h, (.., (l - 1).., ..));
+        }
+        let h = rms_norm(&h, Some(&self.norm), c.rms_norm_eps)?;
+        match &self.lm_head {
+            Some(head) => head.forward(&h),
+            None => self.embed.as_linear(&h),
+        }
+    }
+
+    fn attention(&self, a: &Attention, x: &Array, cache: &mut KvCache, layer: usize, mask: &AttentionMask) -> Result<Array> {
+        let c = &self.config;
+        let (b, l) = (x.dim(0), x.dim(1));
+        let heads = |y: Array, n: i32, norm: &Option<Array>| -> Result<Array> {
+            let y = y.reshape(&[b, l, n, c.head_dim])?;
+            let y = match norm {
+                Some(w) => rms_norm(&y, Some(w), c.rms_norm_eps)?,
+                None => y,
+            };
+            Ok(y.transpose_axes(&[0, 2, 1, 3])?)
+        };
+        let offset = cache.offset();
+        let rotate = |y: &Array| rope(y, c.head_dim, false, c.rope_theta, c.rope_scale, offset, None);
+        let q = rotate(&heads(a.q.forward(x)?, c.num_heads, &a.q_norm)?)?;
+        let k = rotate(&heads(a.k.forward(x)?, c.num_kv_heads, &a.k_norm)?)?;
+        let v = heads(a.v.forward(x)?, c.num_kv_heads, &None)?;
+        let (keys, values) = cache.update(layer, &k, &v)?;
+        let scale = (c.head_dim as f32).powf(-0.5);
+        let out = match mask {
+            AttentionMask::None => scaled_dot_product_attention(&q, &keys, &values, scale, None, None)?,
+            AttentionMask::Causal => {
+                scaled_dot_product_attention(&q, &keys, &values, scale, ScaledDotProductAttentionMask::Causal, None)?
+            }
+            AttentionMask::Array(m) => scaled_dot_product_attention(&q, &keys, &values, scale, m, None)?,
+        };
+        let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, l, c.num_heads * c.head_dim])?;
+        a.o.forward(&out)
+    }
+}
+
+/// generation_config.json may list more EOS ids than config.json (Qwen3 adds
+/// `<|endoftext|>` next to `<|im_end|>`).
+fn add_generation_eos(dir: &Path, config: &mut ModelConfig) -> Result<()> {
+    let path = dir.join("generation_config.json");
+    if !path.exists() {
+        return Ok(());
+    }
+    let json = read_json(&path)?;
+    for id in crate::config::token_ids(json.get("eos_token_id"), "eos_token_id")? {
+        if !config.eos_token_ids.contains(&id) {
+            config.eos_token_ids.push(id);
+        }
+    }
+    Ok(())
+}

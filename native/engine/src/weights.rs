@@ -1,0 +1,165 @@
+//! Reads safetensors checkpoints (single file or sharded) into MLX arrays.
+//!
+//! Files are memory-mapped and each tensor is copied once, straight from the
+//! mapping into MLX's own buffer; the mapping is dropped after loading, so a
+//! checkpoint file changed or deleted later cannot affect a loaded model.
+
+use std::collections::{BTreeSet, HashMap};
+use std::ffi::c_void;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use mlx_rs::{Array, Dtype};
+use safetensors::tensor::{Dtype as StDtype, SafeTensors};
+
+use crate::error::{read_json, Error, Result};
+
+pub struct Weights {
+    tensors: HashMap<String, Array>,
+    pub bytes: usize,
+}
+
+impl Weights {
+    pub fn load_dir(dir: &Path) -> Result<Self> {
+        let mut weights = Weights {
+            tensors: HashMap::new(),
+            bytes: 0,
+        };
+        for file in weight_files(dir)? {
+            weights.load_file(&file)?;
+        }
+        Ok(weights)
+    }
+
+    fn load_file(&mut self, path: &Path) -> Result<()> {
+        let file = File::open(path).map_err(|e| Error::io(path, e))?;
+        // SAFETY: the mapping is read-only and lives only for this function; a
+        // concurrent truncation would fault, which is the same risk every
+        // mmap-based loader (mlx, safetensors, llama.cpp) accepts.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        let st = SafeTensors::deserialize(&map).map_err(|e| Error::Safetensors {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        for (name, view) in st.tensors() {
+            let dtype = mlx_dtype(view.dtype()).ok_or_else(|| Error::Safetensors {
+                path: path.to_path_buf(),
+                message: format!("tensor `{name}` has unsupported dtype {:?}", view.dtype()),
+            })?;
+            let shape = view
+                .shape()
+                .iter()
+                .map(|&d| i32::try_from(d))
+                .collect::<Result<Vec<i32>, _>>()
+                .map_err(|_| Error::Safetensors {
+                    path: path.to_path_buf(),
+                    message: format!("tensor `{name}` is too large"),
+                })?;
+            let data = view.data();
+            // SAFETY: safetensors checked that `data` holds exactly shape x dtype bytes.
+            let array = unsafe { Array::from_raw_data(data.as_ptr() as *const c_void, &shape, dtype) };
+            self.bytes += data.len();
+            self.tensors.insert(name, array);
+        }
+        Ok(())
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// Removes and returns a tensor, checking its shape where one is expected.
+    pub fn take(&mut self, name: &str, expected: Option<&[i32]>) -> Result<Array> {
+        let array = self
+            .tensors
+            .remove(name)
+            .ok_or_else(|| Error::MissingTensor(name.to_string()))?;
+        if let Some(expected) = expected {
+            if array.shape() != expected {
+                return Err(Error::ShapeMismatch {
+                    name: name.to_string(),
+                    expected: expected.iter().map(|&d| d as i64).collect(),
+                    got: array.shape().iter().map(|&d| d as i64).collect(),
+                });
+            }
+        }
+        Ok(array)
+    }
+
+    pub fn take_opt(&mut self, name: &str, expected: Option<&[i32]>) -> Result<Option<Array>> {
+        if self.contains(name) {
+            self.take(name, expected).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+}
+
+fn mlx_dtype(dtype: StDtype) -> Option<Dtype> {
+    Some(match dtype {
+        StDtype::F32 => Dtype::Float32,
+        StDtype::F16 => Dtype::Float16,
+        StDtype::BF16 => Dtype::Bfloat16,
+        StDtype::U32 => Dtype::Uint32,
+        StDtype::I32 => Dtype::Int32,
+        StDtype::U8 => Dtype::Uint8,
+        StDtype::I8 => Dtype::Int8,
+        StDtype::I64 => Dtype::Int64,
+        StDtype::BOOL => Dtype::Bool,
+        _ => return None,
+    })
+}
+
+/// The shards named by `model.safetensors.index.json`, else every
+/// `model*.safetensors` in the folder (as mlx-lm globs them).
+fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.exists() {
+        let json = read_json(&index)?;
+        let map = json
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| Error::Json {
+                path: index.clone(),
+                message: "missing object `weight_map`".into(),
+            })?;
+        let mut files = BTreeSet::new();
+        for (tensor, file) in map {
+            let file = file.as_str().ok_or_else(|| Error::Json {
+                path: index.clone(),
+                message: format!("weight_map entry for `{tensor}` is not a file name"),
+            })?;
+            if file.contains('/') || file.contains('\\') {
+                return Err(Error::invalid(format!("shard name `{file}` must be a plain file name")));
+            }
+            files.insert(dir.join(file));
+        }
+        for file in &files {
+            if !file.exists() {
+                return Err(Error::io(
+                    file,
+                    std::io::Error::new(std::io::ErrorKind::NotFound, "shard named in model.safetensors.index.json is missing"),
+                ));
+            }
+        }
+        return Ok(files.into_iter().collect());
+    }
+    let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;
+    let mut files: Vec<PathBuf> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("model") && n.ends_with(".safetensors"))
+        })
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(Error::io(
+            dir,
+            std::io::Error::new(std::io::ErrorKind::NotFound, "no model*.safetensors weights in this folder"),
+        ));
+    }
+    Ok(files)
+}

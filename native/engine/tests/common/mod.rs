@@ -1,0 +1,53 @@
+//! Shared helpers: the fixtures that `scripts/setup` builds with mlx-lm.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use emlx_axon_engine::{LoadOptions, Model, Tokenizer};
+use serde_json::Value;
+
+pub fn fixtures() -> PathBuf {
+    let dir = std::env::var_os("EMLX_AXON_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.cache/fixtures"));
+    assert!(
+        dir.join("qwen3-4bit-g64/config.json").exists(),
+        "test fixtures missing at {}: run scripts/setup",
+        dir.display()
+    );
+    dir
+}
+
+pub fn fixture(name: &str) -> PathBuf {
+    fixtures().join(name)
+}
+
+pub fn load(name: &str, options: &LoadOptions) -> Arc<Model> {
+    Arc::new(Model::load(&fixture(name), options).unwrap_or_else(|e| panic!("loading {name}: {e}")))
+}
+
+pub fn tokenizer(name: &str) -> Arc<Tokenizer> {
+    Arc::new(Tokenizer::load(&fixture(name)).unwrap())
+}
+
+pub fn json(path: PathBuf) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
+}
+
+pub fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+/// `reference<suffix>.json` prompts: name -> (prompt ids, greedy ids).
+pub fn reference(name: &str, suffix: &str) -> Vec<(String, Vec<u32>, Vec<u32>)> {
+    let r = json(fixture(name).join(format!("reference{suffix}.json")));
+    let mut out: Vec<_> = r["prompts"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(k, p)| (k.clone(), ids(&p["prompt_ids"]), ids(&p["greedy_ids"])))
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}

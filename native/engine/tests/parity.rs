@@ -1,0 +1,102 @@
+//! Token-for-token and logit parity with mlx-lm on the same checkpoints.
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::*;
+use emlx_axon_engine::cache::KvCache;
+use emlx_axon_engine::model::AttentionMask;
+use emlx_axon_engine::{generate, Dtype, GenerateOptions, LoadOptions, QuantSpec};
+use mlx_rs::Array;
+
+fn f32_load() -> LoadOptions {
+    LoadOptions {
+        dtype: Some(Dtype::Float32),
+        quantize: None,
+    }
+}
+
+fn greedy(max_new_tokens: usize) -> GenerateOptions {
+    GenerateOptions {
+        max_new_tokens,
+        ignore_eos: true,
+        ..GenerateOptions::default()
+    }
+}
+
+/// mlx-lm's logits for every step, `[16, vocab]` per prompt.
+fn reference_logits(name: &str, suffix: &str) -> HashMap<String, (Vec<f32>, usize)> {
+    let path = fixture(name).join(format!("reference{suffix}.safetensors"));
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(k, v)| {
+            let data: Vec<f32> = v.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+            (k.trim_end_matches(".logits").to_string(), (data, v.shape()[1]))
+        })
+        .collect()
+}
+
+fn check_fixture(name: &str, suffix: &str, options: LoadOptions) {
+    let model = load(name, &options);
+    let logits = reference_logits(name, suffix);
+    for (prompt_name, prompt, expected) in reference(name, suffix) {
+        let out = generate(model.clone(), None, &prompt, greedy(expected.len())).unwrap();
+        assert_eq!(out.ids, expected, "{name}{suffix} `{prompt_name}`: greedy ids differ from mlx-lm");
+
+        // Teacher-forced logits at every step, against mlx-lm's.
+        let (reference, vocab) = &logits[&prompt_name];
+        let mut cache = KvCache::new(&model, 1, (prompt.len() + expected.len()) as i32).unwrap();
+        let mut input = Array::from_slice(&prompt, &[1, prompt.len() as i32]);
+        let mut worst = 0f32;
+        for (step, &token) in expected.iter().enumerate() {
+            let mask = if step == 0 { AttentionMask::Causal } else { AttentionMask::None };
+            let out = model.forward(&input, &mut cache, &mask, true).unwrap();
+            out.eval().unwrap();
+            let ours: &[f32] = out.as_slice();
+            let theirs = &reference[step * vocab..(step + 1) * vocab];
+            let scale = theirs.iter().fold(1f32, |m, x| m.max(x.abs()));
+            for (a, b) in ours.iter().zip(theirs) {
+                worst = worst.max((a - b).abs() / scale);
+            }
+            input = Array::from_slice(&[token], &[1, 1]);
+        }
+        assert!(worst < 1e-4, "{name}{suffix} `{prompt_name}`: logits differ from mlx-lm by {worst} (relative to the largest)");
+    }
+}
+
+#[test]
+fn qwen3_4bit_group64() {
+    check_fixture("qwen3-4bit-g64", "", f32_load());
+}
+
+#[test]
+fn qwen3_4bit_group128_sharded() {
+    check_fixture("qwen3-4bit-g128", "", f32_load());
+}
+
+#[test]
+fn qwen3_dense_bf16_checkpoint() {
+    check_fixture("qwen3-bf16", "", f32_load());
+}
+
+#[test]
+fn qwen3_dense_quantized_at_load() {
+    let options = LoadOptions {
+        quantize: Some(QuantSpec::new(4, 128).unwrap()),
+        ..f32_load()
+    };
+    check_fixture("qwen3-bf16", "_q4g128", options);
+}
+
+#[test]
+fn qwen3_mixed_per_layer_quantization() {
+    check_fixture("qwen3-mixed", "", f32_load());
+}
+
+#[test]
+fn qwen2_4bit_group64_untied() {
+    check_fixture("qwen2-4bit-g64", "", f32_load());
+}

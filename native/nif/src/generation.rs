@@ -1,0 +1,163 @@
+//! Chunked generation: start (prefill), next (decode a chunk), stats, free.
+
+use std::sync::Mutex;
+
+use emlx_axon_engine::{GenerateOptions, Generation, SamplerConfig, SamplerKind};
+use rustler::{Atom, NifMap, ResourceArc};
+
+use crate::error::{guard, NifError, NifResult};
+use crate::model::ModelResource;
+use crate::stream::StreamResource;
+use crate::tokenizer::TokenizerResource;
+
+mod atoms {
+    rustler::atoms! { greedy, top_p_cpu, top_p_gpu, cont, done, ok, eos, stop, length, max_len }
+}
+
+pub struct GenerationResource {
+    generation: Mutex<Option<Generation>>,
+}
+
+#[rustler::resource_impl]
+impl rustler::Resource for GenerationResource {}
+
+impl GenerationResource {
+    fn with<T>(&self, f: impl FnOnce(&mut Generation) -> NifResult<T>) -> NifResult<T> {
+        let mut slot = self.generation.lock().unwrap_or_else(|p| p.into_inner());
+        match slot.as_mut() {
+            Some(generation) => f(generation),
+            None => Err(NifError::new("released", "the generation was freed")),
+        }
+    }
+}
+
+#[derive(NifMap)]
+pub struct StartOptions {
+    max_new_tokens: usize,
+    max_len: usize,
+    sampler: Atom,
+    temperature: f64,
+    top_p: f64,
+    top_k: usize,
+    min_p: f64,
+    seed: Option<u64>,
+    stop: Vec<String>,
+    eos_token_ids: Option<Vec<u32>>,
+    ignore_eos: bool,
+    profile_timing: bool,
+}
+
+fn sampler_kind(atom: Atom) -> NifResult<SamplerKind> {
+    if atom == atoms::greedy() {
+        Ok(SamplerKind::Greedy)
+    } else if atom == atoms::top_p_cpu() {
+        Ok(SamplerKind::TopPCpu)
+    } else if atom == atoms::top_p_gpu() {
+        Ok(SamplerKind::TopPGpu)
+    } else {
+        Err(NifError::new("invalid_argument", "sampler must be :greedy, :top_p_cpu or :top_p_gpu"))
+    }
+}
+
+#[rustler::nif(schedule = "DirtyCpu")]
+fn generation_start(
+    model: ResourceArc<ModelResource>,
+    tokenizer: Option<ResourceArc<TokenizerResource>>,
+    stream: Option<ResourceArc<StreamResource>>,
+    prompts: Vec<Vec<u32>>,
+    o: StartOptions,
+) -> NifResult<ResourceArc<GenerationResource>> {
+    guard(|| {
+        let options = GenerateOptions {
+            max_new_tokens: o.max_new_tokens,
+            max_len: o.max_len,
+            sampler: SamplerConfig {
+                kind: sampler_kind(o.sampler)?,
+                temperature: o.temperature as f32,
+                top_p: o.top_p as f32,
+                top_k: o.top_k,
+                min_p: o.min_p as f32,
+                seed: o.seed,
+            },
+            eos_token_ids: o.eos_token_ids,
+            ignore_eos: o.ignore_eos,
+            stop: o.stop,
+            profile_timing: o.profile_timing,
+            ..GenerateOptions::default()
+        };
+        let stream = stream.map(|s| s.get()).transpose()?;
+        let generation = Generation::start(
+            model.model.clone(),
+            tokenizer.map(|t| t.tokenizer.clone()),
+            stream,
+            &prompts,
+            options,
+        )?;
+        Ok(ResourceArc::new(GenerationResource {
+            generation: Mutex::new(Some(generation)),
+        }))
+    })
+}
+
+#[derive(NifMap)]
+pub struct RowOut {
+    ids: Vec<u32>,
+    text: String,
+    finish_reason: Option<Atom>,
+}
+
+#[rustler::nif(schedule = "DirtyCpu")]
+fn generation_next(resource: ResourceArc<GenerationResource>, max_steps: usize) -> NifResult<(Atom, Vec<RowOut>)> {
+    guard(|| {
+        resource.with(|generation| {
+            let deltas = generation.next(max_steps.max(1))?;
+            let rows = deltas
+                .into_iter()
+                .map(|d| RowOut {
+                    ids: d.ids,
+                    text: d.text,
+                    finish_reason: d.finish.map(|f| match f {
+                        emlx_axon_engine::FinishReason::Eos => atoms::eos(),
+                        emlx_axon_engine::FinishReason::Stop => atoms::stop(),
+                        emlx_axon_engine::FinishReason::Length => atoms::length(),
+                        emlx_axon_engine::FinishReason::MaxLen => atoms::max_len(),
+                    }),
+                })
+                .collect();
+            let status = if generation.is_done() { atoms::done() } else { atoms::cont() };
+            Ok((status, rows))
+        })
+    })
+}
+
+#[derive(NifMap)]
+pub struct StatsOut {
+    prompt_tokens: Vec<usize>,
+    generated_tokens: Vec<usize>,
+    prefill_ms: f64,
+    decode_ms: f64,
+    decode_tokens_per_s: f64,
+    time_to_first_token_ms: f64,
+}
+
+#[rustler::nif]
+fn generation_stats(resource: ResourceArc<GenerationResource>) -> NifResult<StatsOut> {
+    resource.with(|generation| {
+        let s = generation.stats();
+        Ok(StatsOut {
+            prompt_tokens: s.prompt_tokens,
+            generated_tokens: s.generated_tokens,
+            prefill_ms: s.prefill_ms,
+            decode_ms: s.decode_ms,
+            decode_tokens_per_s: s.decode_tokens_per_s,
+            time_to_first_token_ms: s.time_to_first_token_ms,
+        })
+    })
+}
+
+/// Frees the KV cache now rather than when the resource is collected.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn generation_free(resource: ResourceArc<GenerationResource>) -> Atom {
+    resource.generation.lock().unwrap_or_else(|p| p.into_inner()).take();
+    atoms::ok()
+}

@@ -1,0 +1,78 @@
+//! Per-process MLX streams sharing a model's weights.
+
+use std::sync::Mutex;
+
+use emlx_axon_engine::device::{DeviceKind, MlxStream};
+use rustler::{Atom, NifMap, ResourceArc};
+
+use crate::error::{guard, NifError, NifResult};
+
+mod atoms {
+    rustler::atoms! { cpu, gpu, default, ok }
+}
+
+pub struct StreamResource {
+    stream: Mutex<Option<MlxStream>>,
+    kind: DeviceKind,
+    index: i32,
+}
+
+#[rustler::resource_impl]
+impl rustler::Resource for StreamResource {}
+
+impl StreamResource {
+    /// The stream, or an error once it was closed.
+    pub fn get(&self) -> NifResult<MlxStream> {
+        self.stream
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or_else(|| NifError::new("closed_stream", "the stream was closed"))
+    }
+}
+
+#[rustler::nif]
+fn stream_new(device: Atom) -> NifResult<ResourceArc<StreamResource>> {
+    guard(|| {
+        let kind = if device == atoms::cpu() {
+            DeviceKind::Cpu
+        } else if device == atoms::gpu() {
+            DeviceKind::Gpu
+        } else if device == atoms::default() {
+            DeviceKind::default_kind()
+        } else {
+            return Err(NifError::new("invalid_argument", "device must be :cpu, :gpu or :default"));
+        };
+        let stream = MlxStream::new(kind)?;
+        Ok(ResourceArc::new(StreamResource {
+            index: stream.index(),
+            stream: Mutex::new(Some(stream)),
+            kind,
+        }))
+    })
+}
+
+#[rustler::nif]
+fn stream_close(resource: ResourceArc<StreamResource>) -> Atom {
+    resource.stream.lock().unwrap_or_else(|p| p.into_inner()).take();
+    atoms::ok()
+}
+
+#[derive(NifMap)]
+pub struct StreamInfo {
+    device: Atom,
+    index: i32,
+    closed: bool,
+}
+
+#[rustler::nif]
+fn stream_info(resource: ResourceArc<StreamResource>) -> NifResult<StreamInfo> {
+    Ok(StreamInfo {
+        device: match resource.kind {
+            DeviceKind::Cpu => atoms::cpu(),
+            DeviceKind::Gpu => atoms::gpu(),
+        },
+        index: resource.index,
+        closed: resource.stream.lock().unwrap_or_else(|p| p.into_inner()).is_none(),
+    })
+}

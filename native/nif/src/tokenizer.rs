@@ -1,0 +1,72 @@
+//! Tokenizer and chat-template NIFs.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use emlx_axon_engine::Tokenizer;
+use rustler::{NifMap, ResourceArc};
+use serde_json::json;
+
+use crate::error::{guard, NifResult};
+
+pub struct TokenizerResource {
+    pub tokenizer: Arc<Tokenizer>,
+}
+
+#[rustler::resource_impl]
+impl rustler::Resource for TokenizerResource {}
+
+#[rustler::nif(schedule = "DirtyIo")]
+fn tokenizer_load(path: String) -> NifResult<ResourceArc<TokenizerResource>> {
+    guard(|| {
+        let tokenizer = Tokenizer::load(Path::new(&path))?;
+        Ok(ResourceArc::new(TokenizerResource {
+            tokenizer: Arc::new(tokenizer),
+        }))
+    })
+}
+
+#[rustler::nif(schedule = "DirtyCpu")]
+fn tokenizer_encode(tok: ResourceArc<TokenizerResource>, text: String, add_special_tokens: bool) -> NifResult<Vec<u32>> {
+    guard(|| Ok(tok.tokenizer.encode(&text, add_special_tokens)?))
+}
+
+#[rustler::nif(schedule = "DirtyCpu")]
+fn tokenizer_decode(tok: ResourceArc<TokenizerResource>, ids: Vec<u32>, skip_special_tokens: bool) -> NifResult<String> {
+    guard(|| Ok(tok.tokenizer.decode(&ids, skip_special_tokens)?))
+}
+
+#[rustler::nif(schedule = "DirtyCpu")]
+fn tokenizer_apply_chat_template(
+    tok: ResourceArc<TokenizerResource>,
+    messages: Vec<(String, String)>,
+    add_generation_prompt: bool,
+    enable_thinking: Option<bool>,
+) -> NifResult<String> {
+    guard(|| {
+        let messages: Vec<_> = messages
+            .into_iter()
+            .map(|(role, content)| json!({"role": role, "content": content}))
+            .collect();
+        Ok(tok
+            .tokenizer
+            .apply_chat_template(&json!(messages), add_generation_prompt, enable_thinking)?)
+    })
+}
+
+#[derive(NifMap)]
+pub struct TokenizerInfo {
+    vocab_size: usize,
+    eos_token_ids: Vec<u32>,
+    has_chat_template: bool,
+}
+
+#[rustler::nif]
+fn tokenizer_info(tok: ResourceArc<TokenizerResource>) -> NifResult<TokenizerInfo> {
+    let t = &tok.tokenizer;
+    Ok(TokenizerInfo {
+        vocab_size: t.vocab_size(),
+        eos_token_ids: t.eos_token_ids().to_vec(),
+        has_chat_template: t.has_chat_template(),
+    })
+}
