@@ -51,3 +51,15 @@ pub fn reference(name: &str, suffix: &str) -> Vec<(String, Vec<u32>, Vec<u32>)> 
     out.sort_by(|a, b| a.0.cmp(&b.0));
     out
 }
+
+/// A fresh scratch folder holding a copy of fixture `name`, for tests that
+/// damage a checkpoint.
+pub fn scratch_copy(name: &str, tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("emlx-axon-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(fixture(name)).unwrap().flatten() {
+        std::fs::copy(entry.path(), dir.join(entry.file_name())).unwrap();
+    }
+    dir
+}

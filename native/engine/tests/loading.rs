@@ -1,0 +1,165 @@
+//! Checkpoint loading: layouts, metadata and every typed error.
+
+mod common;
+
+use std::fs;
+
+use common::*;
+use emlx_axon_engine::{Dtype, LoadOptions, Model, QuantSpec};
+
+fn f32() -> LoadOptions {
+    LoadOptions {
+        dtype: Some(Dtype::Float32),
+        quantize: None,
+    }
+}
+
+fn kind_of(dir: &std::path::Path) -> String {
+    match Model::load(dir, &f32()) {
+        Ok(_) => "ok".into(),
+        Err(e) => format!("{}: {e}", e.kind()),
+    }
+}
+
+#[test]
+fn reads_config_and_generation_config() {
+    let m = load("qwen3-4bit-g64", &f32());
+    assert_eq!(m.config.num_layers, 2);
+    assert!(m.is_quantized());
+    // config.json's 151645 plus generation_config.json's 151643.
+    assert_eq!(m.config.eos_token_ids, vec![151645, 151643]);
+    let q = m.config.quantization.as_ref().unwrap();
+    assert_eq!((q.default.bits, q.default.group_size), (4, 64));
+    assert!(m.weight_bytes > 0 && m.load_ms > 0.0);
+    let dense = load("qwen3-bf16", &f32());
+    assert!(!dense.is_quantized());
+    let quantized = load(
+        "qwen3-bf16",
+        &LoadOptions {
+            quantize: Some(QuantSpec::new(4, 128).unwrap()),
+            ..f32()
+        },
+    );
+    assert!(quantized.is_quantized());
+}
+
+#[test]
+fn quantizes_dense_checkpoints_at_every_supported_width() {
+    for bits in [2, 3, 4, 6, 8] {
+        for group in [32, 64, 128] {
+            let options = LoadOptions {
+                quantize: Some(QuantSpec::new(bits, group).unwrap()),
+                ..f32()
+            };
+            let m = Model::load(&fixture("qwen3-bf16"), &options).unwrap();
+            let out = emlx_axon_engine::generate(m.into(), None, &[785, 3974], Default::default()).unwrap();
+            assert!(!out.ids.is_empty(), "bits {bits} group {group}");
+        }
+    }
+    assert_eq!(QuantSpec::new(7, 64).unwrap_err().kind(), "unsupported");
+    assert_eq!(QuantSpec::new(4, 48).unwrap_err().kind(), "unsupported");
+}
+
+#[test]
+fn missing_files_and_bad_json() {
+    assert!(kind_of(std::path::Path::new("/nonexistent/model")).starts_with("io"));
+    let dir = scratch_copy("qwen3-4bit-g64", "noconfig");
+    fs::remove_file(dir.join("config.json")).unwrap();
+    assert!(kind_of(&dir).starts_with("io"));
+    fs::write(dir.join("config.json"), "{ not json").unwrap();
+    assert!(kind_of(&dir).starts_with("json"));
+    fs::write(dir.join("config.json"), r#"{"model_type": "llama"}"#).unwrap();
+    assert!(kind_of(&dir).starts_with("unsupported"));
+    fs::write(dir.join("config.json"), r#"{"model_type": "qwen3", "hidden_size": "big"}"#).unwrap();
+    assert!(kind_of(&dir).starts_with("config"));
+    fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn damaged_safetensors() {
+    let dir = scratch_copy("qwen3-4bit-g64", "damaged");
+    let weights = dir.join("model.safetensors");
+    let bytes = fs::read(&weights).unwrap();
+
+    fs::write(&weights, &bytes[..bytes.len() / 2]).unwrap();
+    assert!(kind_of(&dir).starts_with("safetensors"), "truncated: {}", kind_of(&dir));
+
+    let mut corrupt = bytes.clone();
+    corrupt[8..24].copy_from_slice(b"#not a header!!!");
+    fs::write(&weights, &corrupt).unwrap();
+    assert!(kind_of(&dir).starts_with("safetensors"), "corrupt header: {}", kind_of(&dir));
+
+    fs::remove_file(&weights).unwrap();
+    assert!(kind_of(&dir).starts_with("io"));
+    fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Rewrites a checkpoint's tensors through `edit` with the safetensors crate.
+fn rewrite(dir: &std::path::Path, edit: impl FnOnce(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>)) {
+    let path = dir.join("model.safetensors");
+    let bytes = fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<_> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
+        .collect();
+    edit(&mut tensors);
+    let views: Vec<_> = tensors
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, &path).unwrap();
+}
+
+#[test]
+fn missing_or_misshaped_tensors() {
+    let dir = scratch_copy("qwen3-4bit-g64", "tensors");
+    rewrite(&dir, |t| t.retain(|(n, ..)| n != "model.layers.1.mlp.up_proj.scales"));
+    // Without scales the layer reads as dense, and its packed weight has the wrong shape.
+    let err = kind_of(&dir);
+    assert!(err.starts_with("shape_mismatch") && err.contains("model.layers.1.mlp.up_proj.weight"), "{err}");
+
+    let dir = scratch_copy("qwen3-4bit-g64", "tensors2");
+    rewrite(&dir, |t| t.retain(|(n, ..)| n != "model.norm.weight"));
+    assert!(kind_of(&dir).starts_with("missing_tensor"), "{}", kind_of(&dir));
+
+    let dir2 = scratch_copy("qwen3-4bit-g64", "tensors3");
+    rewrite(&dir2, |t| {
+        let norm = t.iter_mut().find(|(n, ..)| n == "model.norm.weight").unwrap();
+        norm.2 = vec![norm.2[0] / 2];
+        norm.3.truncate(norm.3.len() / 2);
+    });
+    let err = kind_of(&dir2);
+    assert!(err.starts_with("shape_mismatch") && err.contains("model.norm.weight"), "{err}");
+
+    let dir3 = scratch_copy("qwen3-4bit-g64", "tensors4");
+    rewrite(&dir3, |t| {
+        let norm = t.iter_mut().find(|(n, ..)| n == "model.norm.weight").unwrap();
+        norm.1 = safetensors::Dtype::F64;
+        norm.3 = vec![0; norm.3.len() * 4];
+    });
+    assert!(kind_of(&dir3).starts_with("safetensors"), "{}", kind_of(&dir3));
+    for d in [dir, dir2, dir3] {
+        fs::remove_dir_all(d).unwrap();
+    }
+}
+
+#[test]
+fn sharded_index_naming_a_missing_shard() {
+    let dir = scratch_copy("qwen3-4bit-g128", "shards");
+    fs::remove_file(dir.join("model-00002-of-00002.safetensors")).unwrap();
+    let err = kind_of(&dir);
+    assert!(err.starts_with("io") && err.contains("model-00002-of-00002"), "{err}");
+    fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn quantize_option_on_a_quantized_checkpoint_is_refused() {
+    let options = LoadOptions {
+        quantize: Some(QuantSpec::new(4, 64).unwrap()),
+        ..f32()
+    };
+    let err = Model::load(&fixture("qwen3-4bit-g64"), &options).err().unwrap();
+    assert_eq!(err.kind(), "invalid_argument");
+}
