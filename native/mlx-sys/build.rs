@@ -141,7 +141,10 @@ fn build_mlx_c(mlx_c: &Path, prefix: &Path, compat: &Path) {
         .define("MLX_DIR", prefix.join("share/cmake/MLX"))
         .define("MLX_C_BUILD_EXAMPLES", "OFF")
         .define("BUILD_SHARED_LIBS", "OFF")
-        .cxxflag(format!("-include {}", compat.join("mlx_c_compat.h").display()))
+        .cxxflag(format!(
+            "-include {}",
+            compat.join("mlx_c_compat.h").display()
+        ))
         .build_target("mlxc")
         .build();
     println!("cargo:rustc-link-search=native={}/build", dst.display());
@@ -154,7 +157,10 @@ fn build_half_shim(mlx_c: &Path, prefix: &Path, compat: &Path) {
         .std("c++20")
         .include(mlx_c)
         .include(prefix.join("include"))
-        .flag(format!("-include{}", compat.join("mlx_c_compat.h").display()))
+        .flag(format!(
+            "-include{}",
+            compat.join("mlx_c_compat.h").display()
+        ))
         .warnings(false)
         .file(compat.join("half_shim.cpp"))
         .compile("mlx_half_shim");

@@ -1,1 +1,5 @@
-fn main() { if let Ok(dir) = std::env::var("DEP_MLX_LIBDIR") { println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}"); } }
+fn main() {
+    if let Ok(dir) = std::env::var("DEP_MLX_LIBDIR") {
+        println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");
+    }
+}

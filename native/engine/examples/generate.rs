@@ -9,7 +9,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use emlx_axon_engine::{GenerateOptions, Generation, LoadOptions, Model, QuantSpec, SamplerKind, Tokenizer};
+use emlx_axon_engine::{
+    GenerateOptions, Generation, LoadOptions, Model, QuantSpec, SamplerKind, Tokenizer,
+};
 use serde_json::json;
 
 struct Args {
@@ -37,7 +39,9 @@ fn parse() -> Result<Args, String> {
     };
     let mut it = std::env::args().skip(1);
     let num = |v: Option<String>, name: &str| -> Result<f64, String> {
-        v.as_deref().and_then(|s| s.parse().ok()).ok_or(format!("{name} needs a number"))
+        v.as_deref()
+            .and_then(|s| s.parse().ok())
+            .ok_or(format!("{name} needs a number"))
     };
     while let Some(flag) = it.next() {
         let s = &mut args.options.sampler;
@@ -46,7 +50,10 @@ fn parse() -> Result<Args, String> {
             "--prompt" => args.prompt = it.next(),
             "--prompt-ids" => {
                 let list = it.next().ok_or("--prompt-ids needs ids")?;
-                let ids = list.split(',').map(|x| x.trim().parse::<u32>()).collect::<Result<Vec<_>, _>>();
+                let ids = list
+                    .split(',')
+                    .map(|x| x.trim().parse::<u32>())
+                    .collect::<Result<Vec<_>, _>>();
                 args.prompt_ids = Some(ids.map_err(|_| "--prompt-ids takes comma-separated ids")?);
             }
             "--chat" => args.chat = true,
@@ -68,9 +75,13 @@ fn parse() -> Result<Args, String> {
             }
             "--quantize" => {
                 let spec = it.next().ok_or("--quantize needs BITS:GROUP")?;
-                let (b, g) = spec.split_once(':').ok_or("--quantize takes BITS:GROUP, e.g. 4:128")?;
+                let (b, g) = spec
+                    .split_once(':')
+                    .ok_or("--quantize takes BITS:GROUP, e.g. 4:128")?;
                 let parsed = (b.parse(), g.parse());
-                let (Ok(b), Ok(g)) = parsed else { return Err("--quantize takes BITS:GROUP".into()) };
+                let (Ok(b), Ok(g)) = parsed else {
+                    return Err("--quantize takes BITS:GROUP".into());
+                };
                 args.quantize = Some(QuantSpec::new(b, g).map_err(|e| e.to_string())?);
             }
             other => return Err(format!("unknown argument {other}")),
@@ -83,22 +94,39 @@ fn parse() -> Result<Args, String> {
 }
 
 fn run(args: Args) -> emlx_axon_engine::Result<()> {
-    let model = Arc::new(Model::load(&args.model, &LoadOptions { dtype: None, quantize: args.quantize })?);
+    let model = Arc::new(Model::load(
+        &args.model,
+        &LoadOptions {
+            dtype: None,
+            quantize: args.quantize,
+        },
+    )?);
     let tokenizer = Arc::new(Tokenizer::load(&args.model)?);
     let prompt_ids = match (&args.prompt_ids, &args.prompt) {
         (Some(ids), _) => ids.clone(),
         (None, prompt) => {
-            let text = prompt.clone().unwrap_or_else(|| "The quick brown fox".into());
+            let text = prompt
+                .clone()
+                .unwrap_or_else(|| "The quick brown fox".into());
             let text = if args.chat {
-                tokenizer.apply_chat_template(&json!([{"role": "user", "content": text}]), true, None)?
+                tokenizer.apply_chat_template(
+                    &json!([{"role": "user", "content": text}]),
+                    true,
+                    None,
+                )?
             } else {
                 text
             };
             tokenizer.encode(&text, false)?
         }
     };
-    let mut generation =
-        Generation::start(model, Some(tokenizer), None, &[prompt_ids.clone()], args.options)?;
+    let mut generation = Generation::start(
+        model,
+        Some(tokenizer),
+        None,
+        std::slice::from_ref(&prompt_ids),
+        args.options,
+    )?;
     let mut text = String::new();
     let mut finish = None;
     while !generation.is_done() {

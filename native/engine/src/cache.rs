@@ -20,7 +20,10 @@ impl KvCache {
         let shape = [batch, c.num_kv_heads, capacity, c.head_dim];
         let mut layers = Vec::with_capacity(c.num_layers);
         for _ in 0..c.num_layers {
-            layers.push((zeros_dtype(&shape, model.dtype)?, zeros_dtype(&shape, model.dtype)?));
+            layers.push((
+                zeros_dtype(&shape, model.dtype)?,
+                zeros_dtype(&shape, model.dtype)?,
+            ));
         }
         Ok(KvCache {
             layers,
@@ -59,7 +62,10 @@ impl KvCache {
         values
             .try_index_mut((.., .., start..end, ..), v)
             .map_err(|e| Error::Mlx(e.to_string()))?;
-        Ok((keys.index((.., .., ..end, ..)), values.index((.., .., ..end, ..))))
+        Ok((
+            keys.index((.., .., ..end, ..)),
+            values.index((.., .., ..end, ..)),
+        ))
     }
 
     /// Every buffer, for evaluation alongside a step's output.

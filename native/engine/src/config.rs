@@ -89,11 +89,11 @@ fn get<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
 fn int(v: &Value, key: &str) -> Result<Option<i64>> {
     match get(v, key) {
         None => Ok(None),
-        Some(x) => x
-            .as_i64()
-            .filter(|n| *n > 0)
-            .map(Some)
-            .ok_or_else(|| Error::Config(format!("`{key}` must be a positive integer, got {x}"))),
+        Some(x) => {
+            x.as_i64().filter(|n| *n > 0).map(Some).ok_or_else(|| {
+                Error::Config(format!("`{key}` must be a positive integer, got {x}"))
+            })
+        }
     }
 }
 
@@ -137,7 +137,8 @@ fn quant_spec(v: &Value, context: &str) -> Result<QuantSpec> {
             )));
         }
     }
-    let bits = int(v, "bits")?.ok_or_else(|| Error::Config(format!("{context}: missing `bits`")))?;
+    let bits =
+        int(v, "bits")?.ok_or_else(|| Error::Config(format!("{context}: missing `bits`")))?;
     let group = int(v, "group_size")?
         .ok_or_else(|| Error::Config(format!("{context}: missing `group_size`")))?;
     QuantSpec::new(i32_of(bits, "bits")?, i32_of(group, "group_size")?)
@@ -154,16 +155,18 @@ fn quantization(v: &Value) -> Result<Option<Quantization>> {
     let mut per_layer = HashMap::new();
     for (key, value) in obj {
         if value.is_object() {
-            per_layer.insert(key.clone(), quant_spec(value, &format!("`quantization.{key}`"))?);
+            per_layer.insert(
+                key.clone(),
+                quant_spec(value, &format!("`quantization.{key}`"))?,
+            );
         }
     }
     Ok(Some(Quantization { default, per_layer }))
 }
 
 fn rope_scale(v: &Value) -> Result<f32> {
-    let scaling = get(v, "rope_scaling").or_else(|| {
-        get(v, "rope_parameters").filter(|p| get(p, "factor").is_some())
-    });
+    let scaling = get(v, "rope_scaling")
+        .or_else(|| get(v, "rope_parameters").filter(|p| get(p, "factor").is_some()));
     let Some(scaling) = scaling else {
         return Ok(1.0);
     };
@@ -176,7 +179,9 @@ fn rope_scale(v: &Value) -> Result<f32> {
         "linear" => {
             let factor = float(scaling, "factor")?
                 .filter(|f| *f > 0.0)
-                .ok_or_else(|| Error::Config("linear rope_scaling needs a positive `factor`".into()))?;
+                .ok_or_else(|| {
+                    Error::Config("linear rope_scaling needs a positive `factor`".into())
+                })?;
             Ok((1.0 / factor) as f32)
         }
         other => Err(Error::Unsupported(format!(
@@ -218,20 +223,31 @@ impl ModelConfig {
         let head_dim = match int(v, "head_dim")? {
             Some(n) => i32_of(n, "head_dim")?,
             None if hidden_size % num_heads == 0 => hidden_size / num_heads,
-            None => return Err(Error::Config("hidden_size must be divisible by num_attention_heads".into())),
+            None => {
+                return Err(Error::Config(
+                    "hidden_size must be divisible by num_attention_heads".into(),
+                ))
+            }
         };
-        let rope_theta = float(v, "rope_theta")?
-            .or(get(v, "rope_parameters").and_then(|p| p.get("rope_theta")).and_then(Value::as_f64));
+        let rope_theta = float(v, "rope_theta")?.or(get(v, "rope_parameters")
+            .and_then(|p| p.get("rope_theta"))
+            .and_then(Value::as_f64));
         let rope_theta = match (rope_theta, arch) {
             (Some(t), _) => t,
             (None, Arch::Qwen2) => 1_000_000.0,
-            (None, Arch::Qwen3) => return Err(Error::Config("missing required key `rope_theta`".into())),
+            (None, Arch::Qwen3) => {
+                return Err(Error::Config("missing required key `rope_theta`".into()))
+            }
         };
         let tie_default = arch == Arch::Qwen2;
         let tie_word_embeddings = match get(v, "tie_word_embeddings") {
             None => tie_default,
             Some(Value::Bool(b)) => *b,
-            Some(x) => return Err(Error::Config(format!("`tie_word_embeddings` must be a boolean, got {x}"))),
+            Some(x) => {
+                return Err(Error::Config(format!(
+                    "`tie_word_embeddings` must be a boolean, got {x}"
+                )))
+            }
         };
         Ok(ModelConfig {
             arch,
@@ -292,18 +308,30 @@ mod tests {
     fn typed_errors() {
         let mut v = base();
         v["model_type"] = json!("llama");
-        assert_eq!(ModelConfig::from_json(&v).unwrap_err().kind(), "unsupported");
+        assert_eq!(
+            ModelConfig::from_json(&v).unwrap_err().kind(),
+            "unsupported"
+        );
         let mut v = base();
         v.as_object_mut().unwrap().remove("hidden_size");
-        assert!(ModelConfig::from_json(&v).unwrap_err().to_string().contains("hidden_size"));
+        assert!(ModelConfig::from_json(&v)
+            .unwrap_err()
+            .to_string()
+            .contains("hidden_size"));
         let mut v = base();
         v["num_hidden_layers"] = json!("two");
         assert_eq!(ModelConfig::from_json(&v).unwrap_err().kind(), "config");
         let mut v = base();
         v["quantization"] = json!({"bits": 7, "group_size": 64});
-        assert_eq!(ModelConfig::from_json(&v).unwrap_err().kind(), "unsupported");
+        assert_eq!(
+            ModelConfig::from_json(&v).unwrap_err().kind(),
+            "unsupported"
+        );
         let mut v = base();
         v["rope_scaling"] = json!({"type": "yarn", "factor": 4.0});
-        assert_eq!(ModelConfig::from_json(&v).unwrap_err().kind(), "unsupported");
+        assert_eq!(
+            ModelConfig::from_json(&v).unwrap_err().kind(),
+            "unsupported"
+        );
     }
 }

@@ -157,7 +157,9 @@ impl Generation {
             .then(|| prompts.iter().map(|p| (longest - p.len()) as i32).collect());
         let capacity = longest + options.max_new_tokens.min(options.max_len);
         let sampler = Sampler::new(options.sampler.clone())?;
-        let cache = run_on(&stream, || KvCache::new(&model, prompts.len() as i32, capacity as i32))?;
+        let cache = run_on(&stream, || {
+            KvCache::new(&model, prompts.len() as i32, capacity as i32)
+        })?;
         let mut generation = Generation {
             model,
             tokenizer,
@@ -223,13 +225,20 @@ impl Generation {
     /// The attention mask for `len` new positions at the cache's offset.
     fn mask(&self, len: i32) -> Result<AttentionMask> {
         let Some(padding) = &self.padding else {
-            return Ok(if len > 1 { AttentionMask::Causal } else { AttentionMask::None });
+            return Ok(if len > 1 {
+                AttentionMask::Causal
+            } else {
+                AttentionMask::None
+            });
         };
         let offset = self.cache.offset();
         let keys = arange::<_, i32>(0, offset + len, 1)?.reshape(&[1, 1, 1, offset + len])?;
         let queries = arange::<_, i32>(offset, offset + len, 1)?.reshape(&[1, 1, len, 1])?;
         let pad = Array::from_slice(padding, &[padding.len() as i32, 1, 1, 1]);
-        Ok(AttentionMask::Array(logical_and(ge(&keys, &pad)?, le(&keys, &queries)?)?))
+        Ok(AttentionMask::Array(logical_and(
+            ge(&keys, &pad)?,
+            le(&keys, &queries)?,
+        )?))
     }
 
     /// Logits `[B, 1, V]` -> next tokens `[B]` (uint32), queued on the device.
@@ -262,7 +271,8 @@ impl Generation {
                 break;
             };
             // Queue the following step before reading this one back.
-            let more = self.steps + 1 < self.options.max_new_tokens && self.cache.offset() < self.cache.capacity();
+            let more = self.steps + 1 < self.options.max_new_tokens
+                && self.cache.offset() < self.cache.capacity();
             if more && self.sampler.on_device() {
                 self.pending = Some(self.step(&current)?);
             }
@@ -306,7 +316,12 @@ impl Generation {
             r.finish = Some(FinishReason::Eos);
         } else if let Some(tokenizer) = &self.tokenizer {
             r.pending_text.push_str(&r.detok.push(tokenizer, token)?);
-            if let Some(at) = options.stop.iter().filter_map(|s| r.pending_text.find(s.as_str())).min() {
+            if let Some(at) = options
+                .stop
+                .iter()
+                .filter_map(|s| r.pending_text.find(s.as_str()))
+                .min()
+            {
                 r.pending_text.truncate(at);
                 r.finish = Some(FinishReason::Stop);
             }
@@ -341,7 +356,11 @@ impl Generation {
             prefill_ms: self.prefill_ms,
             ..Stats::default()
         };
-        if let (true, Some(first), Some(last)) = (self.options.profile_timing, self.first_token_at, self.last_token_at) {
+        if let (true, Some(first), Some(last)) = (
+            self.options.profile_timing,
+            self.first_token_at,
+            self.last_token_at,
+        ) {
             stats.time_to_first_token_ms = (first - self.started).as_secs_f64() * 1e3;
             stats.decode_ms = (last - first).as_secs_f64() * 1e3;
             if self.steps > 1 && stats.decode_ms > 0.0 {
@@ -371,7 +390,12 @@ fn held_back(text: &str, stop: &[String]) -> usize {
         .unwrap_or(0)
 }
 
-fn validate(model: &Model, tokenizer: Option<&Tokenizer>, prompts: &[Vec<u32>], o: &GenerateOptions) -> Result<()> {
+fn validate(
+    model: &Model,
+    tokenizer: Option<&Tokenizer>,
+    prompts: &[Vec<u32>],
+    o: &GenerateOptions,
+) -> Result<()> {
     if prompts.is_empty() {
         return Err(Error::invalid("no prompts given"));
     }
@@ -394,7 +418,9 @@ fn validate(model: &Model, tokenizer: Option<&Tokenizer>, prompts: &[Vec<u32>], 
             return Err(Error::invalid("a prompt is empty: give at least one token"));
         }
         if let Some(bad) = p.iter().find(|&&id| id >= vocab) {
-            return Err(Error::invalid(format!("token id {bad} is outside the model's vocabulary (size {vocab})")));
+            return Err(Error::invalid(format!(
+                "token id {bad} is outside the model's vocabulary (size {vocab})"
+            )));
         }
         if p.len() >= o.max_len {
             return Err(Error::PromptTooLong {

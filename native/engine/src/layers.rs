@@ -32,11 +32,19 @@ impl Weight {
     /// Loads `<prefix>.weight` of logical shape `[rows, cols]`. A module is
     /// quantized in the checkpoint exactly when `<prefix>.scales` exists, as
     /// mlx-lm decides; others stay dense.
-    fn load(weights: &mut Weights, prefix: &str, rows: i32, cols: i32, plan: LoadPlan) -> Result<Self> {
+    fn load(
+        weights: &mut Weights,
+        prefix: &str,
+        rows: i32,
+        cols: i32,
+        plan: LoadPlan,
+    ) -> Result<Self> {
         let name = format!("{prefix}.weight");
         if weights.contains(&format!("{prefix}.scales")) {
             let spec = plan.stored.ok_or_else(|| {
-                Error::Config(format!("`{prefix}` is quantized but config.json has no `quantization` block"))
+                Error::Config(format!(
+                    "`{prefix}` is quantized but config.json has no `quantization` block"
+                ))
             })?;
             let packed = cols * spec.bits / 32;
             let w = weights.take(&name, Some(&[rows, packed]))?;
@@ -71,16 +79,21 @@ impl Weight {
     fn apply_transposed(&self, x: &Array) -> Result<Array> {
         Ok(match self {
             Weight::Dense(w) => matmul(x, w.t())?,
-            Weight::Quantized { w, scales, biases, spec } => {
-                quantized_matmul(x, w, scales, biases, true, spec.group_size, spec.bits)?
-            }
+            Weight::Quantized {
+                w,
+                scales,
+                biases,
+                spec,
+            } => quantized_matmul(x, w, scales, biases, true, spec.group_size, spec.bits)?,
         })
     }
 
     fn arrays(&self) -> Vec<&Array> {
         match self {
             Weight::Dense(w) => vec![w],
-            Weight::Quantized { w, scales, biases, .. } => vec![w, scales, biases],
+            Weight::Quantized {
+                w, scales, biases, ..
+            } => vec![w, scales, biases],
         }
     }
 
@@ -105,7 +118,11 @@ impl Linear {
     ) -> Result<Self> {
         let weight = Weight::load(weights, prefix, out_dim, in_dim, plan)?;
         let bias = if bias {
-            Some(weights.take(&format!("{prefix}.bias"), Some(&[out_dim]))?.as_dtype(plan.dtype)?)
+            Some(
+                weights
+                    .take(&format!("{prefix}.bias"), Some(&[out_dim]))?
+                    .as_dtype(plan.dtype)?,
+            )
         } else {
             None
         };
@@ -137,7 +154,13 @@ pub struct Embedding {
 }
 
 impl Embedding {
-    pub fn load(weights: &mut Weights, prefix: &str, vocab: i32, dim: i32, plan: LoadPlan) -> Result<Self> {
+    pub fn load(
+        weights: &mut Weights,
+        prefix: &str,
+        vocab: i32,
+        dim: i32,
+        plan: LoadPlan,
+    ) -> Result<Self> {
         Ok(Embedding {
             weight: Weight::load(weights, prefix, vocab, dim, plan)?,
             dtype: plan.dtype,
@@ -148,7 +171,12 @@ impl Embedding {
     pub fn forward(&self, ids: &Array) -> Result<Array> {
         Ok(match &self.weight {
             Weight::Dense(w) => w.take_axis(ids, 0)?,
-            Weight::Quantized { w, scales, biases, spec } => {
+            Weight::Quantized {
+                w,
+                scales,
+                biases,
+                spec,
+            } => {
                 let rows = dequantize(
                     w.take_axis(ids, 0)?,
                     scales.take_axis(ids, 0)?,

@@ -18,7 +18,7 @@ pub mod weights;
 pub use config::{Arch, ModelConfig, QuantSpec};
 pub use error::{Error, Result};
 pub use generate::{generate, FinishReason, GenerateOptions, Generation, Output, RowDelta, Stats};
+pub use mlx_rs::Dtype;
 pub use model::{LoadOptions, Model};
 pub use sampler::{SamplerConfig, SamplerKind};
 pub use tokenizer::{Detokenizer, Tokenizer};
-pub use mlx_rs::Dtype;

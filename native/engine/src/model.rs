@@ -96,7 +96,9 @@ impl Model {
         }
         let dtype = options.dtype.unwrap_or_else(default_dtype);
         if !matches!(dtype, Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16) {
-            return Err(Error::invalid(format!("compute dtype must be float32, float16 or bfloat16, got {dtype:?}")));
+            return Err(Error::invalid(format!(
+                "compute dtype must be float32, float16 or bfloat16, got {dtype:?}"
+            )));
         }
         let mut weights = Weights::load_dir(dir)?;
         let weight_bytes = weights.bytes;
@@ -111,7 +113,13 @@ impl Model {
         };
 
         let (d, hd) = (c.hidden_size, c.head_dim);
-        let embed = Embedding::load(&mut weights, "model.embed_tokens", c.vocab_size, d, plan("model.embed_tokens"))?;
+        let embed = Embedding::load(
+            &mut weights,
+            "model.embed_tokens",
+            c.vocab_size,
+            d,
+            plan("model.embed_tokens"),
+        )?;
         let mut blocks = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
             let p = format!("model.layers.{i}");
@@ -121,16 +129,42 @@ impl Model {
             };
             let qkv_bias = c.arch == Arch::Qwen2;
             let attn = Attention {
-                q: linear(&mut weights, "self_attn.q_proj", d, c.num_heads * hd, qkv_bias)?,
-                k: linear(&mut weights, "self_attn.k_proj", d, c.num_kv_heads * hd, qkv_bias)?,
-                v: linear(&mut weights, "self_attn.v_proj", d, c.num_kv_heads * hd, qkv_bias)?,
+                q: linear(
+                    &mut weights,
+                    "self_attn.q_proj",
+                    d,
+                    c.num_heads * hd,
+                    qkv_bias,
+                )?,
+                k: linear(
+                    &mut weights,
+                    "self_attn.k_proj",
+                    d,
+                    c.num_kv_heads * hd,
+                    qkv_bias,
+                )?,
+                v: linear(
+                    &mut weights,
+                    "self_attn.v_proj",
+                    d,
+                    c.num_kv_heads * hd,
+                    qkv_bias,
+                )?,
                 o: linear(&mut weights, "self_attn.o_proj", c.num_heads * hd, d, false)?,
                 q_norm: match c.arch {
-                    Arch::Qwen3 => Some(norm(&mut weights, &format!("{p}.self_attn.q_norm.weight"), hd)?),
+                    Arch::Qwen3 => Some(norm(
+                        &mut weights,
+                        &format!("{p}.self_attn.q_norm.weight"),
+                        hd,
+                    )?),
                     Arch::Qwen2 => None,
                 },
                 k_norm: match c.arch {
-                    Arch::Qwen3 => Some(norm(&mut weights, &format!("{p}.self_attn.k_norm.weight"), hd)?),
+                    Arch::Qwen3 => Some(norm(
+                        &mut weights,
+                        &format!("{p}.self_attn.k_norm.weight"),
+                        hd,
+                    )?),
                     Arch::Qwen2 => None,
                 },
             };
@@ -143,14 +177,25 @@ impl Model {
                 attn,
                 mlp,
                 input_norm: norm(&mut weights, &format!("{p}.input_layernorm.weight"), d)?,
-                post_norm: norm(&mut weights, &format!("{p}.post_attention_layernorm.weight"), d)?,
+                post_norm: norm(
+                    &mut weights,
+                    &format!("{p}.post_attention_layernorm.weight"),
+                    d,
+                )?,
             });
         }
         let final_norm = norm(&mut weights, "model.norm.weight", d)?;
         let lm_head = if c.tie_word_embeddings {
             None
         } else {
-            Some(Linear::load(&mut weights, "lm_head", d, c.vocab_size, false, plan("lm_head"))?)
+            Some(Linear::load(
+                &mut weights,
+                "lm_head",
+                d,
+                c.vocab_size,
+                false,
+                plan("lm_head"),
+            )?)
         };
         let model = Model {
             quantized_at_load: options.quantize,
@@ -199,11 +244,23 @@ impl Model {
     /// Runs `ids` (`[B, L]` int32) through the model, writing keys and values
     /// into `cache` at its offset. Returns logits `[B, L, vocab]`, or
     /// `[B, 1, vocab]` for the last position only when `last_only`.
-    pub fn forward(&self, ids: &Array, cache: &mut KvCache, mask: &AttentionMask, last_only: bool) -> Result<Array> {
+    pub fn forward(
+        &self,
+        ids: &Array,
+        cache: &mut KvCache,
+        mask: &AttentionMask,
+        last_only: bool,
+    ) -> Result<Array> {
         let c = &self.config;
         let mut h = self.embed.forward(ids)?;
         for (i, block) in self.blocks.iter().enumerate() {
-            let r = self.attention(&block.attn, &rms_norm(&h, Some(&block.input_norm), c.rms_norm_eps)?, cache, i, mask)?;
+            let r = self.attention(
+                &block.attn,
+                &rms_norm(&h, Some(&block.input_norm), c.rms_norm_eps)?,
+                cache,
+                i,
+                mask,
+            )?;
             h = h.add(&r)?;
             let x = rms_norm(&h, Some(&block.post_norm), c.rms_norm_eps)?;
             let gate = block.mlp.gate.forward(&x)?;
@@ -222,7 +279,14 @@ impl Model {
         }
     }
 
-    fn attention(&self, a: &Attention, x: &Array, cache: &mut KvCache, layer: usize, mask: &AttentionMask) -> Result<Array> {
+    fn attention(
+        &self,
+        a: &Attention,
+        x: &Array,
+        cache: &mut KvCache,
+        layer: usize,
+        mask: &AttentionMask,
+    ) -> Result<Array> {
         let c = &self.config;
         let (b, l) = (x.dim(0), x.dim(1));
         let heads = |y: Array, n: i32, norm: &Option<Array>| -> Result<Array> {
@@ -234,20 +298,41 @@ impl Model {
             Ok(y.transpose_axes(&[0, 2, 1, 3])?)
         };
         let offset = cache.offset();
-        let rotate = |y: &Array| rope(y, c.head_dim, false, c.rope_theta, c.rope_scale, offset, None);
+        let rotate = |y: &Array| {
+            rope(
+                y,
+                c.head_dim,
+                false,
+                c.rope_theta,
+                c.rope_scale,
+                offset,
+                None,
+            )
+        };
         let q = rotate(&heads(a.q.forward(x)?, c.num_heads, &a.q_norm)?)?;
         let k = rotate(&heads(a.k.forward(x)?, c.num_kv_heads, &a.k_norm)?)?;
         let v = heads(a.v.forward(x)?, c.num_kv_heads, &None)?;
         let (keys, values) = cache.update(layer, &k, &v)?;
         let scale = (c.head_dim as f32).powf(-0.5);
         let out = match mask {
-            AttentionMask::None => scaled_dot_product_attention(&q, &keys, &values, scale, None, None)?,
-            AttentionMask::Causal => {
-                scaled_dot_product_attention(&q, &keys, &values, scale, ScaledDotProductAttentionMask::Causal, None)?
+            AttentionMask::None => {
+                scaled_dot_product_attention(&q, &keys, &values, scale, None, None)?
             }
-            AttentionMask::Array(m) => scaled_dot_product_attention(&q, &keys, &values, scale, m, None)?,
+            AttentionMask::Causal => scaled_dot_product_attention(
+                &q,
+                &keys,
+                &values,
+                scale,
+                ScaledDotProductAttentionMask::Causal,
+                None,
+            )?,
+            AttentionMask::Array(m) => {
+                scaled_dot_product_attention(&q, &keys, &values, scale, m, None)?
+            }
         };
-        let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, l, c.num_heads * c.head_dim])?;
+        let out = out
+            .transpose_axes(&[0, 2, 1, 3])?
+            .reshape(&[b, l, c.num_heads * c.head_dim])?;
         a.o.forward(&out)
     }
 }

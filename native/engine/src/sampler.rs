@@ -44,13 +44,22 @@ impl Default for SamplerConfig {
 impl SamplerConfig {
     pub fn validate(&self) -> Result<()> {
         if !(self.temperature.is_finite() && self.temperature > 0.0) {
-            return Err(Error::invalid(format!("temperature must be > 0, got {}", self.temperature)));
+            return Err(Error::invalid(format!(
+                "temperature must be > 0, got {}",
+                self.temperature
+            )));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(Error::invalid(format!("top_p must be in (0, 1], got {}", self.top_p)));
+            return Err(Error::invalid(format!(
+                "top_p must be in (0, 1], got {}",
+                self.top_p
+            )));
         }
         if !(self.min_p >= 0.0 && self.min_p < 1.0) {
-            return Err(Error::invalid(format!("min_p must be in [0, 1), got {}", self.min_p)));
+            return Err(Error::invalid(format!(
+                "min_p must be in [0, 1), got {}",
+                self.min_p
+            )));
         }
         Ok(())
     }
@@ -116,7 +125,9 @@ impl Sampler {
     /// nucleus and the min-p band set to -inf.
     fn filtered_logits(&self, logits: &Array) -> Result<Array> {
         let c = &self.config;
-        let logits = logits.as_dtype(Dtype::Float32)?.divide(Array::from_f32(c.temperature))?;
+        let logits = logits
+            .as_dtype(Dtype::Float32)?
+            .divide(Array::from_f32(c.temperature))?;
         let probs = softmax_axis(&logits, -1, true)?;
         // Descending order, then the smallest probability each filter keeps.
         let order = argsort_axis(probs.negative()?, -1)?;
@@ -125,18 +136,29 @@ impl Sampler {
         let mut threshold = Array::from_f32(0.0);
         if c.top_p < 1.0 {
             let before = sorted.cumsum(-1, None, None)?.subtract(&sorted)?;
-            let kept = select(before.lt(Array::from_f32(c.top_p))?, &sorted, Array::from_f32(f32::INFINITY))?;
+            let kept = select(
+                before.lt(Array::from_f32(c.top_p))?,
+                &sorted,
+                Array::from_f32(f32::INFINITY),
+            )?;
             threshold = mlx_rs::ops::maximum(&threshold, kept.min_axis(-1, true)?)?;
         }
         if c.top_k > 0 && (c.top_k as i32) < vocab {
-            let kth = mlx_rs::ops::indexing::IndexOp::index(&sorted, (.., (c.top_k as i32 - 1)..(c.top_k as i32)));
+            let kth = mlx_rs::ops::indexing::IndexOp::index(
+                &sorted,
+                (.., (c.top_k as i32 - 1)..(c.top_k as i32)),
+            );
             threshold = mlx_rs::ops::maximum(&threshold, kth)?;
         }
         if c.min_p > 0.0 {
             let top = mlx_rs::ops::indexing::IndexOp::index(&sorted, (.., 0..1));
             threshold = mlx_rs::ops::maximum(&threshold, top.multiply(Array::from_f32(c.min_p))?)?;
         }
-        Ok(select(probs.ge(&threshold)?, &logits, Array::from_f32(f32::NEG_INFINITY))?)
+        Ok(select(
+            probs.ge(&threshold)?,
+            &logits,
+            Array::from_f32(f32::NEG_INFINITY),
+        )?)
     }
 
     /// `[B, V]` logits -> token ids, sampled on the host.

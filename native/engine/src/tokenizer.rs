@@ -31,7 +31,10 @@ impl Tokenizer {
         let (dir, file) = if path.is_dir() {
             (path.to_path_buf(), path.join("tokenizer.json"))
         } else {
-            (path.parent().unwrap_or(Path::new(".")).to_path_buf(), path.to_path_buf())
+            (
+                path.parent().unwrap_or(Path::new(".")).to_path_buf(),
+                path.to_path_buf(),
+            )
         };
         if !file.exists() {
             return Err(Error::io(
@@ -59,10 +62,16 @@ impl Tokenizer {
             _ => None,
         };
         let eos_token = special_token(&config, "eos_token");
-        let mut eos_token_ids: Vec<u32> = eos_token.iter().filter_map(|t| inner.token_to_id(t)).collect();
+        let mut eos_token_ids: Vec<u32> = eos_token
+            .iter()
+            .filter_map(|t| inner.token_to_id(t))
+            .collect();
         let generation = dir.join("generation_config.json");
         if generation.exists() {
-            for id in crate::config::token_ids(read_json(&generation)?.get("eos_token_id"), "eos_token_id")? {
+            for id in crate::config::token_ids(
+                read_json(&generation)?.get("eos_token_id"),
+                "eos_token_id",
+            )? {
                 if !eos_token_ids.contains(&id) {
                     eos_token_ids.push(id);
                 }
@@ -88,7 +97,9 @@ impl Tokenizer {
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
         let vocab = self.vocab_size() as u32;
         if let Some(bad) = ids.iter().find(|&&id| id >= vocab) {
-            return Err(Error::invalid(format!("token id {bad} is outside the vocabulary (size {vocab})")));
+            return Err(Error::invalid(format!(
+                "token id {bad} is outside the vocabulary (size {vocab})"
+            )));
         }
         self.inner
             .decode(ids, skip_special_tokens)
@@ -121,7 +132,8 @@ impl Tokenizer {
         let valid = messages.as_array().is_some_and(|list| {
             !list.is_empty()
                 && list.iter().all(|m| {
-                    m.get("role").is_some_and(Value::is_string) && m.get("content").is_some_and(Value::is_string)
+                    m.get("role").is_some_and(Value::is_string)
+                        && m.get("content").is_some_and(Value::is_string)
                 })
         });
         if !valid {
@@ -134,9 +146,15 @@ impl Tokenizer {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-        });
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
         env.add_template("chat", template)
             .map_err(|e| Error::Template(e.to_string()))?;
         let mut context = serde_json::json!({

@@ -57,7 +57,8 @@ impl Weights {
                 })?;
             let data = view.data();
             // SAFETY: safetensors checked that `data` holds exactly shape x dtype bytes.
-            let array = unsafe { Array::from_raw_data(data.as_ptr() as *const c_void, &shape, dtype) };
+            let array =
+                unsafe { Array::from_raw_data(data.as_ptr() as *const c_void, &shape, dtype) };
             self.bytes += data.len();
             self.tensors.insert(name, array);
         }
@@ -130,7 +131,9 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
                 message: format!("weight_map entry for `{tensor}` is not a file name"),
             })?;
             if file.contains('/') || file.contains('\\') {
-                return Err(Error::invalid(format!("shard name `{file}` must be a plain file name")));
+                return Err(Error::invalid(format!(
+                    "shard name `{file}` must be a plain file name"
+                )));
             }
             files.insert(dir.join(file));
         }
@@ -138,7 +141,10 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
             if !file.exists() {
                 return Err(Error::io(
                     file,
-                    std::io::Error::new(std::io::ErrorKind::NotFound, "shard named in model.safetensors.index.json is missing"),
+                    std::io::Error::new(
+                        std::io::ErrorKind::NotFound,
+                        "shard named in model.safetensors.index.json is missing",
+                    ),
                 ));
             }
         }
@@ -158,7 +164,10 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     if files.is_empty() {
         return Err(Error::io(
             dir,
-            std::io::Error::new(std::io::ErrorKind::NotFound, "no model*.safetensors weights in this folder"),
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "no model*.safetensors weights in this folder",
+            ),
         ));
     }
     Ok(files)

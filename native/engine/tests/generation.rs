@@ -4,7 +4,8 @@ mod common;
 
 use common::*;
 use emlx_axon_engine::{
-    generate, Dtype, FinishReason, GenerateOptions, Generation, LoadOptions, SamplerConfig, SamplerKind,
+    generate, Dtype, FinishReason, GenerateOptions, Generation, LoadOptions, SamplerConfig,
+    SamplerKind,
 };
 
 const FIXTURE: &str = "qwen3-4bit-g64";
@@ -51,13 +52,21 @@ fn run_batch(prompts: &[Vec<u32>], opts: GenerateOptions) -> Vec<Vec<u32>> {
 fn batch_rows_equal_their_single_runs() {
     let refs = reference(FIXTURE, "");
     let prompts: Vec<Vec<u32>> = refs.iter().map(|r| r.1.clone()).collect();
-    assert_ne!(prompts[0].len(), prompts[1].len(), "rows must differ in length to test padding");
+    assert_ne!(
+        prompts[0].len(),
+        prompts[1].len(),
+        "rows must differ in length to test padding"
+    );
     let mut all = prompts.clone();
     all.push(prompts[0][..3].to_vec());
     let batched = run_batch(&all, options(16, SamplerConfig::default()));
     for (i, prompt) in all.iter().enumerate() {
-        let single = generate(model(), None, prompt, options(16, SamplerConfig::default())).unwrap();
-        assert_eq!(batched[i], single.ids, "row {i} differs from its single run");
+        let single =
+            generate(model(), None, prompt, options(16, SamplerConfig::default())).unwrap();
+        assert_eq!(
+            batched[i], single.ids,
+            "row {i} differs from its single run"
+        );
     }
     assert_eq!(batched[0], refs[0].2);
     assert_eq!(batched[1], refs[1].2);
@@ -67,11 +76,32 @@ fn batch_rows_equal_their_single_runs() {
 fn seeded_sampling_is_reproducible_on_both_paths() {
     let prompt = &reference(FIXTURE, "")[0].1;
     for kind in [SamplerKind::TopPCpu, SamplerKind::TopPGpu] {
-        let a = generate(model(), None, prompt, options(12, sampler(kind, 0.95, 0, 7))).unwrap();
-        let b = generate(model(), None, prompt, options(12, sampler(kind, 0.95, 0, 7))).unwrap();
+        let a = generate(
+            model(),
+            None,
+            prompt,
+            options(12, sampler(kind, 0.95, 0, 7)),
+        )
+        .unwrap();
+        let b = generate(
+            model(),
+            None,
+            prompt,
+            options(12, sampler(kind, 0.95, 0, 7)),
+        )
+        .unwrap();
         assert_eq!(a.ids, b.ids, "{kind:?}: same seed gave different tokens");
-        let c = generate(model(), None, prompt, options(12, sampler(kind, 0.95, 0, 8))).unwrap();
-        assert_ne!(a.ids, c.ids, "{kind:?}: different seeds gave the same 12 tokens");
+        let c = generate(
+            model(),
+            None,
+            prompt,
+            options(12, sampler(kind, 0.95, 0, 8)),
+        )
+        .unwrap();
+        assert_ne!(
+            a.ids, c.ids,
+            "{kind:?}: different seeds gave the same 12 tokens"
+        );
     }
 }
 
@@ -79,9 +109,21 @@ fn seeded_sampling_is_reproducible_on_both_paths() {
 fn narrow_nucleus_and_top_k_one_equal_greedy() {
     let (_, prompt, expected) = reference(FIXTURE, "").remove(0);
     for kind in [SamplerKind::TopPCpu, SamplerKind::TopPGpu] {
-        let tiny_p = generate(model(), None, &prompt, options(16, sampler(kind, 1e-6, 0, 3))).unwrap();
+        let tiny_p = generate(
+            model(),
+            None,
+            &prompt,
+            options(16, sampler(kind, 1e-6, 0, 3)),
+        )
+        .unwrap();
         assert_eq!(tiny_p.ids, expected, "{kind:?} with top_p tiny");
-        let top1 = generate(model(), None, &prompt, options(16, sampler(kind, 1.0, 1, 3))).unwrap();
+        let top1 = generate(
+            model(),
+            None,
+            &prompt,
+            options(16, sampler(kind, 1.0, 1, 3)),
+        )
+        .unwrap();
         assert_eq!(top1.ids, expected, "{kind:?} with top_k 1");
     }
 }
@@ -133,9 +175,14 @@ fn stop_strings_end_generation_and_are_not_returned() {
 fn streamed_text_concatenates_to_the_decoded_ids() {
     let tokenizer = tokenizer(FIXTURE);
     let (_, prompt, _) = reference(FIXTURE, "").remove(1);
-    let mut generation =
-        Generation::start(model(), Some(tokenizer.clone()), None, &[prompt], options(16, SamplerConfig::default()))
-            .unwrap();
+    let mut generation = Generation::start(
+        model(),
+        Some(tokenizer.clone()),
+        None,
+        &[prompt],
+        options(16, SamplerConfig::default()),
+    )
+    .unwrap();
     let mut text = String::new();
     while !generation.is_done() {
         text.push_str(&generation.next(1).unwrap()[0].text);
@@ -147,18 +194,43 @@ fn streamed_text_concatenates_to_the_decoded_ids() {
 #[test]
 fn invalid_requests_are_typed_errors() {
     let m = model();
-    let start = |prompts: &[Vec<u32>], o: GenerateOptions| Generation::start(m.clone(), None, None, prompts, o).err().unwrap();
+    let start = |prompts: &[Vec<u32>], o: GenerateOptions| {
+        Generation::start(m.clone(), None, None, prompts, o)
+            .err()
+            .unwrap()
+    };
     let ok = || options(4, SamplerConfig::default());
     assert_eq!(start(&[], ok()).kind(), "invalid_argument");
     assert_eq!(start(&[vec![]], ok()).kind(), "invalid_argument");
-    assert_eq!(start(&[vec![1, 2]], options(0, SamplerConfig::default())).kind(), "invalid_argument");
+    assert_eq!(
+        start(&[vec![1, 2]], options(0, SamplerConfig::default())).kind(),
+        "invalid_argument"
+    );
     assert_eq!(start(&[vec![999_999]], ok()).kind(), "invalid_argument");
     let long = GenerateOptions { max_len: 3, ..ok() };
     assert_eq!(start(&[vec![1, 2, 3]], long).kind(), "prompt_too_long");
-    let bad_temp = options(4, SamplerConfig { temperature: 0.0, ..SamplerConfig::default() });
+    let bad_temp = options(
+        4,
+        SamplerConfig {
+            temperature: 0.0,
+            ..SamplerConfig::default()
+        },
+    );
     assert_eq!(start(&[vec![1]], bad_temp).kind(), "invalid_argument");
-    let bad_p = options(4, SamplerConfig { top_p: 1.5, ..SamplerConfig::default() });
+    let bad_p = options(
+        4,
+        SamplerConfig {
+            top_p: 1.5,
+            ..SamplerConfig::default()
+        },
+    );
     assert_eq!(start(&[vec![1]], bad_p).kind(), "invalid_argument");
-    let stop_without_tokenizer = GenerateOptions { stop: vec!["x".into()], ..ok() };
-    assert_eq!(start(&[vec![1]], stop_without_tokenizer).kind(), "invalid_argument");
+    let stop_without_tokenizer = GenerateOptions {
+        stop: vec!["x".into()],
+        ..ok()
+    };
+    assert_eq!(
+        start(&[vec![1]], stop_without_tokenizer).kind(),
+        "invalid_argument"
+    );
 }

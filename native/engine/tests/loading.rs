@@ -52,7 +52,8 @@ fn quantizes_dense_checkpoints_at_every_supported_width() {
                 ..f32()
             };
             let m = Model::load(&fixture("qwen3-bf16"), &options).unwrap();
-            let out = emlx_axon_engine::generate(m.into(), None, &[785, 3974], Default::default()).unwrap();
+            let out = emlx_axon_engine::generate(m.into(), None, &[785, 3974], Default::default())
+                .unwrap();
             assert!(!out.ids.is_empty(), "bits {bits} group {group}");
         }
     }
@@ -70,7 +71,11 @@ fn missing_files_and_bad_json() {
     assert!(kind_of(&dir).starts_with("json"));
     fs::write(dir.join("config.json"), r#"{"model_type": "llama"}"#).unwrap();
     assert!(kind_of(&dir).starts_with("unsupported"));
-    fs::write(dir.join("config.json"), r#"{"model_type": "qwen3", "hidden_size": "big"}"#).unwrap();
+    fs::write(
+        dir.join("config.json"),
+        r#"{"model_type": "qwen3", "hidden_size": "big"}"#,
+    )
+    .unwrap();
     assert!(kind_of(&dir).starts_with("config"));
     fs::remove_dir_all(&dir).unwrap();
 }
@@ -82,12 +87,20 @@ fn damaged_safetensors() {
     let bytes = fs::read(&weights).unwrap();
 
     fs::write(&weights, &bytes[..bytes.len() / 2]).unwrap();
-    assert!(kind_of(&dir).starts_with("safetensors"), "truncated: {}", kind_of(&dir));
+    assert!(
+        kind_of(&dir).starts_with("safetensors"),
+        "truncated: {}",
+        kind_of(&dir)
+    );
 
     let mut corrupt = bytes.clone();
     corrupt[8..24].copy_from_slice(b"#not a header!!!");
     fs::write(&weights, &corrupt).unwrap();
-    assert!(kind_of(&dir).starts_with("safetensors"), "corrupt header: {}", kind_of(&dir));
+    assert!(
+        kind_of(&dir).starts_with("safetensors"),
+        "corrupt header: {}",
+        kind_of(&dir)
+    );
 
     fs::remove_file(&weights).unwrap();
     assert!(kind_of(&dir).starts_with("io"));
@@ -95,7 +108,10 @@ fn damaged_safetensors() {
 }
 
 /// Rewrites a checkpoint's tensors through `edit` with the safetensors crate.
-fn rewrite(dir: &std::path::Path, edit: impl FnOnce(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>)) {
+fn rewrite(
+    dir: &std::path::Path,
+    edit: impl FnOnce(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>),
+) {
     let path = dir.join("model.safetensors");
     let bytes = fs::read(&path).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -107,7 +123,12 @@ fn rewrite(dir: &std::path::Path, edit: impl FnOnce(&mut Vec<(String, safetensor
     edit(&mut tensors);
     let views: Vec<_> = tensors
         .iter()
-        .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
+        .map(|(n, d, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
         .collect();
     safetensors::serialize_to_file(views, None, &path).unwrap();
 }
@@ -115,31 +136,53 @@ fn rewrite(dir: &std::path::Path, edit: impl FnOnce(&mut Vec<(String, safetensor
 #[test]
 fn missing_or_misshaped_tensors() {
     let dir = scratch_copy("qwen3-4bit-g64", "tensors");
-    rewrite(&dir, |t| t.retain(|(n, ..)| n != "model.layers.1.mlp.up_proj.scales"));
+    rewrite(&dir, |t| {
+        t.retain(|(n, ..)| n != "model.layers.1.mlp.up_proj.scales")
+    });
     // Without scales the layer reads as dense, and its packed weight has the wrong shape.
     let err = kind_of(&dir);
-    assert!(err.starts_with("shape_mismatch") && err.contains("model.layers.1.mlp.up_proj.weight"), "{err}");
+    assert!(
+        err.starts_with("shape_mismatch") && err.contains("model.layers.1.mlp.up_proj.weight"),
+        "{err}"
+    );
 
     let dir = scratch_copy("qwen3-4bit-g64", "tensors2");
     rewrite(&dir, |t| t.retain(|(n, ..)| n != "model.norm.weight"));
-    assert!(kind_of(&dir).starts_with("missing_tensor"), "{}", kind_of(&dir));
+    assert!(
+        kind_of(&dir).starts_with("missing_tensor"),
+        "{}",
+        kind_of(&dir)
+    );
 
     let dir2 = scratch_copy("qwen3-4bit-g64", "tensors3");
     rewrite(&dir2, |t| {
-        let norm = t.iter_mut().find(|(n, ..)| n == "model.norm.weight").unwrap();
+        let norm = t
+            .iter_mut()
+            .find(|(n, ..)| n == "model.norm.weight")
+            .unwrap();
         norm.2 = vec![norm.2[0] / 2];
         norm.3.truncate(norm.3.len() / 2);
     });
     let err = kind_of(&dir2);
-    assert!(err.starts_with("shape_mismatch") && err.contains("model.norm.weight"), "{err}");
+    assert!(
+        err.starts_with("shape_mismatch") && err.contains("model.norm.weight"),
+        "{err}"
+    );
 
     let dir3 = scratch_copy("qwen3-4bit-g64", "tensors4");
     rewrite(&dir3, |t| {
-        let norm = t.iter_mut().find(|(n, ..)| n == "model.norm.weight").unwrap();
+        let norm = t
+            .iter_mut()
+            .find(|(n, ..)| n == "model.norm.weight")
+            .unwrap();
         norm.1 = safetensors::Dtype::F64;
         norm.3 = vec![0; norm.3.len() * 4];
     });
-    assert!(kind_of(&dir3).starts_with("safetensors"), "{}", kind_of(&dir3));
+    assert!(
+        kind_of(&dir3).starts_with("safetensors"),
+        "{}",
+        kind_of(&dir3)
+    );
     for d in [dir, dir2, dir3] {
         fs::remove_dir_all(d).unwrap();
     }
@@ -150,7 +193,10 @@ fn sharded_index_naming_a_missing_shard() {
     let dir = scratch_copy("qwen3-4bit-g128", "shards");
     fs::remove_file(dir.join("model-00002-of-00002.safetensors")).unwrap();
     let err = kind_of(&dir);
-    assert!(err.starts_with("io") && err.contains("model-00002-of-00002"), "{err}");
+    assert!(
+        err.starts_with("io") && err.contains("model-00002-of-00002"),
+        "{err}"
+    );
     fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -160,6 +206,8 @@ fn quantize_option_on_a_quantized_checkpoint_is_refused() {
         quantize: Some(QuantSpec::new(4, 64).unwrap()),
         ..f32()
     };
-    let err = Model::load(&fixture("qwen3-4bit-g64"), &options).err().unwrap();
+    let err = Model::load(&fixture("qwen3-4bit-g64"), &options)
+        .err()
+        .unwrap();
     assert_eq!(err.kind(), "invalid_argument");
 }

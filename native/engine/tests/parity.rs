@@ -33,8 +33,15 @@ fn reference_logits(name: &str, suffix: &str) -> HashMap<String, (Vec<f32>, usiz
     st.tensors()
         .into_iter()
         .map(|(k, v)| {
-            let data: Vec<f32> = v.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
-            (k.trim_end_matches(".logits").to_string(), (data, v.shape()[1]))
+            let data: Vec<f32> = v
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            (
+                k.trim_end_matches(".logits").to_string(),
+                (data, v.shape()[1]),
+            )
         })
         .collect()
 }
@@ -44,7 +51,10 @@ fn check_fixture(name: &str, suffix: &str, options: LoadOptions) {
     let logits = reference_logits(name, suffix);
     for (prompt_name, prompt, expected) in reference(name, suffix) {
         let out = generate(model.clone(), None, &prompt, greedy(expected.len())).unwrap();
-        assert_eq!(out.ids, expected, "{name}{suffix} `{prompt_name}`: greedy ids differ from mlx-lm");
+        assert_eq!(
+            out.ids, expected,
+            "{name}{suffix} `{prompt_name}`: greedy ids differ from mlx-lm"
+        );
 
         // Teacher-forced logits at every step, against mlx-lm's.
         let (reference, vocab) = &logits[&prompt_name];
@@ -52,7 +62,11 @@ fn check_fixture(name: &str, suffix: &str, options: LoadOptions) {
         let mut input = Array::from_slice(&prompt, &[1, prompt.len() as i32]);
         let mut worst = 0f32;
         for (step, &token) in expected.iter().enumerate() {
-            let mask = if step == 0 { AttentionMask::Causal } else { AttentionMask::None };
+            let mask = if step == 0 {
+                AttentionMask::Causal
+            } else {
+                AttentionMask::None
+            };
             let out = model.forward(&input, &mut cache, &mask, true).unwrap();
             out.eval().unwrap();
             let ours: &[f32] = out.as_slice();

@@ -24,10 +24,7 @@ pub type bfloat16_t = u16;
 #[cfg(not(target_arch = "aarch64"))]
 extern "C" {
     pub fn mlx_array_item_float16(res: *mut float16_t, arr: mlx_array) -> ::std::os::raw::c_int;
-    pub fn mlx_array_item_bfloat16(
-        res: *mut bfloat16_t,
-        arr: mlx_array,
-    ) -> ::std::os::raw::c_int;
+    pub fn mlx_array_item_bfloat16(res: *mut bfloat16_t, arr: mlx_array) -> ::std::os::raw::c_int;
     pub fn mlx_array_data_float16(arr: mlx_array) -> *const float16_t;
     pub fn mlx_array_data_bfloat16(arr: mlx_array) -> *const bfloat16_t;
 }

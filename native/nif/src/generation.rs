@@ -55,7 +55,10 @@ fn sampler_kind(atom: Atom) -> NifResult<SamplerKind> {
     } else if atom == atoms::top_p_gpu() {
         Ok(SamplerKind::TopPGpu)
     } else {
-        Err(NifError::new("invalid_argument", "sampler must be :greedy, :top_p_cpu or :top_p_gpu"))
+        Err(NifError::new(
+            "invalid_argument",
+            "sampler must be :greedy, :top_p_cpu or :top_p_gpu",
+        ))
     }
 }
 
@@ -107,7 +110,10 @@ pub struct RowOut {
 }
 
 #[rustler::nif(schedule = "DirtyCpu")]
-fn generation_next(resource: ResourceArc<GenerationResource>, max_steps: usize) -> NifResult<(Atom, Vec<RowOut>)> {
+fn generation_next(
+    resource: ResourceArc<GenerationResource>,
+    max_steps: usize,
+) -> NifResult<(Atom, Vec<RowOut>)> {
     guard(|| {
         resource.with(|generation| {
             let deltas = generation.next(max_steps.max(1))?;
@@ -124,7 +130,11 @@ fn generation_next(resource: ResourceArc<GenerationResource>, max_steps: usize) 
                     }),
                 })
                 .collect();
-            let status = if generation.is_done() { atoms::done() } else { atoms::cont() };
+            let status = if generation.is_done() {
+                atoms::done()
+            } else {
+                atoms::cont()
+            };
             Ok((status, rows))
         })
     })
@@ -158,6 +168,10 @@ fn generation_stats(resource: ResourceArc<GenerationResource>) -> NifResult<Stat
 /// Frees the KV cache now rather than when the resource is collected.
 #[rustler::nif(schedule = "DirtyCpu")]
 fn generation_free(resource: ResourceArc<GenerationResource>) -> Atom {
-    resource.generation.lock().unwrap_or_else(|p| p.into_inner()).take();
+    resource
+        .generation
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take();
     atoms::ok()
 }

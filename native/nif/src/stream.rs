@@ -41,7 +41,10 @@ fn stream_new(device: Atom) -> NifResult<ResourceArc<StreamResource>> {
         } else if device == atoms::default() {
             DeviceKind::default_kind()
         } else {
-            return Err(NifError::new("invalid_argument", "device must be :cpu, :gpu or :default"));
+            return Err(NifError::new(
+                "invalid_argument",
+                "device must be :cpu, :gpu or :default",
+            ));
         };
         let stream = MlxStream::new(kind)?;
         Ok(ResourceArc::new(StreamResource {
@@ -54,7 +57,11 @@ fn stream_new(device: Atom) -> NifResult<ResourceArc<StreamResource>> {
 
 #[rustler::nif]
 fn stream_close(resource: ResourceArc<StreamResource>) -> Atom {
-    resource.stream.lock().unwrap_or_else(|p| p.into_inner()).take();
+    resource
+        .stream
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take();
     atoms::ok()
 }
 
@@ -73,6 +80,10 @@ fn stream_info(resource: ResourceArc<StreamResource>) -> NifResult<StreamInfo> {
             DeviceKind::Gpu => atoms::gpu(),
         },
         index: resource.index,
-        closed: resource.stream.lock().unwrap_or_else(|p| p.into_inner()).is_none(),
+        closed: resource
+            .stream
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_none(),
     })
 }

@@ -27,12 +27,20 @@ fn tokenizer_load(path: String) -> NifResult<ResourceArc<TokenizerResource>> {
 }
 
 #[rustler::nif(schedule = "DirtyCpu")]
-fn tokenizer_encode(tok: ResourceArc<TokenizerResource>, text: String, add_special_tokens: bool) -> NifResult<Vec<u32>> {
+fn tokenizer_encode(
+    tok: ResourceArc<TokenizerResource>,
+    text: String,
+    add_special_tokens: bool,
+) -> NifResult<Vec<u32>> {
     guard(|| Ok(tok.tokenizer.encode(&text, add_special_tokens)?))
 }
 
 #[rustler::nif(schedule = "DirtyCpu")]
-fn tokenizer_decode(tok: ResourceArc<TokenizerResource>, ids: Vec<u32>, skip_special_tokens: bool) -> NifResult<String> {
+fn tokenizer_decode(
+    tok: ResourceArc<TokenizerResource>,
+    ids: Vec<u32>,
+    skip_special_tokens: bool,
+) -> NifResult<String> {
     guard(|| Ok(tok.tokenizer.decode(&ids, skip_special_tokens)?))
 }
 
@@ -48,9 +56,11 @@ fn tokenizer_apply_chat_template(
             .into_iter()
             .map(|(role, content)| json!({"role": role, "content": content}))
             .collect();
-        Ok(tok
-            .tokenizer
-            .apply_chat_template(&json!(messages), add_generation_prompt, enable_thinking)?)
+        Ok(tok.tokenizer.apply_chat_template(
+            &json!(messages),
+            add_generation_prompt,
+            enable_thinking,
+        )?)
     })
 }
 

@@ -36,7 +36,11 @@ pub fn json(path: PathBuf) -> Value {
 }
 
 pub fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
 }
 
 /// `reference<suffix>.json` prompts: name -> (prompt ids, greedy ids).
