@@ -13,6 +13,8 @@ pub struct Tokenizer {
     bos_token: Option<String>,
     eos_token: Option<String>,
     eos_token_ids: Vec<u32>,
+    /// Cached: the tokenizers crate rebuilds its whole vocabulary map to count it.
+    vocab_size: usize,
 }
 
 /// `bos_token` / `eos_token` are strings or `{"content": ...}` objects.
@@ -78,6 +80,7 @@ impl Tokenizer {
             }
         }
         Ok(Tokenizer {
+            vocab_size: inner.get_vocab_size(true),
             inner,
             chat_template,
             bos_token: special_token(&config, "bos_token"),
@@ -107,7 +110,7 @@ impl Tokenizer {
     }
 
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        self.vocab_size
     }
 
     pub fn eos_token_ids(&self) -> &[u32] {
