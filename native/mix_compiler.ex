@@ -40,7 +40,9 @@ defmodule Mix.Tasks.Compile.EmlxAxonNative do
 
   @impl Mix.Task.Compiler
   def run(args) do
-    {opts, _rest, _invalid} = OptionParser.parse(args, switches: [force: :boolean, verbose: :boolean])
+    {opts, _rest, _invalid} =
+      OptionParser.parse(args, switches: [force: :boolean, verbose: :boolean])
+
     root = project_root()
     installed = installed_path(root)
 

@@ -1,0 +1,8 @@
+# Used by "mix format"
+[
+  inputs: [
+    "{mix,.formatter}.exs",
+    "native/mix_compiler.ex",
+    "{config,lib,test}/**/*.{ex,exs}"
+  ]
+]

@@ -1,0 +1,109 @@
+defmodule EMLXAxon.Native do
+  @moduledoc false
+  # Low-level bindings to the `emlx_axon_nif` Rust crate. The library is
+  # built by `Mix.Tasks.Compile.EmlxAxonNative` (native/mix_compiler.ex) and
+  # installed as priv/native/libemlx_axon_nif.so.
+  #
+  # Unless noted, functions return `{:ok, term}` or `{:error, {kind, message}}`
+  # (see `EMLXAxon.Error` for the kinds); bad argument types raise
+  # ArgumentError. The public modules validate arguments before calling in.
+
+  require Logger
+
+  @on_load :load_nif
+  @nif_path "native/libemlx_axon_nif"
+  @error_key {__MODULE__, :load_error}
+
+  @doc false
+  def load_nif do
+    case nif_path() do
+      {:ok, path} ->
+        case :erlang.load_nif(String.to_charlist(path), 0) do
+          :ok ->
+            :persistent_term.erase(@error_key)
+            :ok
+
+          {:error, {reason, text}} ->
+            report_load_error(path, "#{reason}: #{text}")
+
+          {:error, other} ->
+            report_load_error(path, inspect(other))
+        end
+
+      {:error, reason} ->
+        report_load_error(@nif_path, reason)
+    end
+  end
+
+  # The module stays loaded even when the library does not: every function
+  # then raises :nif_not_loaded, and `load_error/0` says why.
+  defp report_load_error(path, why) do
+    message = """
+    could not load the emlx_axon NIF from #{path}.so: #{why}
+
+    To fix it, build the NIF with `mix compile` (it runs cargo; run scripts/setup \
+    first on a fresh machine to install MLX), or unset EMLX_AXON_SKIP_NATIVE if it is set. \
+    If the library exists but cannot be loaded, check that the MLX shared library it \
+    links against is installed (MLX_PREFIX / scripts/setup).\
+    """
+
+    :persistent_term.put(@error_key, message)
+    Logger.warning(message)
+    :ok
+  end
+
+  defp nif_path do
+    case :code.priv_dir(:emlx_axon) do
+      {:error, reason} ->
+        {:error, "the :emlx_axon application's priv directory was not found (#{reason})"}
+
+      priv ->
+        {:ok, Path.join(List.to_string(priv), @nif_path)}
+    end
+  end
+
+  @doc false
+  # nil when the NIF is loaded, otherwise a message saying why it is not.
+  @spec load_error() :: nil | String.t()
+  def load_error, do: :persistent_term.get(@error_key, nil)
+
+  ## Runtime
+
+  def mlx_info, do: err()
+
+  ## Models
+
+  def model_load(_path, _opts), do: err()
+  def model_info(_model), do: err()
+
+  ## Tokenizers
+
+  def tokenizer_load(_path), do: err()
+  def tokenizer_encode(_tokenizer, _text, _add_special_tokens), do: err()
+  def tokenizer_decode(_tokenizer, _ids, _skip_special_tokens), do: err()
+
+  def tokenizer_apply_chat_template(_tokenizer, _messages, _add_generation_prompt, _thinking),
+    do: err()
+
+  def tokenizer_info(_tokenizer), do: err()
+
+  ## Streams
+
+  def stream_new(_device), do: err()
+  def stream_close(_stream), do: err()
+  def stream_info(_stream), do: err()
+
+  ## Generation
+
+  def generation_start(_model, _tokenizer, _stream, _prompts, _opts), do: err()
+  def generation_next(_generation, _max_steps), do: err()
+  def generation_stats(_generation), do: err()
+  def generation_free(_generation), do: err()
+
+  defp err do
+    case load_error() do
+      nil -> :erlang.nif_error(:nif_not_loaded)
+      why -> :erlang.nif_error({:nif_not_loaded, why})
+    end
+  end
+end

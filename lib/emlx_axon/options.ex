@@ -1,0 +1,222 @@
+defmodule EMLXAxon.Options do
+  @moduledoc false
+  # Validation of generation options, shared by EMLXAxon.Qwen3.Generate and
+  # EMLXAxon.TextGeneration, so that users get a clear ArgumentError before
+  # anything reaches the NIF (where a bad type would only be a badarg).
+
+  @samplers [:greedy, :top_p_cpu, :top_p_gpu]
+
+  @doc false
+  def samplers, do: @samplers
+
+  @doc """
+  Validates the keyword list `opts` against `defaults` (a keyword list of
+  every accepted option and its default) and returns a map with all of
+  them. `where` names the function for error messages.
+  """
+  @spec validate!(term(), keyword(), String.t()) :: map()
+  def validate!(opts, defaults, where) do
+    unless Keyword.keyword?(opts) do
+      raise ArgumentError,
+            "expected #{where} options to be a keyword list, got: #{inspect(opts)}"
+    end
+
+    valid = Keyword.keys(defaults)
+
+    opts
+    |> Enum.reduce(Map.new(defaults), fn {key, value}, acc ->
+      unless Keyword.has_key?(defaults, key) do
+        raise ArgumentError,
+              "unknown option #{inspect(key)} for #{where}, valid options are: " <>
+                Enum.map_join(valid, ", ", &inspect/1)
+      end
+
+      Map.put(acc, key, value)
+    end)
+    |> Map.new(fn {key, value} -> {key, validate_value!(key, value)} end)
+  end
+
+  defp validate_value!(:max_new_tokens, value), do: pos_integer!(:max_new_tokens, value)
+  defp validate_value!(:max_len, value), do: pos_integer!(:max_len, value)
+  defp validate_value!(:chunk_size, nil), do: nil
+  defp validate_value!(:chunk_size, value), do: pos_integer!(:chunk_size, value)
+
+  defp validate_value!(:sampler, value) when value in @samplers, do: value
+
+  defp validate_value!(:sampler, value) do
+    raise ArgumentError,
+          "expected :sampler to be one of #{Enum.map_join(@samplers, ", ", &inspect/1)}, " <>
+            "got: #{inspect(value)}"
+  end
+
+  defp validate_value!(:temperature, value) when is_number(value) and value > 0, do: value / 1
+
+  defp validate_value!(:temperature, value) do
+    raise ArgumentError, "expected :temperature to be a number > 0, got: #{inspect(value)}"
+  end
+
+  defp validate_value!(:top_p, value) when is_number(value) and value > 0 and value <= 1,
+    do: value / 1
+
+  defp validate_value!(:top_p, value) do
+    raise ArgumentError,
+          "expected :top_p to be a number greater than 0 and at most 1, got: #{inspect(value)}"
+  end
+
+  defp validate_value!(:top_k, value) when is_integer(value) and value >= 0, do: value
+
+  defp validate_value!(:top_k, value) do
+    raise ArgumentError,
+          "expected :top_k to be a non-negative integer (0 disables it), got: #{inspect(value)}"
+  end
+
+  defp validate_value!(:min_p, value) when is_number(value) and value >= 0 and value < 1,
+    do: value / 1
+
+  defp validate_value!(:min_p, value) do
+    raise ArgumentError,
+          "expected :min_p to be a number from 0 (disabled) up to, but excluding, 1, " <>
+            "got: #{inspect(value)}"
+  end
+
+  defp validate_value!(:seed, nil), do: nil
+  defp validate_value!(:seed, value) when is_integer(value) and value >= 0, do: value
+
+  defp validate_value!(:seed, value) do
+    raise ArgumentError,
+          "expected :seed to be nil or a non-negative integer, got: #{inspect(value)}"
+  end
+
+  defp validate_value!(:stop, nil), do: []
+  defp validate_value!(:stop, value) when is_binary(value), do: validate_value!(:stop, [value])
+
+  defp validate_value!(:stop, value) when is_list(value) do
+    if Enum.all?(value, &(is_binary(&1) and &1 != "")) do
+      value
+    else
+      raise ArgumentError,
+            "expected :stop to be a non-empty string or a list of them, got: #{inspect(value)}"
+    end
+  end
+
+  defp validate_value!(:stop, value) do
+    raise ArgumentError,
+          "expected :stop to be a non-empty string or a list of them, got: #{inspect(value)}"
+  end
+
+  defp validate_value!(:eos_token_ids, nil), do: nil
+
+  defp validate_value!(:eos_token_ids, value) when is_integer(value),
+    do: validate_value!(:eos_token_ids, [value])
+
+  defp validate_value!(:eos_token_ids, value) when is_list(value) do
+    if Enum.all?(value, &(is_integer(&1) and &1 >= 0)) do
+      value
+    else
+      raise ArgumentError,
+            "expected :eos_token_ids to be nil or a list of token ids, got: #{inspect(value)}"
+    end
+  end
+
+  defp validate_value!(:eos_token_ids, value) do
+    raise ArgumentError,
+          "expected :eos_token_ids to be nil or a list of token ids, got: #{inspect(value)}"
+  end
+
+  defp validate_value!(:timeout, value) when value in [nil, :infinity], do: :infinity
+  defp validate_value!(:timeout, value) when is_integer(value) and value >= 0, do: value
+
+  defp validate_value!(:timeout, value) do
+    raise ArgumentError,
+          "expected :timeout to be a non-negative integer (milliseconds) or :infinity, " <>
+            "got: #{inspect(value)}"
+  end
+
+  defp validate_value!(:enable_thinking, value) when value == nil or is_boolean(value),
+    do: value
+
+  defp validate_value!(:enable_thinking, value) do
+    raise ArgumentError,
+          "expected :enable_thinking to be nil or a boolean, got: #{inspect(value)}"
+  end
+
+  defp validate_value!(:tokenizer, nil), do: nil
+  defp validate_value!(:tokenizer, %EMLXAxon.Tokenizer{} = tokenizer), do: tokenizer
+
+  defp validate_value!(:tokenizer, value) do
+    raise ArgumentError,
+          "expected :tokenizer to be an EMLXAxon.Tokenizer (from EMLXAxon.Tokenizer.load/1), " <>
+            "got: #{inspect(value)}"
+  end
+
+  defp validate_value!(:mlx_stream, nil), do: nil
+  defp validate_value!(:mlx_stream, %EMLXAxon.Stream{} = stream), do: stream
+
+  defp validate_value!(:mlx_stream, value) do
+    raise ArgumentError,
+          "expected :mlx_stream to be an EMLXAxon.Stream, got: #{inspect(value)}"
+  end
+
+  defp validate_value!(:defn_options, value) when is_list(value), do: value
+
+  defp validate_value!(:defn_options, value) do
+    raise ArgumentError, "expected :defn_options to be a keyword list, got: #{inspect(value)}"
+  end
+
+  # :stream's meaning depends on the function: it is checked by the caller.
+  defp validate_value!(:stream, value), do: value
+
+  defp validate_value!(key, value)
+       when key in [:ignore_eos, :profile_timing, :chat, :stream_done] do
+    if is_boolean(value) do
+      value
+    else
+      raise ArgumentError, "expected #{inspect(key)} to be a boolean, got: #{inspect(value)}"
+    end
+  end
+
+  # Options specific to one function (validated there).
+  defp validate_value!(_key, value), do: value
+
+  defp pos_integer!(_key, value) when is_integer(value) and value > 0, do: value
+
+  defp pos_integer!(key, value) do
+    raise ArgumentError,
+          "expected #{inspect(key)} to be a positive integer, got: #{inspect(value)}"
+  end
+
+  @doc """
+  Checks that `stop` strings come with a tokenizer (the engine matches them
+  on decoded text).
+  """
+  @spec check_stop_needs_tokenizer!(map(), term(), String.t()) :: :ok
+  def check_stop_needs_tokenizer!(%{stop: [_ | _]}, nil, where) do
+    raise ArgumentError,
+          ":stop strings are matched on decoded text, so #{where} needs a tokenizer " <>
+            "(the :tokenizer option) to use them"
+  end
+
+  def check_stop_needs_tokenizer!(_opts, _tokenizer, _where), do: :ok
+
+  @doc """
+  The map of generation options the NIF's `generation_start/5` expects (all
+  keys present).
+  """
+  @spec native(map()) :: map()
+  def native(opts) do
+    %{
+      max_new_tokens: opts.max_new_tokens,
+      max_len: opts.max_len,
+      sampler: opts.sampler,
+      temperature: opts.temperature,
+      top_p: opts.top_p,
+      top_k: opts.top_k,
+      min_p: opts.min_p,
+      seed: opts.seed,
+      stop: opts.stop,
+      eos_token_ids: opts.eos_token_ids,
+      ignore_eos: opts.ignore_eos,
+      profile_timing: opts.profile_timing
+    }
+  end
+end

@@ -1,0 +1,178 @@
+defmodule EMLXAxon.Qwen3.Loader do
+  @moduledoc """
+  Loads Qwen3 and Qwen2 checkpoints in the Hugging Face / MLX layout: a
+  directory with `config.json` and one or more `*.safetensors` files
+  (sharded checkpoints with `model.safetensors.index.json` included).
+
+  Both MLX-quantized checkpoints (such as `mlx-community/Qwen3-0.6B-4bit`,
+  any bit width and group size, including per-layer mixed quantization) and
+  dense `bfloat16` / `float16` / `float32` checkpoints load; a dense
+  checkpoint can also be quantized while loading with the `:quantize`
+  option.
+
+  ## Examples
+
+      {:ok, state} = EMLXAxon.Qwen3.Loader.load("~/models/Qwen3-0.6B-MLX-4bit")
+      state.config.num_layers
+      #=> 28
+
+      # A dense checkpoint, quantized to 4 bits as it loads:
+      state = EMLXAxon.Qwen3.Loader.load!("~/models/Qwen3-0.6B", quantize: [bits: 4, group_size: 64])
+
+  """
+
+  alias EMLXAxon.{Error, Native, Telemetry}
+  alias EMLXAxon.Qwen3.Model.State
+
+  @dtypes [:float32, :bfloat16, :float16]
+  @bits 2..8
+  @group_sizes [32, 64, 128]
+
+  @doc """
+  Loads the checkpoint in directory `path` (`~` is expanded; `{:local, path}`
+  is accepted too).
+
+  ## Options
+
+    * `:dtype` - the compute dtype: `:float32`, `:bfloat16` or `:float16`
+      (default: `:float32` on the CPU, `:bfloat16` on the GPU). Quantized
+      weights stay quantized; their scales and the other weights use it.
+    * `:quantize` - quantize a dense checkpoint while loading, as
+      `[bits: 4, group_size: 64]` (`:bits` from 2 to 8, `:group_size` 32, 64
+      or 128; default group size 64). Default `nil`: load as stored.
+
+  Returns `{:error, %EMLXAxon.Error{}}` when the directory or its files are
+  missing or do not match the configuration.
+
+  Emits the `[:emlx_axon, :load]` telemetry span (see `EMLXAxon.Telemetry`).
+
+  ## Examples
+
+      {:ok, state} = EMLXAxon.Qwen3.Loader.load("~/models/Qwen3-0.6B-MLX-4bit", dtype: :float16)
+      {:error, %EMLXAxon.Error{kind: :io}} = EMLXAxon.Qwen3.Loader.load("/no/such/dir")
+
+  """
+  @spec load(Path.t() | {:local, Path.t()}, keyword()) :: {:ok, State.t()} | {:error, Error.t()}
+  def load(path, opts \\ [])
+
+  def load({:local, path}, opts), do: load(path, opts)
+
+  def load(path, opts) when is_binary(path) do
+    native_opts = validate_opts!(opts)
+    path = Path.expand(path)
+
+    Telemetry.span([:emlx_axon, :load], %{path: path}, fn ->
+      result = do_load(path, native_opts)
+
+      case result do
+        {:ok, %State{config: config}} ->
+          measurements = %{
+            load_ms: config[:load_ms] || 0.0,
+            weight_bytes: config[:weight_bytes] || 0
+          }
+
+          metadata = Map.take(config, [:model_type, :quantization, :dtype])
+          {result, measurements, metadata}
+
+        {:error, error} ->
+          {result, %{}, %{error: error}}
+      end
+    end)
+  end
+
+  def load(path, _opts) do
+    raise ArgumentError,
+          "expected a checkpoint directory path (string) or {:local, path}, got: #{inspect(path)}"
+  end
+
+  @doc """
+  Like `load/2`, but raises `EMLXAxon.Error` on failure.
+
+  ## Examples
+
+      state = EMLXAxon.Qwen3.Loader.load!("~/models/Qwen3-0.6B-MLX-4bit")
+
+  """
+  @spec load!(Path.t() | {:local, Path.t()}, keyword()) :: State.t()
+  def load!(path, opts \\ []) do
+    case load(path, opts) do
+      {:ok, state} -> state
+      {:error, error} -> raise error
+    end
+  end
+
+  defp do_load(path, native_opts) do
+    cond do
+      not File.dir?(path) ->
+        {:error, %Error{kind: :io, message: "checkpoint directory does not exist: #{path}"}}
+
+      not File.regular?(Path.join(path, "config.json")) ->
+        {:error, %Error{kind: :io, message: "no config.json in checkpoint directory #{path}"}}
+
+      true ->
+        with {:ok, ref} <- Error.wrap(Native.model_load(path, native_opts)),
+             {:ok, config} <- Error.wrap(Native.model_info(ref)) do
+          {:ok, %State{ref: ref, config: config, path: path}}
+        end
+    end
+  end
+
+  defp validate_opts!(opts) do
+    unless Keyword.keyword?(opts) do
+      raise ArgumentError,
+            "expected EMLXAxon.Qwen3.Loader.load/2 options to be a keyword list, got: #{inspect(opts)}"
+    end
+
+    Enum.reduce(opts, %{dtype: nil, quantize_bits: nil, quantize_group_size: nil}, fn
+      {:dtype, nil}, acc ->
+        acc
+
+      {:dtype, dtype}, acc when dtype in @dtypes ->
+        %{acc | dtype: Atom.to_string(dtype)}
+
+      {:dtype, other}, _acc ->
+        raise ArgumentError,
+              "expected :dtype to be one of #{inspect(@dtypes)}, got: #{inspect(other)}"
+
+      {:quantize, quantize}, acc ->
+        {bits, group_size} = quantize!(quantize)
+        %{acc | quantize_bits: bits, quantize_group_size: group_size}
+
+      {key, _value}, _acc ->
+        raise ArgumentError,
+              "unknown option #{inspect(key)} for EMLXAxon.Qwen3.Loader.load/2, " <>
+                "valid options are: :dtype, :quantize"
+    end)
+  end
+
+  defp quantize!(nil), do: {nil, nil}
+  defp quantize!(false), do: {nil, nil}
+
+  defp quantize!(quantize) when is_list(quantize) do
+    unless Keyword.keyword?(quantize) and Keyword.keys(quantize) -- [:bits, :group_size] == [] do
+      raise ArgumentError,
+            "expected :quantize to be a keyword list with :bits and :group_size, got: #{inspect(quantize)}"
+    end
+
+    bits = Keyword.get(quantize, :bits, 4)
+    group_size = Keyword.get(quantize, :group_size, 64)
+
+    unless is_integer(bits) and bits in @bits do
+      raise ArgumentError,
+            "expected :quantize :bits to be an integer from 2 to 8, got: #{inspect(bits)}"
+    end
+
+    unless group_size in @group_sizes do
+      raise ArgumentError,
+            "expected :quantize :group_size to be one of #{inspect(@group_sizes)}, got: #{inspect(group_size)}"
+    end
+
+    {bits, group_size}
+  end
+
+  defp quantize!(other) do
+    raise ArgumentError,
+          "expected :quantize to be nil or a keyword list like [bits: 4, group_size: 64], " <>
+            "got: #{inspect(other)}"
+  end
+end

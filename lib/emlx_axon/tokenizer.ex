@@ -1,0 +1,280 @@
+defmodule EMLXAxon.Tokenizer do
+  @moduledoc """
+  A Hugging Face tokenizer (`tokenizer.json`) with its chat template,
+  running natively (the Rust `tokenizers` crate and a Jinja engine).
+
+  A checkpoint directory such as the ones published by `mlx-community`
+  holds everything: `tokenizer.json`, `tokenizer_config.json` (special
+  tokens and the chat template) and `generation_config.json` (the EOS
+  tokens the model was trained to stop on).
+
+  ## Examples
+
+      {:ok, tokenizer} = EMLXAxon.Tokenizer.load("~/models/Qwen3-0.6B-MLX-4bit")
+      {:ok, ids} = EMLXAxon.Tokenizer.encode(tokenizer, "Hello world")
+      {:ok, "Hello world"} = EMLXAxon.Tokenizer.decode(tokenizer, ids)
+
+      {:ok, prompt} =
+        EMLXAxon.Tokenizer.apply_chat_template(tokenizer, [%{role: "user", content: "Hi!"}])
+
+  A tokenizer can be shared freely between processes.
+  """
+
+  alias EMLXAxon.{Error, Native}
+
+  @enforce_keys [:ref, :path]
+  defstruct [:ref, :path]
+
+  @typedoc "A loaded tokenizer; `:path` is where it was loaded from."
+  @type t :: %__MODULE__{ref: reference(), path: String.t()}
+
+  @typedoc """
+  A chat message: `%{role: role, content: content}` (atom or string keys)
+  or a `{role, content}` tuple. Roles are strings or atoms such as `:user`.
+  """
+  @type message ::
+          %{required(:role) => String.t() | atom(), required(:content) => String.t()}
+          | %{required(String.t()) => String.t()}
+          | {String.t() | atom(), String.t()}
+
+  @doc """
+  Loads a tokenizer from a checkpoint directory (or `{:local, dir}`) or
+  from the path of a `tokenizer.json` file.
+
+  Returns `{:error, %EMLXAxon.Error{}}` when the files are missing or
+  malformed.
+
+  ## Examples
+
+      {:ok, tokenizer} = EMLXAxon.Tokenizer.load("~/models/Qwen3-0.6B-MLX-4bit")
+      {:ok, tokenizer} = EMLXAxon.Tokenizer.load({:local, "/models/qwen3/tokenizer.json"})
+      {:error, %EMLXAxon.Error{kind: :io}} = EMLXAxon.Tokenizer.load("/nowhere")
+
+  """
+  @spec load(Path.t() | {:local, Path.t()}) :: {:ok, t()} | {:error, Error.t()}
+  def load({:local, path}), do: load(path)
+
+  def load(path) when is_binary(path) do
+    path = Path.expand(path)
+
+    if File.exists?(path) do
+      with {:ok, ref} <- Error.wrap(Native.tokenizer_load(path)) do
+        {:ok, %__MODULE__{ref: ref, path: path}}
+      end
+    else
+      {:error, %Error{kind: :io, message: "tokenizer path does not exist: #{path}"}}
+    end
+  end
+
+  def load(other) do
+    raise ArgumentError,
+          "expected a path (string) or {:local, path} to load a tokenizer from, got: #{inspect(other)}"
+  end
+
+  @doc """
+  Like `load/1`, but raises `EMLXAxon.Error` on failure.
+
+  ## Examples
+
+      tokenizer = EMLXAxon.Tokenizer.load!("~/models/Qwen3-0.6B-MLX-4bit")
+
+  """
+  @spec load!(Path.t() | {:local, Path.t()}) :: t()
+  def load!(path) do
+    case load(path) do
+      {:ok, tokenizer} -> tokenizer
+      {:error, error} -> raise error
+    end
+  end
+
+  @doc """
+  Encodes `text` into token ids.
+
+  ## Options
+
+    * `:add_special_tokens` - add the tokenizer's special tokens (such as a
+      BOS token) around the text (default `false`; Qwen tokenizers add none)
+
+  ## Examples
+
+      {:ok, [9707, 1879]} = EMLXAxon.Tokenizer.encode(tokenizer, "Hello world")
+
+  """
+  @spec encode(t(), String.t(), keyword()) :: {:ok, [non_neg_integer()]} | {:error, Error.t()}
+  def encode(%__MODULE__{ref: ref}, text, opts \\ []) do
+    opts = validate_opts!(opts, [add_special_tokens: false], "encode/3")
+
+    unless is_binary(text) do
+      raise ArgumentError, "expected the text to encode to be a string, got: #{inspect(text)}"
+    end
+
+    Error.wrap(Native.tokenizer_encode(ref, text, opts[:add_special_tokens]))
+  end
+
+  @doc """
+  Decodes token ids into text.
+
+  ## Options
+
+    * `:skip_special_tokens` - leave special tokens such as `<|im_end|>`
+      out of the text (default `true`)
+
+  ## Examples
+
+      {:ok, "Hello world"} = EMLXAxon.Tokenizer.decode(tokenizer, [9707, 1879])
+
+  """
+  @spec decode(t(), [non_neg_integer()], keyword()) :: {:ok, String.t()} | {:error, Error.t()}
+  def decode(%__MODULE__{ref: ref}, ids, opts \\ []) do
+    opts = validate_opts!(opts, [skip_special_tokens: true], "decode/3")
+
+    unless is_list(ids) and Enum.all?(ids, &(is_integer(&1) and &1 >= 0)) do
+      raise ArgumentError, "expected a list of non-negative token ids, got: #{inspect(ids)}"
+    end
+
+    Error.wrap(Native.tokenizer_decode(ref, ids, opts[:skip_special_tokens]))
+  end
+
+  @doc """
+  Renders chat `messages` with the tokenizer's chat template (from
+  `tokenizer_config.json`), giving the prompt text to encode.
+
+  Messages are maps with `:role` and `:content` (atom or string keys) or
+  `{role, content}` tuples.
+
+  ## Options
+
+    * `:add_generation_prompt` - end with the assistant turn's header so the
+      model answers (default `true`)
+    * `:enable_thinking` - Qwen3's switch for the thinking block: `false`
+      renders an empty `<think></think>` so the model answers directly;
+      `nil` (default) leaves the template's own default
+
+  ## Examples
+
+      {:ok, prompt} =
+        EMLXAxon.Tokenizer.apply_chat_template(tokenizer, [
+          %{role: "system", content: "You are terse."},
+          %{role: "user", content: "Name a colour."}
+        ])
+
+      {:ok, prompt} =
+        EMLXAxon.Tokenizer.apply_chat_template(tokenizer, [{:user, "Hi"}], enable_thinking: false)
+
+  """
+  @spec apply_chat_template(t(), [message()], keyword()) ::
+          {:ok, String.t()} | {:error, Error.t()}
+  def apply_chat_template(%__MODULE__{ref: ref}, messages, opts \\ []) do
+    opts =
+      validate_opts!(
+        opts,
+        [add_generation_prompt: true, enable_thinking: nil],
+        "apply_chat_template/3"
+      )
+
+    messages = normalize_messages!(messages)
+
+    Error.wrap(
+      Native.tokenizer_apply_chat_template(
+        ref,
+        messages,
+        opts[:add_generation_prompt],
+        opts[:enable_thinking]
+      )
+    )
+  end
+
+  @doc """
+  Returns information about the tokenizer: `:vocab_size`, `:eos_token_ids`
+  (from `generation_config.json` and `tokenizer_config.json`) and
+  `:has_chat_template`.
+
+  ## Examples
+
+      {:ok, %{vocab_size: 151_669, eos_token_ids: [151_645, 151_643], has_chat_template: true}} =
+        EMLXAxon.Tokenizer.info(tokenizer)
+
+  """
+  @spec info(t()) ::
+          {:ok,
+           %{
+             vocab_size: pos_integer(),
+             eos_token_ids: [non_neg_integer()],
+             has_chat_template: boolean()
+           }}
+          | {:error, Error.t()}
+  def info(%__MODULE__{ref: ref}), do: Error.wrap(Native.tokenizer_info(ref))
+
+  @doc false
+  # Validates and normalizes chat messages into `[{role, content}]`.
+  @spec normalize_messages!(term()) :: [{String.t(), String.t()}]
+  def normalize_messages!([_ | _] = messages), do: Enum.map(messages, &normalize_message!/1)
+
+  def normalize_messages!(other) do
+    raise ArgumentError,
+          "expected a non-empty list of chat messages (%{role: ..., content: ...}), got: #{inspect(other)}"
+  end
+
+  @doc false
+  # True for a term that looks like a single chat message.
+  @spec message?(term()) :: boolean()
+  def message?(%{role: _, content: _}), do: true
+  def message?(%{"role" => _, "content" => _}), do: true
+
+  def message?({role, content}) when (is_binary(role) or is_atom(role)) and is_binary(content),
+    do: true
+
+  def message?(_), do: false
+
+  defp normalize_message!(%{role: role, content: content}), do: message!(role, content)
+  defp normalize_message!(%{"role" => role, "content" => content}), do: message!(role, content)
+  defp normalize_message!({role, content}), do: message!(role, content)
+
+  defp normalize_message!(other) do
+    raise ArgumentError,
+          "expected a chat message as %{role: role, content: content} or {role, content}, " <>
+            "got: #{inspect(other)}"
+  end
+
+  defp message!(role, content) when is_atom(role) and not is_nil(role) and not is_boolean(role),
+    do: message!(Atom.to_string(role), content)
+
+  defp message!(role, content) when is_binary(role) and is_binary(content), do: {role, content}
+
+  defp message!(role, content) do
+    raise ArgumentError,
+          "expected a chat message's role to be a string or atom and its content a string, " <>
+            "got role #{inspect(role)} and content #{inspect(content)}"
+  end
+
+  defp validate_opts!(opts, defaults, fun) do
+    unless Keyword.keyword?(opts) do
+      raise ArgumentError,
+            "expected EMLXAxon.Tokenizer.#{fun} options to be a keyword list, got: #{inspect(opts)}"
+    end
+
+    valid = Keyword.keys(defaults)
+
+    Enum.each(opts, fn {key, value} ->
+      unless key in valid do
+        raise ArgumentError,
+              "unknown option #{inspect(key)} for EMLXAxon.Tokenizer.#{fun}, " <>
+                "valid options are: #{Enum.map_join(valid, ", ", &inspect/1)}"
+      end
+
+      valid_value? =
+        case key do
+          :enable_thinking -> value == nil or is_boolean(value)
+          _ -> is_boolean(value)
+        end
+
+      unless valid_value? do
+        raise ArgumentError,
+              "expected #{inspect(key)} to be a boolean#{if key == :enable_thinking, do: " or nil"}, " <>
+                "got: #{inspect(value)}"
+      end
+    end)
+
+    Keyword.merge(defaults, opts)
+  end
+end

@@ -1,0 +1,357 @@
+defmodule EMLXAxon.Qwen3.GenerateTest do
+  use ExUnit.Case, async: true
+
+  alias EMLXAxon.{Error, TestFixtures, Tokenizer}
+  alias EMLXAxon.Qwen3.Generate
+
+  @moduletag :fixtures
+
+  # The references come from mlx-lm's generate_step, which does not stop at
+  # EOS; ignore_eos keeps the comparison exact whatever the random model says.
+  @parity [max_new_tokens: 16, ignore_eos: true]
+
+  describe "greedy parity with mlx-lm" do
+    for name <- TestFixtures.models(), prompt <- ["plain", "chat"] do
+      test "#{name} (#{prompt} prompt)" do
+        name = unquote(name)
+
+        %{"prompt_ids" => prompt_ids, "greedy_ids" => greedy_ids} =
+          TestFixtures.reference(name)["prompts"][unquote(prompt)]
+
+        state = TestFixtures.model(name)
+
+        assert {:ok, %{token_ids: ^greedy_ids, finish_reason: :length, timings: timings}} =
+                 Generate.generate(state, prompt_ids, @parity)
+
+        assert %{prompt_tokens: prompt_tokens, generated_tokens: 16, batch_size: 1} = timings
+        assert prompt_tokens == length(prompt_ids)
+      end
+    end
+
+    test "qwen3-bf16 quantized while loading matches mlx-lm's quantized model" do
+      state = TestFixtures.model("qwen3-bf16", quantize: [bits: 4, group_size: 128])
+
+      for {_prompt, %{"prompt_ids" => ids, "greedy_ids" => greedy}} <-
+            TestFixtures.reference("qwen3-bf16", "reference_q4g128")["prompts"] do
+        assert {:ok, %{token_ids: ^greedy}} = Generate.generate(state, ids, @parity)
+      end
+    end
+  end
+
+  describe "batches" do
+    test "each row of a batch equals its single run" do
+      state = TestFixtures.model("qwen3-4bit-g64")
+      prompts = TestFixtures.reference("qwen3-4bit-g64")["prompts"]
+      plain = prompts["plain"]
+      chat = prompts["chat"]
+
+      assert {:ok, [first, second, third]} =
+               Generate.generate(
+                 state,
+                 [plain["prompt_ids"], chat["prompt_ids"], plain["prompt_ids"]],
+                 @parity
+               )
+
+      assert first.token_ids == plain["greedy_ids"]
+      assert second.token_ids == chat["greedy_ids"]
+      assert third.token_ids == plain["greedy_ids"]
+      assert Enum.map([first, second, third], & &1.timings.batch_size) == [3, 3, 3]
+      assert first.timings.prompt_tokens == length(plain["prompt_ids"])
+      assert second.timings.prompt_tokens == length(chat["prompt_ids"])
+    end
+
+    test "a batch of one list is a batch" do
+      state = TestFixtures.model("qwen3-4bit-g64")
+
+      %{"prompt_ids" => ids, "greedy_ids" => greedy} =
+        TestFixtures.reference("qwen3-4bit-g64")["prompts"]["plain"]
+
+      assert {:ok, [%{token_ids: ^greedy}]} = Generate.generate(state, [ids], @parity)
+    end
+
+    test "rows stop independently" do
+      state = TestFixtures.model("qwen3-4bit-g64")
+
+      %{"prompt_ids" => ids, "greedy_ids" => greedy} =
+        TestFixtures.reference("qwen3-4bit-g64")["prompts"]["plain"]
+
+      # Row 0 stops when it produces greedy[3] (made an EOS token); row 1 has a
+      # prompt too long to get there before max_len.
+      eos = Enum.at(greedy, 3)
+      stop_at = Enum.find_index(greedy, &(&1 == eos))
+
+      assert {:ok, [short, long]} =
+               Generate.generate(state, [ids, ids ++ greedy],
+                 max_new_tokens: 16,
+                 eos_token_ids: [eos],
+                 max_len: length(ids) + 16 + 2
+               )
+
+      assert short.finish_reason == :eos
+      assert short.token_ids == Enum.take(greedy, stop_at + 1)
+      assert long.finish_reason in [:max_len, :eos]
+    end
+  end
+
+  describe "options" do
+    setup do
+      state = TestFixtures.model("qwen3-4bit-g64")
+
+      %{"prompt_ids" => ids, "greedy_ids" => greedy} =
+        TestFixtures.reference("qwen3-4bit-g64")["prompts"]["plain"]
+
+      %{state: state, ids: ids, greedy: greedy}
+    end
+
+    test "max_new_tokens", %{state: state, ids: ids, greedy: greedy} do
+      assert {:ok, %{token_ids: tokens, finish_reason: :length}} =
+               Generate.generate(state, ids, max_new_tokens: 5, ignore_eos: true)
+
+      assert tokens == Enum.take(greedy, 5)
+    end
+
+    test "max_len stops with :max_len", %{state: state, ids: ids, greedy: greedy} do
+      assert {:ok, %{token_ids: tokens, finish_reason: :max_len}} =
+               Generate.generate(state, ids,
+                 max_new_tokens: 16,
+                 max_len: length(ids) + 3,
+                 ignore_eos: true
+               )
+
+      assert tokens == Enum.take(greedy, length(tokens))
+      assert length(tokens) in 3..4
+    end
+
+    test "a prompt longer than max_len is an error", %{state: state, ids: ids} do
+      assert {:error, %Error{kind: :prompt_too_long}} = Generate.generate(state, ids, max_len: 4)
+
+      assert {:error, %Error{kind: :prompt_too_long}} =
+               Generate.generate(state, ids, max_len: length(ids))
+    end
+
+    test "eos_token_ids and ignore_eos", %{state: state, ids: ids, greedy: greedy} do
+      eos = Enum.at(greedy, 2)
+      stop_at = Enum.find_index(greedy, &(&1 == eos))
+
+      assert {:ok, %{token_ids: tokens, finish_reason: :eos}} =
+               Generate.generate(state, ids, eos_token_ids: [eos], max_new_tokens: 16)
+
+      assert tokens == Enum.take(greedy, stop_at + 1)
+
+      assert {:ok, %{token_ids: ^greedy, finish_reason: :length}} =
+               Generate.generate(state, ids,
+                 eos_token_ids: eos,
+                 ignore_eos: true,
+                 max_new_tokens: 16
+               )
+    end
+
+    test "top_k: 1 equals greedy", %{state: state, ids: ids, greedy: greedy} do
+      for sampler <- [:top_p_cpu, :top_p_gpu] do
+        assert {:ok, %{token_ids: ^greedy}} =
+                 Generate.generate(state, ids, @parity ++ [sampler: sampler, top_k: 1, seed: 3])
+      end
+    end
+
+    test "seeded sampling is reproducible", %{state: state, ids: ids} do
+      for sampler <- [:top_p_cpu, :top_p_gpu] do
+        opts = @parity ++ [sampler: sampler, top_p: 0.95, temperature: 1.5, seed: 1234]
+        assert {:ok, %{token_ids: first}} = Generate.generate(state, ids, opts)
+        assert {:ok, %{token_ids: ^first}} = Generate.generate(state, ids, opts)
+        assert length(first) == 16
+      end
+    end
+
+    test "different seeds give different samples", %{state: state, ids: ids} do
+      opts = @parity ++ [sampler: :top_p_cpu, top_p: 1.0, temperature: 5.0]
+
+      samples =
+        for seed <- 1..4,
+            do: elem(Generate.generate(state, ids, opts ++ [seed: seed]), 1).token_ids
+
+      assert length(Enum.uniq(samples)) > 1
+    end
+
+    test "min_p near 1 keeps only the most likely token", %{
+      state: state,
+      ids: ids,
+      greedy: greedy
+    } do
+      assert {:ok, %{token_ids: ^greedy}} =
+               Generate.generate(
+                 state,
+                 ids,
+                 @parity ++ [sampler: :top_p_cpu, min_p: 0.999, seed: 9]
+               )
+    end
+
+    test "stop strings need a tokenizer and end generation", %{
+      state: state,
+      ids: ids,
+      greedy: greedy
+    } do
+      assert_raise ArgumentError, ~r/needs a tokenizer/, fn ->
+        Generate.generate(state, ids, stop: "x")
+      end
+
+      tokenizer = TestFixtures.tokenizer()
+      {:ok, full} = Generate.generate(state, ids, @parity ++ [tokenizer: tokenizer])
+      assert full.token_ids == greedy
+      assert {:ok, full_text} = Tokenizer.decode(tokenizer, greedy)
+      assert full.text == full_text
+
+      # Stop on the text that the (k+1)th token adds.
+      {k, prefix, stop} = stop_string(tokenizer, greedy)
+
+      assert {:ok, %{finish_reason: :stop, token_ids: tokens, text: text}} =
+               Generate.generate(
+                 state,
+                 ids,
+                 @parity ++ [tokenizer: tokenizer, stop: [stop, "never ☃"]]
+               )
+
+      assert tokens == Enum.take(greedy, k + 1)
+      assert text == prefix
+    end
+
+    test "profile_timing", %{state: state, ids: ids} do
+      assert {:ok, %{timings: timings}} =
+               Generate.generate(state, ids, max_new_tokens: 8, profile_timing: true)
+
+      assert %{
+               prefill_ms: prefill,
+               decode_ms: decode,
+               decode_tokens_per_s: tps,
+               time_to_first_token_ms: ttft,
+               total_ms: total
+             } = timings
+
+      assert prefill > 0 and decode > 0 and tps > 0 and ttft > 0 and total > 0
+
+      assert {:ok, %{timings: %{decode_ms: +0.0, decode_tokens_per_s: +0.0}}} =
+               Generate.generate(state, ids, max_new_tokens: 8, profile_timing: false)
+    end
+
+    test "chunk_size does not change the result", %{state: state, ids: ids, greedy: greedy} do
+      for chunk_size <- [1, 3, 64] do
+        assert {:ok, %{token_ids: ^greedy}} =
+                 Generate.generate(state, ids, @parity ++ [chunk_size: chunk_size])
+      end
+    end
+
+    test "timeout stops generation with :timeout", %{state: state, ids: ids} do
+      assert {:ok, %{finish_reason: :timeout, token_ids: tokens}} =
+               Generate.generate(state, ids,
+                 max_new_tokens: 1000,
+                 max_len: 4096,
+                 ignore_eos: true,
+                 timeout: 0,
+                 chunk_size: 1
+               )
+
+      assert length(tokens) >= 1 and length(tokens) < 1000
+    end
+
+    test "stream option and the process default stream", %{state: state, ids: ids, greedy: greedy} do
+      {:ok, stream} = EMLXAxon.Stream.new(:cpu)
+
+      assert {:ok, %{token_ids: ^greedy}} =
+               Generate.generate(state, ids, @parity ++ [stream: stream])
+
+      assert {:ok, %{token_ids: ^greedy}} =
+               EMLXAxon.Stream.with_stream(stream, fn ->
+                 Generate.generate(state, ids, @parity)
+               end)
+
+      :ok = EMLXAxon.Stream.close(stream)
+
+      assert {:error, %Error{kind: :closed_stream}} =
+               Generate.generate(state, ids, @parity ++ [stream: stream])
+
+      assert {:error, %Error{kind: :closed_stream}} =
+               EMLXAxon.Stream.with_stream(stream, fn ->
+                 Generate.generate(state, ids, @parity)
+               end)
+    end
+
+    test "bad options raise ArgumentError", %{state: state, ids: ids} do
+      bad = [
+        {[max_new_tokens: 0], ~r/:max_new_tokens to be a positive integer/},
+        {[max_new_tokens: -1], ~r/:max_new_tokens to be a positive integer/},
+        {[max_new_tokens: 1.5], ~r/:max_new_tokens to be a positive integer/},
+        {[max_len: 0], ~r/:max_len to be a positive integer/},
+        {[sampler: :beam], ~r/:sampler to be one of :greedy, :top_p_cpu, :top_p_gpu/},
+        {[temperature: 0], ~r/:temperature to be a number > 0/},
+        {[temperature: "hot"], ~r/:temperature/},
+        {[top_p: 0], ~r/:top_p/},
+        {[top_p: 1.5], ~r/:top_p/},
+        {[top_k: -1], ~r/:top_k/},
+        {[min_p: 1.0], ~r/:min_p/},
+        {[seed: -1], ~r/:seed/},
+        {[stop: [""]], ~r/:stop/},
+        {[stop: 5], ~r/:stop/},
+        {[eos_token_ids: [-1]], ~r/:eos_token_ids/},
+        {[ignore_eos: 1], ~r/:ignore_eos to be a boolean/},
+        {[profile_timing: nil], ~r/:profile_timing to be a boolean/},
+        {[stream: :gpu], ~r/:stream to be an EMLXAxon.Stream/},
+        {[timeout: -5], ~r/:timeout/},
+        {[chunk_size: 0], ~r/:chunk_size/},
+        {[tokenizer: "x"], ~r/:tokenizer/},
+        {[bogus: 1],
+         ~r/unknown option :bogus for EMLXAxon.Qwen3.Generate.generate\/3, valid options are: :max_new_tokens/},
+        {:not_a_list, ~r/keyword list/}
+      ]
+
+      for {opts, message} <- bad do
+        assert_raise ArgumentError, message, fn -> Generate.generate(state, ids, opts) end
+      end
+    end
+
+    test "bad inputs raise ArgumentError", %{state: state, ids: ids} do
+      assert_raise ArgumentError, ~r/non-empty list of token ids/, fn ->
+        Generate.generate(state, [])
+      end
+
+      assert_raise ArgumentError, ~r/empty prompt/, fn -> Generate.generate(state, [ids, []]) end
+
+      assert_raise ArgumentError, ~r/token ids to be integers from 0 to 151935/, fn ->
+        Generate.generate(state, [1, -1])
+      end
+
+      assert_raise ArgumentError, ~r/token ids to be integers/, fn ->
+        Generate.generate(state, [151_936])
+      end
+
+      assert_raise ArgumentError, ~r/token ids to be integers/, fn ->
+        Generate.generate(state, ["a"])
+      end
+
+      assert_raise ArgumentError, ~r/non-empty list of token ids/, fn ->
+        Generate.generate(state, "hello")
+      end
+
+      assert_raise ArgumentError, ~r/EMLXAxon.Qwen3.Model.State/, fn ->
+        Generate.generate(:state, ids)
+      end
+    end
+  end
+
+  @doc false
+  # Finds k such that the text of the first k+1 tokens is the text of the
+  # first k plus a new piece that does not occur earlier: {k, text_k, piece}.
+  def stop_string(tokenizer, ids) do
+    Enum.find_value(2..(length(ids) - 1), fn k ->
+      {:ok, before} = Tokenizer.decode(tokenizer, Enum.take(ids, k))
+      {:ok, now} = Tokenizer.decode(tokenizer, Enum.take(ids, k + 1))
+
+      with true <- String.starts_with?(now, before) and not String.contains?(now, "\uFFFD"),
+           piece = binary_part(now, byte_size(before), byte_size(now) - byte_size(before)),
+           true <- String.trim(piece) != "",
+           true <- :binary.match(now, piece) == {byte_size(before), byte_size(piece)} do
+        {k, before, piece}
+      else
+        _ -> nil
+      end
+    end) || flunk("no usable stop string in #{inspect(ids)}")
+  end
+end

@@ -1,0 +1,440 @@
+defmodule EMLXAxon.TextGenerationTest do
+  use ExUnit.Case, async: true
+
+  alias EMLXAxon.{Error, TestFixtures, TextGeneration, Tokenizer}
+
+  @moduletag :fixtures
+
+  @plain_text "The quick brown fox jumps over the lazy dog."
+  @chat [%{role: "user", content: "Give me a short introduction to large language models."}]
+  @opts [max_new_tokens: 16]
+
+  setup_all do
+    name = "qwen3-4bit-g64"
+
+    %{
+      tokenizer: TestFixtures.tokenizer(name),
+      state: TestFixtures.model(name),
+      reference: TestFixtures.reference(name)["prompts"]
+    }
+  end
+
+  describe "run/4" do
+    test "greedy output equals the reference for every fixture" do
+      for name <- TestFixtures.models() do
+        tokenizer = TestFixtures.tokenizer(name)
+        state = TestFixtures.model(name)
+        %{"plain" => plain, "chat" => chat} = TestFixtures.reference(name)["prompts"]
+
+        assert %{results: [%{token_ids: ids}]} =
+                 TextGeneration.run(tokenizer, state, @plain_text, @opts)
+
+        assert ids == plain["greedy_ids"], "#{name} plain"
+
+        assert %{results: [%{token_ids: ids}]} =
+                 TextGeneration.run(tokenizer, state, @chat, @opts)
+
+        assert ids == chat["greedy_ids"], "#{name} chat"
+      end
+    end
+
+    test "output shape", %{tokenizer: tokenizer, state: state, reference: reference} do
+      greedy = reference["plain"]["greedy_ids"]
+
+      assert %{
+               results: [
+                 %{
+                   generated_text: text,
+                   num_tokens: 16,
+                   token_ids: ^greedy,
+                   finish_reason: :length
+                 }
+               ],
+               metadata: metadata
+             } = TextGeneration.run(tokenizer, state, @plain_text, @opts)
+
+      assert {:ok, ^text} = Tokenizer.decode(tokenizer, greedy)
+
+      assert %{
+               prompt_tokens: 10,
+               generated_tokens: 16,
+               batch_size: 1,
+               prefill_ms: prefill,
+               decode_ms: decode,
+               decode_tokens_per_s: tps,
+               time_to_first_token_ms: ttft,
+               total_ms: total
+             } = metadata
+
+      # profile_timing defaults to true here
+      assert Enum.all?([prefill, decode, tps, ttft, total], &(is_float(&1) and &1 > 0))
+    end
+
+    test "all input forms", %{tokenizer: tokenizer, state: state, reference: reference} do
+      plain = reference["plain"]["greedy_ids"]
+      chat = reference["chat"]["greedy_ids"]
+      [%{content: content}] = @chat
+
+      for {input, opts, expected} <- [
+            {@plain_text, [], plain},
+            {%{text: @plain_text}, [], plain},
+            {%{input_ids: reference["plain"]["prompt_ids"]}, [], plain},
+            {@chat, [], chat},
+            {%{messages: @chat}, [], chat},
+            {[{"user", content}], [], chat},
+            {[%{"role" => "user", "content" => content}], [], chat},
+            {content, [chat: true], chat},
+            {%{text: content}, [chat: true], chat}
+          ] do
+        assert %{results: [%{token_ids: ^expected}]} =
+                 TextGeneration.run(tokenizer, state, input, @opts ++ opts),
+               "input #{inspect(input)} with #{inspect(opts)}"
+      end
+    end
+
+    test "a list is a batch; each row equals its single run", %{
+      tokenizer: tokenizer,
+      state: state
+    } do
+      inputs = [@plain_text, @chat, "Hello", %{messages: [%{role: "user", content: "Hi!"}]}]
+      singles = Enum.map(inputs, &TextGeneration.run(tokenizer, state, &1, @opts))
+      batch = TextGeneration.run(tokenizer, state, inputs, @opts)
+
+      assert length(batch) == 4
+
+      for {single, batched} <- Enum.zip(singles, batch) do
+        assert batched.results == single.results
+        assert batched.metadata.batch_size == 4
+        assert batched.metadata.prompt_tokens == single.metadata.prompt_tokens
+      end
+
+      assert [%{results: [_]}] = TextGeneration.run(tokenizer, state, [@plain_text], @opts)
+      assert [_, _] = TextGeneration.run(tokenizer, state, [@chat, @chat], @opts)
+    end
+
+    test "enable_thinking", %{tokenizer: tokenizer, state: state} do
+      {:ok, prompt} = Tokenizer.apply_chat_template(tokenizer, @chat, enable_thinking: false)
+      {:ok, ids} = Tokenizer.encode(tokenizer, prompt)
+
+      assert TextGeneration.run(tokenizer, state, @chat, @opts ++ [enable_thinking: false]).results ==
+               TextGeneration.run(tokenizer, state, %{input_ids: ids}, @opts).results
+    end
+
+    test "sampling options", %{tokenizer: tokenizer, state: state, reference: reference} do
+      greedy = reference["plain"]["greedy_ids"]
+      sample = @opts ++ [sampler: :top_p_cpu, temperature: 1.3, top_p: 0.95, seed: 7]
+
+      first = TextGeneration.run(tokenizer, state, @plain_text, sample)
+      assert TextGeneration.run(tokenizer, state, @plain_text, sample).results == first.results
+      assert hd(first.results).num_tokens == 16
+
+      assert %{results: [%{token_ids: ^greedy}]} =
+               TextGeneration.run(
+                 tokenizer,
+                 state,
+                 @plain_text,
+                 @opts ++ [sampler: :top_p_gpu, top_k: 1, seed: 1]
+               )
+
+      assert %{results: [%{token_ids: ^greedy}]} =
+               TextGeneration.run(
+                 tokenizer,
+                 state,
+                 @plain_text,
+                 @opts ++ [sampler: :top_p_cpu, min_p: 0.999]
+               )
+    end
+
+    test "stop strings", %{tokenizer: tokenizer, state: state, reference: reference} do
+      greedy = reference["plain"]["greedy_ids"]
+      {k, prefix, stop} = EMLXAxon.Qwen3.GenerateTest.stop_string(tokenizer, greedy)
+
+      assert %{
+               results: [
+                 %{finish_reason: :stop, generated_text: ^prefix, token_ids: ids, num_tokens: n}
+               ]
+             } = TextGeneration.run(tokenizer, state, @plain_text, @opts ++ [stop: stop])
+
+      assert ids == Enum.take(greedy, k + 1)
+      assert n == k + 1
+    end
+
+    test "eos", %{tokenizer: tokenizer, state: state, reference: reference} do
+      greedy = reference["plain"]["greedy_ids"]
+      eos = Enum.at(greedy, 5)
+      at = Enum.find_index(greedy, &(&1 == eos))
+      {:ok, text} = Tokenizer.decode(tokenizer, Enum.take(greedy, at))
+
+      assert %{results: [%{finish_reason: :eos, token_ids: ids, generated_text: ^text}]} =
+               TextGeneration.run(tokenizer, state, @plain_text, @opts ++ [eos_token_ids: [eos]])
+
+      assert ids == Enum.take(greedy, at + 1)
+
+      assert %{results: [%{finish_reason: :length, num_tokens: 16}]} =
+               TextGeneration.run(
+                 tokenizer,
+                 state,
+                 @plain_text,
+                 @opts ++ [eos_token_ids: [eos], ignore_eos: true]
+               )
+    end
+
+    test "max_len and timeout", %{tokenizer: tokenizer, state: state} do
+      assert %{results: [%{finish_reason: :max_len}]} =
+               TextGeneration.run(tokenizer, state, @plain_text, max_new_tokens: 16, max_len: 13)
+
+      assert %{results: [%{finish_reason: :timeout, num_tokens: n}]} =
+               TextGeneration.run(tokenizer, state, @plain_text,
+                 max_new_tokens: 2000,
+                 max_len: 4096,
+                 ignore_eos: true,
+                 timeout: 0,
+                 chunk_size: 2
+               )
+
+      assert n in 1..3
+    end
+
+    test "a prompt longer than max_len raises EMLXAxon.Error", %{
+      tokenizer: tokenizer,
+      state: state
+    } do
+      assert_raise Error, ~r/prompt_too_long/, fn ->
+        TextGeneration.run(tokenizer, state, @plain_text, max_len: 5)
+      end
+    end
+
+    test "streams: option, mlx_stream and the process default", %{
+      tokenizer: tokenizer,
+      state: state
+    } do
+      expected = TextGeneration.run(tokenizer, state, @plain_text, @opts).results
+      stream = EMLXAxon.Stream.new!(:cpu)
+
+      assert TextGeneration.run(tokenizer, state, @plain_text, @opts ++ [stream: stream]).results ==
+               expected
+
+      assert TextGeneration.run(tokenizer, state, @plain_text, @opts ++ [mlx_stream: stream]).results ==
+               expected
+
+      assert EMLXAxon.Stream.with_stream(stream, fn ->
+               TextGeneration.run(tokenizer, state, @plain_text, @opts).results
+             end) == expected
+
+      :ok = EMLXAxon.Stream.close(stream)
+
+      assert_raise Error, ~r/closed_stream/, fn ->
+        TextGeneration.run(tokenizer, state, @plain_text, @opts ++ [stream: stream])
+      end
+
+      assert_raise ArgumentError, ~r/stream\/5/, fn ->
+        TextGeneration.run(tokenizer, state, @plain_text, stream: true)
+      end
+
+      assert_raise ArgumentError, ~r/either :stream or :mlx_stream/, fn ->
+        TextGeneration.run(tokenizer, state, @plain_text, stream: stream, mlx_stream: stream)
+      end
+    end
+
+    test "bad options raise ArgumentError", %{tokenizer: tokenizer, state: state} do
+      for {opts, message} <- [
+            {[max_new_tokens: 0], ~r/:max_new_tokens to be a positive integer, got: 0/},
+            {[max_new_tokens: -3], ~r/:max_new_tokens/},
+            {[max_len: -1], ~r/:max_len/},
+            {[sampler: :nucleus], ~r/:sampler/},
+            {[temperature: -1.0], ~r/:temperature/},
+            {[top_p: 2], ~r/:top_p/},
+            {[top_k: 1.5], ~r/:top_k/},
+            {[min_p: -0.1], ~r/:min_p/},
+            {[seed: "x"], ~r/:seed/},
+            {[stop: [:x]], ~r/:stop/},
+            {[chat: "yes"], ~r/:chat to be a boolean/},
+            {[enable_thinking: 1], ~r/:enable_thinking/},
+            {[timeout: :soon], ~r/:timeout/},
+            {[profile_timing: "no"], ~r/:profile_timing/},
+            {[stream: :yes], ~r/:stream/},
+            {[mlx_stream: :cpu], ~r/:mlx_stream/},
+            {[stream_done: true], ~r/unknown option :stream_done/},
+            {[max_tokens: 10],
+             ~r/unknown option :max_tokens for EMLXAxon.TextGeneration.run\/4, valid options are: :max_new_tokens, :max_len, :sampler/}
+          ] do
+        assert_raise ArgumentError, message, fn ->
+          TextGeneration.run(tokenizer, state, "Hi", opts)
+        end
+      end
+    end
+
+    test "bad inputs raise ArgumentError", %{tokenizer: tokenizer, state: state} do
+      for {input, message} <- [
+            {[], ~r/empty list/},
+            {"", ~r/empty string/},
+            {%{text: ""}, ~r/empty string/},
+            {%{input_ids: []}, ~r/empty prompt/},
+            {%{input_ids: [-1]}, ~r/token ids/},
+            {123, ~r/expected each input to be a string/},
+            {%{prompt: "x"}, ~r/expected each input/},
+            {["ok", 5], ~r/expected each input/},
+            {[[%{role: "user"}]], ~r/expected each input/},
+            {[%{role: "user", content: 1}], ~r/expected each input/}
+          ] do
+        assert_raise ArgumentError, message, fn ->
+          TextGeneration.run(tokenizer, state, input, @opts)
+        end
+      end
+
+      assert_raise ArgumentError, ~r/EMLXAxon.Tokenizer/, fn ->
+        TextGeneration.run(nil, state, "x")
+      end
+
+      assert_raise ArgumentError, ~r/EMLXAxon.Qwen3.Model.State/, fn ->
+        TextGeneration.run(tokenizer, nil, "x")
+      end
+    end
+  end
+
+  describe "stream/5" do
+    test "chunks concatenate to run/4's text", %{tokenizer: tokenizer, state: state} do
+      for input <- [@plain_text, @chat, "Hello"],
+          opts <- [[], [chunk_size: 1], [chunk_size: 5]] do
+        opts = [max_new_tokens: 24] ++ opts
+        expected = TextGeneration.run(tokenizer, state, input, opts)
+        parent = self()
+        ref = make_ref()
+
+        result = TextGeneration.stream(tokenizer, state, input, &send(parent, {ref, &1}), opts)
+        chunks = collect(ref)
+
+        assert result.results == expected.results
+        assert Enum.all?(chunks, &(is_binary(&1) and &1 != "" and String.valid?(&1)))
+        assert IO.iodata_to_binary(chunks) == hd(expected.results).generated_text
+      end
+    end
+
+    test "a batch emits {index, chunk}", %{tokenizer: tokenizer, state: state} do
+      inputs = [@plain_text, @chat, "Hello"]
+      expected = TextGeneration.run(tokenizer, state, inputs, @opts)
+      parent = self()
+      ref = make_ref()
+
+      result = TextGeneration.stream(tokenizer, state, inputs, &send(parent, {ref, &1}), @opts)
+      chunks = collect(ref)
+
+      assert Enum.map(result, & &1.results) == Enum.map(expected, & &1.results)
+
+      for {output, index} <- Enum.with_index(expected) do
+        text = for {^index, chunk} <- chunks, into: "", do: chunk
+        assert text == hd(output.results).generated_text
+      end
+    end
+
+    test "an exception in emit_fun propagates and the VM carries on", %{
+      tokenizer: tokenizer,
+      state: state
+    } do
+      assert_raise RuntimeError, "boom", fn ->
+        TextGeneration.stream(tokenizer, state, @plain_text, fn _ -> raise "boom" end, @opts)
+      end
+
+      assert catch_throw(
+               TextGeneration.stream(
+                 tokenizer,
+                 state,
+                 @plain_text,
+                 fn chunk -> throw({:stop, chunk}) end,
+                 @opts
+               )
+             )
+             |> elem(0) == :stop
+
+      assert %{results: [%{num_tokens: 16}]} =
+               TextGeneration.run(tokenizer, state, @plain_text, @opts)
+    end
+
+    test "bad emit_fun", %{tokenizer: tokenizer, state: state} do
+      assert_raise ArgumentError, ~r/emit_fun/, fn ->
+        TextGeneration.stream(tokenizer, state, "x", fn _, _ -> :ok end)
+      end
+    end
+  end
+
+  test "serving results decoded from ids equal run/4's", %{
+    tokenizer: tokenizer,
+    state: state,
+    reference: reference
+  } do
+    greedy = reference["plain"]["greedy_ids"]
+    {_k, _prefix, stop} = EMLXAxon.Qwen3.GenerateTest.stop_string(tokenizer, greedy)
+    eos = Enum.at(greedy, 4)
+
+    for opts <- [
+          @opts,
+          @opts ++ [stop: [stop]],
+          @opts ++ [eos_token_ids: [eos]],
+          [max_new_tokens: 40]
+        ],
+        input <- [@plain_text, @chat] do
+      %{results: [expected], metadata: metadata} =
+        TextGeneration.run(tokenizer, state, input, opts)
+
+      stops = opts |> Keyword.get(:stop, []) |> List.wrap()
+
+      assert %{results: [^expected]} =
+               TextGeneration.output_from_ids(
+                 tokenizer,
+                 expected.token_ids,
+                 expected.finish_reason,
+                 stops,
+                 metadata
+               )
+    end
+  end
+
+  describe "serving/3 and from_mlx4bit/3" do
+    if Code.ensure_loaded?(Nx.Serving) do
+      test "builds an Nx.Serving", %{tokenizer: tokenizer, state: state} do
+        assert %{__struct__: Nx.Serving} = TextGeneration.serving(tokenizer, state, @opts)
+      end
+    else
+      test "without Nx, raise an error saying how to add it", %{
+        tokenizer: tokenizer,
+        state: state
+      } do
+        assert_raise RuntimeError, ~r/add \{:nx, "~> 0.9"\}/, fn ->
+          TextGeneration.serving(tokenizer, state, @opts)
+        end
+
+        assert_raise RuntimeError, ~r/add \{:nx, "~> 0.9"\}/, fn ->
+          TextGeneration.from_mlx4bit(TestFixtures.path("qwen3-4bit-g64"), nil, @opts)
+        end
+      end
+    end
+
+    test "options are validated first", %{tokenizer: tokenizer, state: state} do
+      assert_raise ArgumentError,
+                   ~r/unknown option :bogus for EMLXAxon.TextGeneration.serving\/3/,
+                   fn ->
+                     TextGeneration.serving(tokenizer, state, bogus: 1)
+                   end
+
+      assert_raise ArgumentError, ~r/:max_new_tokens/, fn ->
+        TextGeneration.from_mlx4bit(TestFixtures.path("qwen3-4bit-g64"), nil, max_new_tokens: 0)
+      end
+
+      assert_raise ArgumentError, ~r/:stream to be a boolean or an EMLXAxon.Stream/, fn ->
+        TextGeneration.serving(tokenizer, state, stream: :maybe)
+      end
+
+      assert_raise ArgumentError, ~r/EMLXAxon.Tokenizer/, fn ->
+        TextGeneration.serving(:tok, state)
+      end
+    end
+  end
+
+  defp collect(ref, acc \\ []) do
+    receive do
+      {^ref, chunk} -> collect(ref, [chunk | acc])
+    after
+      0 -> Enum.reverse(acc)
+    end
+  end
+end

@@ -1,0 +1,137 @@
+defmodule Mix.Tasks.EmlxAxon.GenerateTest do
+  use ExUnit.Case, async: false
+
+  import ExUnit.CaptureIO
+
+  alias EMLXAxon.{TestFixtures, TestJSON, Tokenizer}
+
+  @moduletag :fixtures
+
+  defp run_task(args) do
+    Mix.Task.reenable("emlx_axon.generate")
+    capture_io(fn -> Mix.Tasks.EmlxAxon.Generate.run(args) end)
+  end
+
+  test "--json prints one JSON object with the reference ids" do
+    for name <- ["qwen3-4bit-g64", "qwen2-4bit-g64"] do
+      %{"prompt_ids" => prompt_ids, "greedy_ids" => greedy} =
+        TestFixtures.reference(name)["prompts"]["plain"]
+
+      ids = Enum.join(prompt_ids, ",")
+
+      output =
+        run_task([
+          "--model",
+          TestFixtures.path(name),
+          "--prompt-ids",
+          ids,
+          "--max-new-tokens",
+          "16",
+          "--json"
+        ])
+
+      assert [line] = String.split(output, "\n", trim: true)
+
+      assert %{
+               "prompt_ids" => ^prompt_ids,
+               "generated_ids" => ^greedy,
+               "text" => text,
+               "finish_reason" => "length",
+               "prefill_ms" => prefill,
+               "decode_tokens_per_s" => tps,
+               "time_to_first_token_ms" => ttft
+             } = TestJSON.decode!(line)
+
+      assert {:ok, ^text} = Tokenizer.decode(TestFixtures.tokenizer(name), greedy)
+      assert Enum.all?([prefill, tps, ttft], &(is_number(&1) and &1 > 0))
+    end
+  end
+
+  test "the default model, --prompt and --chat" do
+    %{"prompt_ids" => plain_ids, "greedy_ids" => greedy} =
+      TestFixtures.reference("qwen3-4bit-g64")["prompts"]["plain"]
+
+    %{"prompt_ids" => chat_ids} = TestFixtures.reference("qwen3-4bit-g64")["prompts"]["chat"]
+
+    json =
+      run_task([
+        "--prompt",
+        "The quick brown fox jumps over the lazy dog.",
+        "--max-new-tokens",
+        "16",
+        "--json"
+      ])
+
+    assert %{"prompt_ids" => ^plain_ids, "generated_ids" => ^greedy} = TestJSON.decode!(json)
+
+    json =
+      run_task([
+        "--chat",
+        "--prompt",
+        "Give me a short introduction to large language models.",
+        "--json"
+      ])
+
+    assert %{"prompt_ids" => ^chat_ids, "generated_ids" => ids} = TestJSON.decode!(json)
+    assert length(ids) <= 32
+  end
+
+  test "streams the text, then a timing line" do
+    %{"greedy_ids" => greedy} = TestFixtures.reference("qwen3-4bit-g64")["prompts"]["plain"]
+    {:ok, text} = Tokenizer.decode(TestFixtures.tokenizer(), greedy)
+
+    output =
+      run_task([
+        "--prompt",
+        "The quick brown fox jumps over the lazy dog.",
+        "--max-new-tokens",
+        "16"
+      ])
+
+    assert String.starts_with?(output, text <> "\n")
+    assert output =~ ~r/16 tokens \(length\).*prefill [\d.]+ ms.*tokens\/s/
+  end
+
+  test "sampling options" do
+    args = [
+      "--max-new-tokens",
+      "8",
+      "--sampler",
+      "top_p_cpu",
+      "--seed",
+      "3",
+      "--temperature",
+      "0.8",
+      "--top-p",
+      "0.9",
+      "--top-k",
+      "50",
+      "--json"
+    ]
+
+    first = TestJSON.decode!(run_task(args))
+    second = TestJSON.decode!(run_task(args))
+
+    assert Map.take(first, ["generated_ids", "text"]) ==
+             Map.take(second, ["generated_ids", "text"])
+
+    assert length(first["generated_ids"]) <= 8
+  end
+
+  test "errors are Mix errors" do
+    assert_raise Mix.Error, ~r/does not exist/, fn -> run_task(["--model", "/no/such/model"]) end
+    assert_raise Mix.Error, ~r/invalid option/, fn -> run_task(["--max-new-tokens", "many"]) end
+    assert_raise Mix.Error, ~r/invalid option/, fn -> run_task(["--bogus"]) end
+
+    assert_raise Mix.Error, ~r/--sampler must be one of/, fn ->
+      run_task(["--sampler", "beam"])
+    end
+
+    assert_raise Mix.Error, ~r/--prompt-ids must be comma-separated/, fn ->
+      run_task(["--prompt-ids", "1,x"])
+    end
+
+    assert_raise Mix.Error, ~r/max_new_tokens/, fn -> run_task(["--max-new-tokens", "0"]) end
+    assert_raise Mix.Error, ~r/unexpected argument/, fn -> run_task(["extra"]) end
+  end
+end
