@@ -99,6 +99,7 @@ fn run(args: Args) -> emlx_axon_engine::Result<()> {
         &LoadOptions {
             dtype: None,
             quantize: args.quantize,
+            cpu_parallel: None,
         },
     )?);
     let tokenizer = Arc::new(Tokenizer::load(&args.model)?);

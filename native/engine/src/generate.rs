@@ -15,7 +15,7 @@ use mlx_rs::ops::{arange, ge, le, logical_and};
 use mlx_rs::{transforms, Array};
 
 use crate::cache::KvCache;
-use crate::device::MlxStream;
+use crate::device::{DeviceKind, Lease, MlxStream};
 use crate::error::{Error, Result};
 use crate::model::{AttentionMask, Model};
 use crate::sampler::{Sampler, SamplerConfig};
@@ -104,7 +104,11 @@ struct Row {
 pub struct Generation {
     model: Arc<Model>,
     tokenizer: Option<Arc<Tokenizer>>,
-    stream: Option<MlxStream>,
+    stream: MlxStream,
+    /// Held while no stream was given, so the generation has one to itself.
+    _own_stream: Option<Lease>,
+    /// CPU worker streams for the model's split projections.
+    workers: Vec<Lease>,
     options: GenerateOptions,
     sampler: Sampler,
     cache: KvCache,
@@ -119,13 +123,6 @@ pub struct Generation {
     last_token_at: Option<Instant>,
     prefill_ms: f64,
     steps: usize,
-}
-
-fn run_on<T>(stream: &Option<MlxStream>, f: impl FnOnce() -> T) -> T {
-    match stream {
-        Some(s) => mlx_rs::with_stream(s.stream(), f),
-        None => f(),
-    }
 }
 
 impl Generation {
@@ -157,13 +154,25 @@ impl Generation {
             .then(|| prompts.iter().map(|p| (longest - p.len()) as i32).collect());
         let capacity = longest + options.max_new_tokens.min(options.max_len);
         let sampler = Sampler::new(options.sampler.clone())?;
-        let cache = run_on(&stream, || {
-            KvCache::new(&model, prompts.len() as i32, capacity as i32)
-        })?;
+        let own_stream = match stream {
+            Some(_) => None,
+            None => Some(Lease::new(DeviceKind::default_kind())?),
+        };
+        let stream = stream.unwrap_or_else(|| own_stream.as_ref().unwrap().stream().clone());
+        let workers = if model.parallel_ways > 1 && stream.kind == DeviceKind::Cpu {
+            (0..model.parallel_ways)
+                .map(|_| Lease::new(DeviceKind::Cpu))
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            vec![]
+        };
+        let cache = stream.run(|| KvCache::new(&model, prompts.len() as i32, capacity as i32))?;
         let mut generation = Generation {
             model,
             tokenizer,
             stream,
+            _own_stream: own_stream,
+            workers,
             sampler,
             cache,
             rows: prompts
@@ -187,7 +196,7 @@ impl Generation {
             options,
         };
         let stream = generation.stream.clone();
-        run_on(&stream, || generation.prefill(prompts, longest))?;
+        stream.run(|| generation.prefill(prompts, longest))?;
         Ok(generation)
     }
 
@@ -206,7 +215,9 @@ impl Generation {
             let part = ids.index((.., start..end));
             let mask = self.mask(end - start)?;
             let last = end == longest as i32;
-            let logits = self.model.forward(&part, &mut self.cache, &mask, last)?;
+            let logits = self
+                .model
+                .forward(&part, &mut self.cache, &mask, last, &self.workers)?;
             if last {
                 self.pending = Some(self.sample(&logits)?);
                 break;
@@ -261,7 +272,7 @@ impl Generation {
     /// Decodes up to `max_steps` tokens for every unfinished row.
     pub fn next(&mut self, max_steps: usize) -> Result<Vec<RowDelta>> {
         let stream = self.stream.clone();
-        run_on(&stream, || self.decode(max_steps))
+        stream.run(|| self.decode(max_steps))
     }
 
     fn decode(&mut self, max_steps: usize) -> Result<Vec<RowDelta>> {
@@ -300,7 +311,9 @@ impl Generation {
     fn step(&mut self, tokens: &Array) -> Result<Array> {
         let mask = self.mask(1)?;
         let ids = tokens.reshape(&[tokens.dim(0), 1])?;
-        let logits = self.model.forward(&ids, &mut self.cache, &mask, false)?;
+        let logits = self
+            .model
+            .forward(&ids, &mut self.cache, &mask, false, &self.workers)?;
         self.sample(&logits)
     }
 

@@ -1,7 +1,13 @@
 //! Linear and embedding layers, dense or affine-quantized (MLX layout:
 //! `<name>.weight` packed uint32, `<name>.scales`, `<name>.biases`).
+//!
+//! MLX's CPU backend runs each matmul on its stream's single thread. On CPU a
+//! projection can therefore be split by output rows across several CPU
+//! streams (one thread each), which run in parallel and are joined with a
+//! concatenation; the row blocks are views of the same weight buffers.
 
-use mlx_rs::ops::{dequantize, matmul, quantize, quantized_matmul};
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::ops::{concatenate, dequantize, matmul, quantize, quantized_matmul};
 use mlx_rs::{Array, Dtype};
 
 use crate::config::QuantSpec;
@@ -17,6 +23,9 @@ pub struct LoadPlan {
     pub at_load: Option<QuantSpec>,
     pub dtype: Dtype,
 }
+
+/// Worker streams (one per row block) for a forward pass; empty for none.
+pub type Workers<'a> = &'a [crate::device::Lease];
 
 pub enum Weight {
     Dense(Array),
@@ -97,13 +106,81 @@ impl Weight {
         }
     }
 
+    fn rows(&self) -> i32 {
+        match self {
+            Weight::Dense(w) | Weight::Quantized { w, .. } => w.dim(0),
+        }
+    }
+
+    /// Rows `start..end`, as views of this weight's buffers.
+    fn row_block(&self, start: i32, end: i32) -> Weight {
+        let block = |a: &Array| a.index((start..end, ..));
+        match self {
+            Weight::Dense(w) => Weight::Dense(block(w)),
+            Weight::Quantized {
+                w,
+                scales,
+                biases,
+                spec,
+            } => Weight::Quantized {
+                w: block(w),
+                scales: block(scales),
+                biases: block(biases),
+                spec: *spec,
+            },
+        }
+    }
+
     pub fn is_quantized(&self) -> bool {
         matches!(self, Weight::Quantized { .. })
     }
 }
 
-pub struct Linear {
+/// A weight and, when split across worker streams, its row blocks.
+struct Projection {
     weight: Weight,
+    blocks: Vec<Weight>,
+}
+
+impl Projection {
+    fn new(weight: Weight, ways: usize) -> Self {
+        let rows = weight.rows();
+        let n = ways as i32;
+        // Small projections are not worth the cross-stream synchronization.
+        let blocks = if n > 1 && rows >= 256 * n {
+            (0..n)
+                .map(|i| weight.row_block(rows * i / n, rows * (i + 1) / n))
+                .collect()
+        } else {
+            vec![]
+        };
+        Projection { weight, blocks }
+    }
+
+    fn apply(&self, x: &Array, workers: Workers) -> Result<Array> {
+        if self.blocks.is_empty() || workers.len() < self.blocks.len() {
+            return self.weight.apply_transposed(x);
+        }
+        let parts = self
+            .blocks
+            .iter()
+            .zip(workers)
+            .map(|(w, lease)| lease.stream().run_leased(|| w.apply_transposed(x)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(concatenate(&parts, -1)?)
+    }
+
+    fn arrays(&self) -> Vec<&Array> {
+        let mut all = self.weight.arrays();
+        for w in &self.blocks {
+            all.extend(w.arrays());
+        }
+        all
+    }
+}
+
+pub struct Linear {
+    projection: Projection,
     bias: Option<Array>,
 }
 
@@ -115,8 +192,9 @@ impl Linear {
         out_dim: i32,
         bias: bool,
         plan: LoadPlan,
+        ways: usize,
     ) -> Result<Self> {
-        let weight = Weight::load(weights, prefix, out_dim, in_dim, plan)?;
+        let weight = Projection::new(Weight::load(weights, prefix, out_dim, in_dim, plan)?, ways);
         let bias = if bias {
             Some(
                 weights
@@ -126,11 +204,14 @@ impl Linear {
         } else {
             None
         };
-        Ok(Linear { weight, bias })
+        Ok(Linear {
+            projection: weight,
+            bias,
+        })
     }
 
-    pub fn forward(&self, x: &Array) -> Result<Array> {
-        let y = self.weight.apply_transposed(x)?;
+    pub fn forward(&self, x: &Array, workers: Workers) -> Result<Array> {
+        let y = self.projection.apply(x, workers)?;
         Ok(match &self.bias {
             Some(b) => y.add(b)?,
             None => y,
@@ -138,18 +219,19 @@ impl Linear {
     }
 
     pub fn arrays(&self) -> Vec<&Array> {
-        let mut all = self.weight.arrays();
+        let mut all = self.projection.arrays();
         all.extend(self.bias.iter());
         all
     }
 
     pub fn is_quantized(&self) -> bool {
-        self.weight.is_quantized()
+        self.projection.weight.is_quantized()
     }
 }
 
 pub struct Embedding {
-    weight: Weight,
+    /// Split into row blocks only when tied: the blocks serve the output projection.
+    projection: Projection,
     dtype: Dtype,
 }
 
@@ -160,16 +242,18 @@ impl Embedding {
         vocab: i32,
         dim: i32,
         plan: LoadPlan,
+        tied_ways: usize,
     ) -> Result<Self> {
+        let weight = Weight::load(weights, prefix, vocab, dim, plan)?;
         Ok(Embedding {
-            weight: Weight::load(weights, prefix, vocab, dim, plan)?,
+            projection: Projection::new(weight, tied_ways),
             dtype: plan.dtype,
         })
     }
 
     /// Rows for `ids` (any shape) -> `[..ids, dim]`.
     pub fn forward(&self, ids: &Array) -> Result<Array> {
-        Ok(match &self.weight {
+        Ok(match &self.projection.weight {
             Weight::Dense(w) => w.take_axis(ids, 0)?,
             Weight::Quantized {
                 w,
@@ -190,15 +274,15 @@ impl Embedding {
     }
 
     /// Tied output projection: `x @ E.T`.
-    pub fn as_linear(&self, x: &Array) -> Result<Array> {
-        self.weight.apply_transposed(x)
+    pub fn as_linear(&self, x: &Array, workers: Workers) -> Result<Array> {
+        self.projection.apply(x, workers)
     }
 
     pub fn arrays(&self) -> Vec<&Array> {
-        self.weight.arrays()
+        self.projection.arrays()
     }
 
     pub fn is_quantized(&self) -> bool {
-        self.weight.is_quantized()
+        self.projection.weight.is_quantized()
     }
 }

@@ -11,7 +11,7 @@ use mlx_rs::{Array, Dtype};
 use crate::cache::KvCache;
 use crate::config::{Arch, ModelConfig, QuantSpec};
 use crate::error::{read_json, Error, Result};
-use crate::layers::{Embedding, Linear, LoadPlan};
+use crate::layers::{Embedding, Linear, LoadPlan, Workers};
 use crate::weights::Weights;
 
 #[derive(Debug, Clone, Default)]
@@ -21,6 +21,9 @@ pub struct LoadOptions {
     pub dtype: Option<Dtype>,
     /// Quantize dense weights while loading.
     pub quantize: Option<QuantSpec>,
+    /// Split projections across CPU worker streams (default: on when the
+    /// model runs on the CPU and there is more than one core).
+    pub cpu_parallel: Option<bool>,
 }
 
 pub enum AttentionMask {
@@ -59,6 +62,9 @@ pub struct Model {
     pub weight_bytes: usize,
     /// Quantization applied at load, if any.
     pub quantized_at_load: Option<QuantSpec>,
+    /// Row blocks per projection: a forward pass given this many CPU worker
+    /// streams runs each projection's blocks in parallel.
+    pub parallel_ways: usize,
     embed: Embedding,
     blocks: Vec<Block>,
     norm: Array,
@@ -112,20 +118,28 @@ impl Model {
             Ok(w.take(name, Some(&[dim]))?.as_dtype(dtype)?)
         };
 
+        let on_cpu = crate::device::DeviceKind::default_kind() == crate::device::DeviceKind::Cpu;
+        let ways = if options.cpu_parallel.unwrap_or(on_cpu) {
+            crate::device::cpu_parallelism()
+        } else {
+            1
+        };
         let (d, hd) = (c.hidden_size, c.head_dim);
+        let tied_ways = if c.tie_word_embeddings { ways } else { 1 };
         let embed = Embedding::load(
             &mut weights,
             "model.embed_tokens",
             c.vocab_size,
             d,
             plan("model.embed_tokens"),
+            tied_ways,
         )?;
         let mut blocks = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
             let p = format!("model.layers.{i}");
             let linear = |w: &mut Weights, name: &str, i: i32, o: i32, bias: bool| {
                 let path = format!("{p}.{name}");
-                Linear::load(w, &path, i, o, bias, plan(&path))
+                Linear::load(w, &path, i, o, bias, plan(&path), ways)
             };
             let qkv_bias = c.arch == Arch::Qwen2;
             let attn = Attention {
@@ -195,6 +209,7 @@ impl Model {
                 c.vocab_size,
                 false,
                 plan("lm_head"),
+                ways,
             )?)
         };
         let model = Model {
@@ -204,6 +219,7 @@ impl Model {
             path: dir.to_path_buf(),
             load_ms: 0.0,
             weight_bytes,
+            parallel_ways: ways,
             embed,
             blocks,
             norm: final_norm,
@@ -250,6 +266,7 @@ impl Model {
         cache: &mut KvCache,
         mask: &AttentionMask,
         last_only: bool,
+        workers: Workers,
     ) -> Result<Array> {
         let c = &self.config;
         let mut h = self.embed.forward(ids)?;
@@ -260,12 +277,16 @@ impl Model {
                 cache,
                 i,
                 mask,
+                workers,
             )?;
             h = h.add(&r)?;
             let x = rms_norm(&h, Some(&block.post_norm), c.rms_norm_eps)?;
-            let gate = block.mlp.gate.forward(&x)?;
-            let act = multiply(multiply(&gate, sigmoid(&gate)?)?, block.mlp.up.forward(&x)?)?;
-            h = h.add(&block.mlp.down.forward(&act)?)?;
+            let gate = block.mlp.gate.forward(&x, workers)?;
+            let act = multiply(
+                multiply(&gate, sigmoid(&gate)?)?,
+                block.mlp.up.forward(&x, workers)?,
+            )?;
+            h = h.add(&block.mlp.down.forward(&act, workers)?)?;
         }
         cache.advance(ids.dim(1));
         if last_only {
@@ -274,8 +295,8 @@ impl Model {
         }
         let h = rms_norm(&h, Some(&self.norm), c.rms_norm_eps)?;
         match &self.lm_head {
-            Some(head) => head.forward(&h),
-            None => self.embed.as_linear(&h),
+            Some(head) => head.forward(&h, workers),
+            None => self.embed.as_linear(&h, workers),
         }
     }
 
@@ -286,6 +307,7 @@ impl Model {
         cache: &mut KvCache,
         layer: usize,
         mask: &AttentionMask,
+        workers: Workers,
     ) -> Result<Array> {
         let c = &self.config;
         let (b, l) = (x.dim(0), x.dim(1));
@@ -309,9 +331,9 @@ impl Model {
                 None,
             )
         };
-        let q = rotate(&heads(a.q.forward(x)?, c.num_heads, &a.q_norm)?)?;
-        let k = rotate(&heads(a.k.forward(x)?, c.num_kv_heads, &a.k_norm)?)?;
-        let v = heads(a.v.forward(x)?, c.num_kv_heads, &None)?;
+        let q = rotate(&heads(a.q.forward(x, workers)?, c.num_heads, &a.q_norm)?)?;
+        let k = rotate(&heads(a.k.forward(x, workers)?, c.num_kv_heads, &a.k_norm)?)?;
+        let v = heads(a.v.forward(x, workers)?, c.num_kv_heads, &None)?;
         let (keys, values) = cache.update(layer, &k, &v)?;
         let scale = (c.head_dim as f32).powf(-0.5);
         let out = match mask {
@@ -333,7 +355,7 @@ impl Model {
         let out = out
             .transpose_axes(&[0, 2, 1, 3])?
             .reshape(&[b, l, c.num_heads * c.head_dim])?;
-        a.o.forward(&out)
+        a.o.forward(&out, workers)
     }
 }
 

@@ -16,6 +16,7 @@ fn model() -> std::sync::Arc<emlx_axon_engine::Model> {
         &LoadOptions {
             dtype: Some(Dtype::Float32),
             quantize: None,
+            cpu_parallel: None,
         },
     )
 }
@@ -233,4 +234,37 @@ fn invalid_requests_are_typed_errors() {
         start(&[vec![1]], stop_without_tokenizer).kind(),
         "invalid_argument"
     );
+}
+
+#[test]
+fn concurrent_generations_share_one_model_and_streams() {
+    use emlx_axon_engine::device::{DeviceKind, MlxStream};
+    let m = model();
+    let refs = reference(FIXTURE, "");
+    let streams: Vec<MlxStream> = (0..2)
+        .map(|_| MlxStream::new(DeviceKind::Cpu).unwrap())
+        .collect();
+    let handles: Vec<_> = (0..8)
+        .map(|i| {
+            let (m, stream) = (m.clone(), streams[i % 2].clone());
+            let (prompt, expected) = (refs[i % 2].1.clone(), refs[i % 2].2.clone());
+            std::thread::spawn(move || {
+                let mut g = Generation::start(
+                    m,
+                    None,
+                    Some(stream),
+                    &[prompt],
+                    options(16, SamplerConfig::default()),
+                )
+                .unwrap();
+                while !g.is_done() {
+                    g.next(3).unwrap();
+                }
+                assert_eq!(g.generated()[0], expected, "thread {i}");
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
 }

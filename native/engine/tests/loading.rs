@@ -11,6 +11,7 @@ fn f32() -> LoadOptions {
     LoadOptions {
         dtype: Some(Dtype::Float32),
         quantize: None,
+        cpu_parallel: None,
     }
 }
 

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 
 use common::*;
 use emlx_axon_engine::cache::KvCache;
+use emlx_axon_engine::device::{DeviceKind, Lease};
 use emlx_axon_engine::model::AttentionMask;
 use emlx_axon_engine::{generate, Dtype, GenerateOptions, LoadOptions, QuantSpec};
 use mlx_rs::Array;
@@ -14,6 +15,7 @@ fn f32_load() -> LoadOptions {
     LoadOptions {
         dtype: Some(Dtype::Float32),
         quantize: None,
+        cpu_parallel: None,
     }
 }
 
@@ -67,7 +69,7 @@ fn check_fixture(name: &str, suffix: &str, options: LoadOptions) {
             } else {
                 AttentionMask::None
             };
-            let out = model.forward(&input, &mut cache, &mask, true).unwrap();
+            let out = model.forward(&input, &mut cache, &mask, true, &[]).unwrap();
             out.eval().unwrap();
             let ours: &[f32] = out.as_slice();
             let theirs = &reference[step * vocab..(step + 1) * vocab];
@@ -113,4 +115,29 @@ fn qwen3_mixed_per_layer_quantization() {
 #[test]
 fn qwen2_4bit_group64_untied() {
     check_fixture("qwen2-4bit-g64", "", f32_load());
+}
+
+#[test]
+fn splitting_projections_across_cpu_streams_changes_no_logit() {
+    let run = |parallel: bool| {
+        let options = LoadOptions {
+            cpu_parallel: Some(parallel),
+            ..f32_load()
+        };
+        let model = load("qwen2-4bit-g64", &options);
+        let prompt = &reference("qwen2-4bit-g64", "")[0].1;
+        let mut cache = KvCache::new(&model, 1, prompt.len() as i32).unwrap();
+        let ids = Array::from_slice(prompt, &[1, prompt.len() as i32]);
+        let workers: Vec<Lease> = (0..model.parallel_ways)
+            .map(|_| Lease::new(DeviceKind::Cpu).unwrap())
+            .collect();
+        let cores = emlx_axon_engine::device::cpu_parallelism();
+        assert_eq!(model.parallel_ways > 1, parallel && cores > 1);
+        let logits = model
+            .forward(&ids, &mut cache, &AttentionMask::Causal, true, &workers)
+            .unwrap();
+        logits.eval().unwrap();
+        logits.as_slice::<f32>().to_vec()
+    };
+    assert_eq!(run(true), run(false));
 }
