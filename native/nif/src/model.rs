@@ -83,6 +83,7 @@ fn model_load(path: String, options: ModelLoadOptions) -> NifResult<ResourceArc<
         let options = LoadOptions {
             dtype: options.dtype.as_deref().map(parse_dtype).transpose()?,
             quantize,
+            cpu_parallel: None,
         };
         let model = Model::load(Path::new(&path), &options)?;
         Ok(ResourceArc::new(ModelResource {
