@@ -81,7 +81,7 @@ defmodule Mix.Tasks.Compile.EmlxAxonNative do
   defp build(root, installed, opts) do
     fingerprint = fingerprint(root)
 
-    if not opts[:force] and File.regular?(installed) and read_manifest() == fingerprint do
+    if !opts[:force] and File.regular?(installed) and read_manifest() == fingerprint do
       :noop
     else
       cargo_build!(root, opts)

@@ -106,7 +106,7 @@ defmodule EMLXAxon.TextGeneration do
   Unknown options and out-of-range values raise `ArgumentError`.
   """
 
-  alias EMLXAxon.{Error, Generation, Options, Tokenizer}
+  alias EMLXAxon.{Generation, Options, Tokenizer}
   alias EMLXAxon.Qwen3.{Loader, Model.State}
 
   @serving_module EMLXAxon.TextGeneration.Serving
@@ -378,6 +378,9 @@ defmodule EMLXAxon.TextGeneration do
           output()
   def output_from_ids(tokenizer, ids, finish_reason, stop, metadata) do
     decode_ids = if finish_reason == :eos, do: Enum.drop(ids, -1), else: ids
+    # A model's vocabulary is often padded past the tokenizer's; such ids
+    # have no text.
+    decode_ids = Enum.filter(decode_ids, &(&1 < tokenizer.vocab_size))
 
     text =
       case Tokenizer.decode(tokenizer, decode_ids, skip_special_tokens: true) do
@@ -542,7 +545,4 @@ defmodule EMLXAxon.TextGeneration do
 
     :ok
   end
-
-  @doc false
-  def __error__(reason), do: Error.from_native(reason)
 end

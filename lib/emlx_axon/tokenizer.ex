@@ -23,10 +23,13 @@ defmodule EMLXAxon.Tokenizer do
   alias EMLXAxon.{Error, Native}
 
   @enforce_keys [:ref, :path]
-  defstruct [:ref, :path]
+  defstruct [:ref, :path, :vocab_size]
 
-  @typedoc "A loaded tokenizer; `:path` is where it was loaded from."
-  @type t :: %__MODULE__{ref: reference(), path: String.t()}
+  @typedoc """
+  A loaded tokenizer; `:path` is where it was loaded from and `:vocab_size`
+  the number of tokens it knows (special tokens included).
+  """
+  @type t :: %__MODULE__{ref: reference(), path: String.t(), vocab_size: pos_integer()}
 
   @typedoc """
   A chat message: `%{role: role, content: content}` (atom or string keys)
@@ -58,8 +61,9 @@ defmodule EMLXAxon.Tokenizer do
     path = Path.expand(path)
 
     if File.exists?(path) do
-      with {:ok, ref} <- Error.wrap(Native.tokenizer_load(path)) do
-        {:ok, %__MODULE__{ref: ref, path: path}}
+      with {:ok, ref} <- Error.wrap(Native.tokenizer_load(path)),
+           {:ok, %{vocab_size: vocab_size}} <- Error.wrap(Native.tokenizer_info(ref)) do
+        {:ok, %__MODULE__{ref: ref, path: path, vocab_size: vocab_size}}
       end
     else
       {:error, %Error{kind: :io, message: "tokenizer path does not exist: #{path}"}}

@@ -63,12 +63,9 @@ defmodule EMLXAxon.Qwen3.LoaderTest do
 
     test "quantize option quantizes a dense checkpoint while loading" do
       path = TestFixtures.path("qwen3-bf16")
-      {:ok, dense} = Loader.load(path)
 
-      assert {:ok, %State{config: %{quantization: %{bits: 4, group_size: 128}} = config}} =
+      assert {:ok, %State{config: %{quantization: %{bits: 4, group_size: 128}}}} =
                Loader.load(path, quantize: [bits: 4, group_size: 128])
-
-      assert config.weight_bytes < dense.config.weight_bytes
 
       assert {:ok, %State{config: %{quantization: %{bits: 8, group_size: 64}}}} =
                Loader.load(path, quantize: [bits: 8])
@@ -81,6 +78,13 @@ defmodule EMLXAxon.Qwen3.LoaderTest do
   end
 
   describe "errors" do
+    test "quantizing an already quantized checkpoint" do
+      assert {:error, %Error{kind: :invalid_argument, message: message}} =
+               Loader.load(TestFixtures.path("qwen3-4bit-g64"), quantize: [bits: 4])
+
+      assert message =~ "already quantized"
+    end
+
     test "missing directory" do
       assert {:error, %Error{kind: :io, message: message}} = Loader.load("/no/such/model")
       assert message =~ "/no/such/model"

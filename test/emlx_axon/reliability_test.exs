@@ -66,7 +66,7 @@ defmodule EMLXAxon.ReliabilityTest do
 
     tasks = [
       Task.async(fn ->
-        inputs |> TextGeneration.run(tokenizer, state, @opts) |> Enum.map(& &1.results)
+        tokenizer |> TextGeneration.run(state, inputs, @opts) |> Enum.map(& &1.results)
       end),
       Task.async(fn ->
         Enum.map(inputs, fn input ->

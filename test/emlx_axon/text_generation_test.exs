@@ -179,6 +179,23 @@ defmodule EMLXAxon.TextGenerationTest do
                )
     end
 
+    test "generated ids outside the tokenizer's vocabulary do not fail generation",
+         %{tokenizer: tokenizer, state: state} do
+      # The model's vocabulary (151936) is padded past the tokenizer's (151669);
+      # this random model's greedy output for "Elixir" contains padding ids.
+      {:ok, %{vocab_size: vocab}} = Tokenizer.info(tokenizer)
+
+      assert %{results: [%{token_ids: ids, generated_text: text} = result], metadata: metadata} =
+               TextGeneration.run(tokenizer, state, "Elixir", @opts)
+
+      assert Enum.any?(ids, &(&1 >= vocab))
+      {:ok, expected} = Tokenizer.decode(tokenizer, Enum.filter(ids, &(&1 < vocab)))
+      assert text == expected
+
+      assert %{results: [^result]} =
+               TextGeneration.output_from_ids(tokenizer, ids, result.finish_reason, [], metadata)
+    end
+
     test "max_len and timeout", %{tokenizer: tokenizer, state: state} do
       assert %{results: [%{finish_reason: :max_len}]} =
                TextGeneration.run(tokenizer, state, @plain_text, max_new_tokens: 16, max_len: 13)
@@ -275,7 +292,7 @@ defmodule EMLXAxon.TextGenerationTest do
             {%{prompt: "x"}, ~r/expected each input/},
             {["ok", 5], ~r/expected each input/},
             {[[%{role: "user"}]], ~r/expected each input/},
-            {[%{role: "user", content: 1}], ~r/expected each input/}
+            {[%{role: "user", content: 1}], ~r/content a string/}
           ] do
         assert_raise ArgumentError, message, fn ->
           TextGeneration.run(tokenizer, state, input, @opts)

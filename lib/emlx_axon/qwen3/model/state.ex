@@ -12,7 +12,7 @@ defmodule EMLXAxon.Qwen3.Model.State do
     * `:dtype` - the compute dtype, such as `"bfloat16"`
     * `:quantization` - `nil` or `%{bits: 4, group_size: 64}`
     * `:load_ms` - how long loading took
-    * `:weight_bytes` - the size of the weights in memory
+    * `:weight_bytes` - the size of the checkpoint's weights, as stored
     * `:path` - the checkpoint directory
   """
 
