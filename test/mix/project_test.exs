@@ -38,4 +38,66 @@ defmodule EMLXAxon.MixProjectTest do
     refute output =~ "warning"
     assert File.regular?(Path.join(build, "lib/emlx_axon/priv/native/libemlx_axon_nif.so"))
   end
+
+  @tag timeout: 600_000
+  test "a fresh checkout: cargo runs, priv/ is created and reaches _build, failures explain the fix" do
+    dir = Path.join(System.tmp_dir!(), "emlx_axon_fresh_#{System.unique_integer([:positive])}")
+    on_exit(fn -> File.rm_rf!(dir) end)
+    File.mkdir_p!(Path.join(dir, "native"))
+    File.cp_r!(Path.join(@root, "lib"), Path.join(dir, "lib"))
+    File.cp!(Path.join(@root, "mix.exs"), Path.join(dir, "mix.exs"))
+    File.cp!(Path.join(@root, "native/mix_compiler.ex"), Path.join(dir, "native/mix_compiler.ex"))
+
+    # A stand-in for cargo (the CARGO variable is honoured) that "builds" the
+    # real library, or fails like cargo does.
+    cargo = Path.join(dir, "fake-cargo")
+
+    File.write!(cargo, """
+    #!/bin/sh
+    echo "fake cargo $*"
+    if [ -n "$FAKE_CARGO_FAIL" ]; then echo "error: could not find MLX"; exit 101; fi
+    mkdir -p target/release
+    cp #{Path.join(@root, "priv/native/libemlx_axon_nif.so")} target/release/libemlx_axon_nif.so
+    """)
+
+    File.chmod!(cargo, 0o755)
+
+    env = [
+      {"CARGO", cargo},
+      {"MIX_ENV", "dev"},
+      {"MIX_BUILD_PATH", nil},
+      {"CARGO_TARGET_DIR", nil},
+      {"EMLX_AXON_SKIP_NATIVE", nil}
+    ]
+
+    mix = fn args, extra_env ->
+      System.cmd("mix", args, cd: dir, env: env ++ extra_env, stderr_to_stdout: true)
+    end
+
+    %{mlx_version: version} = EMLXAxon.mlx_info()
+    {output, status} = mix.(["run", "-e", "IO.puts(EMLXAxon.mlx_info().mlx_version)"], [])
+    assert status == 0, output
+    assert output =~ "Compiling the emlx_axon NIF (cargo build --release -p emlx_axon_nif)"
+    assert output =~ version
+    refute output =~ "could not load"
+    assert File.regular?(Path.join(dir, "priv/native/libemlx_axon_nif.so"))
+
+    assert File.regular?(
+             Path.join(dir, "_build/dev/lib/emlx_axon/priv/native/libemlx_axon_nif.so")
+           )
+
+    assert Path.wildcard(Path.join(dir, "priv/native/.*.tmp")) == []
+
+    # Nothing changed: cargo is not run again.
+    {output, 0} = mix.(["compile"], [])
+    refute output =~ "Compiling the emlx_axon NIF"
+
+    # A failing build prints cargo's output and says how to fix it.
+    {output, status} = mix.(["compile", "--force"], [{"FAKE_CARGO_FAIL", "1"}])
+    assert status != 0
+    assert output =~ "fake cargo build --release -p emlx_axon_nif"
+    assert output =~ "error: could not find MLX"
+    assert output =~ "could not build the emlx_axon NIF"
+    assert output =~ "scripts/setup"
+  end
 end
