@@ -418,6 +418,15 @@ fn validate(
     if o.max_len == 0 {
         return Err(Error::invalid("max_len must be at least 1"));
     }
+    if let Some(t) = tokenizer {
+        if t.vocab_size() > model.config.vocab_size as usize {
+            return Err(Error::invalid(format!(
+                "the tokenizer has {} tokens but the model only {}: they belong to different models",
+                t.vocab_size(),
+                model.config.vocab_size
+            )));
+        }
+    }
     if !o.stop.is_empty() && tokenizer.is_none() {
         return Err(Error::invalid("stop strings need a tokenizer"));
     }

@@ -87,10 +87,7 @@ fn errors_are_typed() {
         "io"
     );
     let t = qwen3();
-    assert_eq!(
-        t.decode(&[10_000_000], false).unwrap_err().kind(),
-        "invalid_argument"
-    );
+    assert_eq!(t.decode(&[10_000_000, 785], false).unwrap(), "The");
     let bad = serde_json::json!([{"role": "user"}]);
     assert_eq!(
         t.apply_chat_template(&bad, true, None).unwrap_err().kind(),

@@ -1,0 +1,707 @@
+//! Speed and memory of the engine on one checkpoint, one JSON object per
+//! measurement on stdout (bench/run runs it next to mlx-lm and Elixir).
+//!
+//! cargo run --release -p emlx_axon_engine --example bench -- --model DIR
+//!     (--prompts FILE | --prompt-ids 1,2,3) [--dtype float32|bfloat16|float16]
+//!     [--tokens N] [--batch-tokens N] [--batch 1,4,8] [--measures decode,prefill,batch,profile]
+//!     [--warmup K] [--warmup-mode full|light] [--runs R] [--chunk C] [--label TEXT]
+//!
+//! --prompts is the JSON written by bench/prompts.py: `decode` (batch-1
+//! decode prompt), `prefill` (~512 ids, for prefill speed and time to first
+//! token) and `batch` (equal-length prompts, one per row). --prompt-ids uses
+//! one list for all three. The dtype defaults to the engine's: float32 on the
+//! CPU, bfloat16 on a GPU.
+//!
+//! Measures (all wall clock, greedy, EOS ignored so every row decodes exactly
+//! --tokens tokens):
+//!   load     Model::load
+//!   decode   batch 1: (tokens - 1) / (time of last token - time of first)
+//!   prefill  prompt tokens / time to first token (start of the call to the
+//!            first token on the host)
+//!   batch    for each --batch size: rows x (batch tokens - 1) / decode time
+//!   profile  a hand-run decode loop timing graph construction, evaluation
+//!            and sampling separately, and each decode-shaped kernel alone
+//! Each measure reports the peak RSS while it ran (VmHWM, reset through
+//! /proc/self/clear_refs) and MLX's own peak memory.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use emlx_axon_engine::cache::KvCache;
+use emlx_axon_engine::device::{gpu_available, mlx_version, DeviceKind, Lease};
+use emlx_axon_engine::model::AttentionMask;
+use emlx_axon_engine::{Dtype, GenerateOptions, Generation, LoadOptions, Model};
+use mlx_rs::fast::{rms_norm, rope, scaled_dot_product_attention};
+use mlx_rs::ops::indexing::argmax_axis;
+use mlx_rs::ops::quantized_matmul;
+use mlx_rs::{transforms, Array};
+use serde_json::{json, Map, Value};
+
+type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+struct Prompts {
+    decode: Vec<u32>,
+    prefill: Vec<u32>,
+    batch: Vec<Vec<u32>>,
+    digest: String,
+}
+
+struct Args {
+    model: PathBuf,
+    prompts: Option<Prompts>,
+    dtype: Option<Dtype>,
+    tokens: usize,
+    batch_tokens: Option<usize>,
+    batches: Vec<usize>,
+    measures: Vec<String>,
+    warmup: usize,
+    light_warmup: bool,
+    runs: usize,
+    chunk: usize,
+    label: String,
+}
+
+fn ids_from(value: &Value, what: &str) -> AnyResult<Vec<u32>> {
+    let list = value
+        .as_array()
+        .ok_or(format!("`{what}` must be a list of ids"))?;
+    list.iter()
+        .map(|v| {
+            v.as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or_else(|| format!("`{what}` holds a non-id: {v}").into())
+        })
+        .collect()
+}
+
+fn read_prompts(path: &str) -> AnyResult<Prompts> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
+    let json: Value = serde_json::from_str(&text).map_err(|e| format!("{path}: {e}"))?;
+    let batch = json["batch"]
+        .as_array()
+        .ok_or("`batch` must be a list of prompts")?
+        .iter()
+        .map(|p| ids_from(p, "batch"))
+        .collect::<AnyResult<Vec<_>>>()?;
+    Ok(Prompts {
+        decode: ids_from(&json["decode"], "decode")?,
+        prefill: ids_from(&json["prefill"], "prefill")?,
+        batch,
+        digest: json["sha256"].as_str().unwrap_or("").to_string(),
+    })
+}
+
+fn parse() -> AnyResult<Args> {
+    let mut args = Args {
+        model: PathBuf::new(),
+        prompts: None,
+        dtype: None,
+        tokens: 128,
+        batch_tokens: None,
+        batches: vec![1, 4, 8],
+        measures: ["decode", "prefill", "batch"].map(String::from).to_vec(),
+        warmup: 1,
+        light_warmup: false,
+        runs: 1,
+        chunk: 16,
+        label: "rust".into(),
+    };
+    let count = |s: String, flag: &str| -> AnyResult<usize> {
+        s.parse()
+            .map_err(|_| format!("{flag} needs a number, got {s}").into())
+    };
+    let mut rest = std::env::args().skip(1);
+    let v = |r: &mut std::iter::Skip<std::env::Args>, flag: &str| {
+        r.next().ok_or_else(|| format!("{flag} needs a value"))
+    };
+    while let Some(flag) = rest.next() {
+        match flag.as_str() {
+            "--model" => args.model = v(&mut rest, &flag)?.into(),
+            "--prompts" => args.prompts = Some(read_prompts(&v(&mut rest, &flag)?)?),
+            "--prompt-ids" => {
+                let ids = v(&mut rest, &flag)?
+                    .split(',')
+                    .map(|x| x.trim().parse::<u32>())
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|_| "--prompt-ids takes comma-separated ids")?;
+                args.prompts = Some(Prompts {
+                    decode: ids.clone(),
+                    prefill: ids.clone(),
+                    batch: vec![ids],
+                    digest: String::new(),
+                });
+            }
+            "--dtype" => {
+                args.dtype = Some(match v(&mut rest, &flag)?.as_str() {
+                    "float32" | "f32" => Dtype::Float32,
+                    "bfloat16" | "bf16" => Dtype::Bfloat16,
+                    "float16" | "f16" => Dtype::Float16,
+                    other => return Err(format!("--dtype: unknown dtype {other}").into()),
+                })
+            }
+            "--tokens" => args.tokens = count(v(&mut rest, &flag)?, &flag)?,
+            "--batch-tokens" => args.batch_tokens = Some(count(v(&mut rest, &flag)?, &flag)?),
+            "--warmup" => args.warmup = count(v(&mut rest, &flag)?, &flag)?,
+            "--warmup-mode" => {
+                args.light_warmup = match v(&mut rest, &flag)?.as_str() {
+                    "light" => true,
+                    "full" => false,
+                    other => {
+                        return Err(format!("--warmup-mode is full or light, not {other}").into())
+                    }
+                }
+            }
+            "--runs" => args.runs = count(v(&mut rest, &flag)?, &flag)?.max(1),
+            "--chunk" => args.chunk = count(v(&mut rest, &flag)?, &flag)?.max(1),
+            "--label" => args.label = v(&mut rest, &flag)?,
+            "--batch" => {
+                args.batches = v(&mut rest, &flag)?
+                    .split(',')
+                    .map(|b| count(b.trim().to_string(), &flag))
+                    .collect::<AnyResult<Vec<_>>>()?
+            }
+            "--measures" => {
+                args.measures = v(&mut rest, &flag)?.split(',').map(String::from).collect();
+                for m in &args.measures {
+                    if !["decode", "prefill", "batch", "profile"].contains(&m.as_str()) {
+                        return Err(format!("--measures: unknown measure {m}").into());
+                    }
+                }
+            }
+            other => return Err(format!("unknown argument {other}").into()),
+        }
+    }
+    if args.model.as_os_str().is_empty() {
+        return Err("--model DIR is required".into());
+    }
+    if args.prompts.is_none() {
+        return Err("--prompts FILE or --prompt-ids LIST is required".into());
+    }
+    if args.tokens < 2 || args.batch_tokens.is_some_and(|n| n < 2) {
+        return Err("--tokens and --batch-tokens must be at least 2".into());
+    }
+    Ok(args)
+}
+
+/// Memory readings taken around one measurement.
+struct Memory;
+
+impl Memory {
+    /// Frees MLX's buffer cache and resets both peaks, so the next reading
+    /// covers only what runs from now on.
+    fn reset() {
+        // SAFETY: plain MLX-C calls without arguments.
+        unsafe {
+            mlx_sys::mlx_clear_cache();
+            mlx_sys::mlx_reset_peak_memory();
+        }
+        // "5" resets the VmHWM high-water mark (Linux 4.0+); elsewhere ignored.
+        let _ = std::fs::write("/proc/self/clear_refs", "5");
+    }
+
+    fn status_kb(key: &str) -> Option<f64> {
+        let status = std::fs::read_to_string("/proc/self/status").ok()?;
+        let line = status.lines().find(|l| l.starts_with(key))?;
+        line.split_whitespace().nth(1)?.parse().ok()
+    }
+
+    fn mlx_peak() -> usize {
+        let mut peak = 0usize;
+        // SAFETY: writes one usize.
+        unsafe { mlx_sys::mlx_get_peak_memory(&mut peak) };
+        peak
+    }
+
+    fn record(out: &mut Map<String, Value>) {
+        let mb = |kb: Option<f64>| kb.map(|k| (k / 1024.0 * 10.0).round() / 10.0);
+        out.insert("peak_rss_mb".into(), json!(mb(Self::status_kb("VmHWM:"))));
+        out.insert("rss_mb".into(), json!(mb(Self::status_kb("VmRSS:"))));
+        out.insert(
+            "mlx_peak_mb".into(),
+            json!((Self::mlx_peak() as f64 / 1048576.0 * 10.0).round() / 10.0),
+        );
+    }
+}
+
+fn ms(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1e3
+}
+
+fn round(x: f64, digits: i32) -> f64 {
+    let p = 10f64.powi(digits);
+    (x * p).round() / p
+}
+
+struct Bench {
+    model: Arc<Model>,
+    args: Args,
+    common: Map<String, Value>,
+}
+
+/// One timed generation: prompts in, wall-clock timings out.
+struct Timed {
+    ttft_ms: f64,
+    decode_ms: f64,
+    generated: Vec<usize>,
+    engine_prefill_ms: f64,
+    engine_decode_tok_s: f64,
+}
+
+impl Bench {
+    fn emit(&self, measure: &str, run: Option<usize>, fields: Value) {
+        let mut out = self.common.clone();
+        out.insert("measure".into(), json!(measure));
+        if let Some(r) = run {
+            out.insert("run".into(), json!(r));
+        }
+        if let Value::Object(f) = fields {
+            out.extend(f);
+        }
+        println!("{}", Value::Object(out));
+    }
+
+    fn options(&self, longest: usize, tokens: usize) -> GenerateOptions {
+        GenerateOptions {
+            max_new_tokens: tokens,
+            max_len: longest + tokens + 1,
+            ignore_eos: true,
+            profile_timing: true,
+            ..GenerateOptions::default()
+        }
+    }
+
+    fn generate(&self, prompts: &[Vec<u32>], tokens: usize) -> AnyResult<Timed> {
+        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        let options = self.options(longest, tokens);
+        let started = Instant::now();
+        let mut generation = Generation::start(self.model.clone(), None, None, prompts, options)?;
+        generation.next(1)?;
+        let first = Instant::now();
+        while !generation.is_done() {
+            generation.next(self.args.chunk)?;
+        }
+        let last = Instant::now();
+        let stats = generation.stats();
+        let generated: Vec<usize> = generation.generated().iter().map(Vec::len).collect();
+        if generated.iter().any(|&n| n != tokens) {
+            return Err(format!("expected {tokens} tokens per row, got {generated:?}").into());
+        }
+        Ok(Timed {
+            ttft_ms: (first - started).as_secs_f64() * 1e3,
+            decode_ms: (last - first).as_secs_f64() * 1e3,
+            generated,
+            engine_prefill_ms: stats.prefill_ms,
+            engine_decode_tok_s: stats.decode_tokens_per_s,
+        })
+    }
+
+    fn prompts(&self) -> &Prompts {
+        self.args.prompts.as_ref().expect("checked in parse")
+    }
+
+    fn batch_prompts(&self, batch: usize) -> Vec<Vec<u32>> {
+        let rows = &self.prompts().batch;
+        (0..batch).map(|i| rows[i % rows.len()].clone()).collect()
+    }
+
+    /// Full: every measure once, shortened. Light (for slow CPUs): a 2-token
+    /// prompt decoding 2 tokens, then the largest batch likewise; the same
+    /// kernels run, at a fraction of the cost.
+    fn warm_up(&self) -> AnyResult<()> {
+        let p = self.prompts();
+        let started = Instant::now();
+        let largest = self.args.batches.iter().copied().max().unwrap_or(1);
+        for _ in 0..self.args.warmup {
+            if self.args.light_warmup {
+                let short = |ids: &Vec<u32>| ids[..ids.len().min(2)].to_vec();
+                self.generate(&[short(&p.decode)], 2)?;
+                if self.wants("batch") && largest > 1 {
+                    let rows: Vec<_> = self.batch_prompts(largest).iter().map(short).collect();
+                    self.generate(&rows, 2)?;
+                }
+                continue;
+            }
+            if self.wants("decode") {
+                self.generate(std::slice::from_ref(&p.decode), 4)?;
+            }
+            if self.wants("prefill") {
+                self.generate(std::slice::from_ref(&p.prefill), 2)?;
+            }
+            if self.wants("batch") {
+                for &b in &self.args.batches {
+                    self.generate(&self.batch_prompts(b), 2)?;
+                }
+            }
+        }
+        self.emit(
+            "warmup",
+            None,
+            json!({
+                "iterations": self.args.warmup,
+                "mode": if self.args.light_warmup { "light" } else { "full" },
+                "wall_ms": round(ms(started), 1),
+            }),
+        );
+        Ok(())
+    }
+
+    fn wants(&self, measure: &str) -> bool {
+        self.args.measures.iter().any(|m| m == measure)
+    }
+
+    fn decode(&self, run: usize) -> AnyResult<()> {
+        let prompt = self.prompts().decode.clone();
+        let n = self.args.tokens;
+        Memory::reset();
+        let t = self.generate(&[prompt.clone()], n)?;
+        let mut fields = Map::new();
+        fields.insert("batch".into(), json!(1));
+        fields.insert("prompt_tokens".into(), json!(prompt.len()));
+        fields.insert("tokens".into(), json!(n));
+        fields.insert(
+            "tok_s".into(),
+            json!(round((n - 1) as f64 / (t.decode_ms / 1e3), 3)),
+        );
+        fields.insert("ttft_ms".into(), json!(round(t.ttft_ms, 2)));
+        fields.insert("decode_ms".into(), json!(round(t.decode_ms, 2)));
+        fields.insert(
+            "engine_decode_tok_s".into(),
+            json!(round(t.engine_decode_tok_s, 3)),
+        );
+        fields.insert("kv_bytes".into(), json!(self.kv_bytes(1, prompt.len() + n)));
+        Memory::record(&mut fields);
+        self.emit("decode", Some(run), Value::Object(fields));
+        Ok(())
+    }
+
+    fn prefill(&self, run: usize) -> AnyResult<()> {
+        let prompt = self.prompts().prefill.clone();
+        Memory::reset();
+        let t = self.generate(&[prompt.clone()], 2)?;
+        let mut fields = Map::new();
+        fields.insert("batch".into(), json!(1));
+        fields.insert("prompt_tokens".into(), json!(prompt.len()));
+        fields.insert(
+            "tok_s".into(),
+            json!(round(prompt.len() as f64 / (t.ttft_ms / 1e3), 3)),
+        );
+        fields.insert("ttft_ms".into(), json!(round(t.ttft_ms, 2)));
+        fields.insert(
+            "engine_prefill_ms".into(),
+            json!(round(t.engine_prefill_ms, 2)),
+        );
+        fields.insert("kv_bytes".into(), json!(self.kv_bytes(1, prompt.len() + 2)));
+        Memory::record(&mut fields);
+        self.emit("prefill", Some(run), Value::Object(fields));
+        Ok(())
+    }
+
+    fn batch(&self, run: usize, batch: usize) -> AnyResult<()> {
+        let prompts = self.batch_prompts(batch);
+        let n = self.args.batch_tokens.unwrap_or(self.args.tokens);
+        Memory::reset();
+        let t = self.generate(&prompts, n)?;
+        let mut fields = Map::new();
+        fields.insert("batch".into(), json!(batch));
+        fields.insert("prompt_tokens".into(), json!(prompts[0].len()));
+        fields.insert("tokens".into(), json!(n));
+        fields.insert("generated".into(), json!(t.generated.iter().sum::<usize>()));
+        fields.insert(
+            "tok_s".into(),
+            json!(round((batch * (n - 1)) as f64 / (t.decode_ms / 1e3), 3)),
+        );
+        fields.insert("ttft_ms".into(), json!(round(t.ttft_ms, 2)));
+        fields.insert("decode_ms".into(), json!(round(t.decode_ms, 2)));
+        fields.insert(
+            "kv_bytes".into(),
+            json!(self.kv_bytes(batch, prompts[0].len() + n)),
+        );
+        Memory::record(&mut fields);
+        self.emit("batch", Some(run), Value::Object(fields));
+        Ok(())
+    }
+
+    /// Bytes of the engine's preallocated KV cache for `rows` x `positions`.
+    fn kv_bytes(&self, rows: usize, positions: usize) -> usize {
+        let c = &self.model.config;
+        let item = match self.model.dtype {
+            Dtype::Float32 => 4,
+            _ => 2,
+        };
+        2 * c.num_layers * rows * c.num_kv_heads as usize * positions * c.head_dim as usize * item
+    }
+
+    /// Where a decode step's time goes: a decode loop run by hand, timing
+    /// graph construction (`Model::forward`), evaluation and greedy sampling
+    /// separately and synchronously; then each decode-shaped kernel alone.
+    fn profile(&self) -> AnyResult<()> {
+        // As `Generation` does: a stream of its own, plus CPU worker streams
+        // when the model splits its projections.
+        let own = Lease::new(DeviceKind::default_kind())?;
+        let workers = if self.model.parallel_ways > 1 && !gpu_available() {
+            (0..self.model.parallel_ways)
+                .map(|_| Lease::new(DeviceKind::Cpu))
+                .collect::<emlx_axon_engine::Result<Vec<_>>>()?
+        } else {
+            vec![]
+        };
+        own.stream().run(|| self.profile_steps(&workers))?;
+        own.stream()
+            .run(|| self.profile_kernels(self.prompts().decode.len() + self.args.tokens / 2))
+    }
+
+    fn profile_steps(&self, workers: &[Lease]) -> AnyResult<()> {
+        let model = &self.model;
+        let prompt = self.prompts().decode.clone();
+        let n = self.args.tokens;
+        let mut cache = KvCache::new(model, 1, (prompt.len() + n + 1) as i32)?;
+        let ids = Array::from_slice(&prompt, &[1, prompt.len() as i32]);
+        let logits = model.forward(&ids, &mut cache, &AttentionMask::Causal, true, workers)?;
+        let mut token = argmax_axis(logits.reshape(&[1, -1])?, -1, false)?;
+        token.eval()?;
+        let (mut build, mut eval, mut sample) = (vec![], vec![], vec![]);
+        for _ in 0..n {
+            let t0 = Instant::now();
+            let input = token.reshape(&[1, 1])?;
+            let logits = model.forward(&input, &mut cache, &AttentionMask::None, false, workers)?;
+            let t1 = Instant::now();
+            logits.eval()?;
+            let t2 = Instant::now();
+            token = argmax_axis(logits.reshape(&[1, -1])?, -1, false)?;
+            token.eval()?;
+            let _id: u32 = token.as_slice::<u32>()[0];
+            let t3 = Instant::now();
+            build.push((t1 - t0).as_secs_f64() * 1e3);
+            eval.push((t2 - t1).as_secs_f64() * 1e3);
+            sample.push((t3 - t2).as_secs_f64() * 1e3);
+        }
+        let step: Vec<f64> = (0..n).map(|i| build[i] + eval[i] + sample[i]).collect();
+        self.emit(
+            "profile_step",
+            None,
+            json!({
+                "steps": n,
+                "worker_streams": workers.len(),
+                "graph_build_ms": round(median(&build), 3),
+                "eval_ms": round(median(&eval), 3),
+                "sample_ms": round(median(&sample), 3),
+                "step_ms": round(median(&step), 3),
+                "sync_tok_s": round(1e3 / median(&step), 3),
+            }),
+        );
+        Ok(())
+    }
+
+    /// Each kernel of a decode step alone, at the checkpoint's shapes, with
+    /// random weights (the speed of these kernels does not depend on values),
+    /// whole on one stream (one CPU thread), as mlx-lm runs them.
+    fn profile_kernels(&self, context: usize) -> AnyResult<()> {
+        let c = &self.model.config;
+        let Some(q) = c
+            .quantization
+            .as_ref()
+            .map(|q| q.for_module("model.embed_tokens"))
+        else {
+            self.emit(
+                "profile_kernels",
+                None,
+                json!({"skipped": "dense checkpoint"}),
+            );
+            return Ok(());
+        };
+        let (d, hd) = (c.hidden_size, c.head_dim);
+        let (heads, kv_heads, inter) = (c.num_heads, c.num_kv_heads, c.intermediate_size);
+        let dtype = self.model.dtype;
+        let layers = c.num_layers as f64;
+        let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+        let mut random_u32 = |len: usize| -> Vec<u32> {
+            (0..len)
+                .map(|_| {
+                    rng ^= rng << 13;
+                    rng ^= rng >> 7;
+                    rng ^= rng << 17;
+                    rng as u32
+                })
+                .collect()
+        };
+        let x = |dim: i32| -> AnyResult<Array> {
+            Ok(Array::from_slice(&vec![0.01f32; dim as usize], &[1, 1, dim]).as_dtype(dtype)?)
+        };
+        let mut rows = Vec::new();
+        let mut per_token = 0.0;
+        let shapes = [
+            ("q_proj", heads * hd, d, layers),
+            ("k_proj", kv_heads * hd, d, layers),
+            ("v_proj", kv_heads * hd, d, layers),
+            ("o_proj", d, heads * hd, layers),
+            ("gate_proj", inter, d, layers),
+            ("up_proj", inter, d, layers),
+            ("down_proj", d, inter, layers),
+            ("lm_head", c.vocab_size, d, 1.0),
+        ];
+        for (name, out, inp, times) in shapes {
+            let w = Array::from_slice(
+                &random_u32((out * inp * q.bits / 32) as usize),
+                &[out, inp * q.bits / 32],
+            );
+            let groups = (out * inp / q.group_size) as usize;
+            let scales = Array::from_slice(&vec![0.01f32; groups], &[out, inp / q.group_size])
+                .as_dtype(dtype)?;
+            let biases = Array::from_slice(&vec![-0.05f32; groups], &[out, inp / q.group_size])
+                .as_dtype(dtype)?;
+            let input = x(inp)?;
+            transforms::eval([&w, &scales, &biases, &input])?;
+            let t = time_op(|| {
+                quantized_matmul(&input, &w, &scales, &biases, true, q.group_size, q.bits)
+            })?;
+            per_token += t * times;
+            rows.push(
+                json!({"op": name, "shape": [out, inp], "ms": round(t, 4), "per_token": times}),
+            );
+        }
+        let h = x(d)?;
+        let norm_w = Array::from_slice(&vec![1.0f32; d as usize], &[d]).as_dtype(dtype)?;
+        let t = time_op(|| rms_norm(&h, Some(&norm_w), 1e-6))?;
+        per_token += t * (2.0 * layers + 1.0);
+        rows.push(json!({"op": "rms_norm", "shape": [d], "ms": round(t, 4), "per_token": 2.0 * layers + 1.0}));
+        let qh = Array::from_slice(&vec![0.01f32; (heads * hd) as usize], &[1, heads, 1, hd])
+            .as_dtype(dtype)?;
+        let t = time_op(|| rope(&qh, hd, false, c.rope_theta, 1.0, context as i32, None))?;
+        per_token += t * 2.0 * layers;
+        rows.push(json!({"op": "rope", "shape": [heads, hd], "ms": round(t, 4), "per_token": 2.0 * layers}));
+        let kv_len = (kv_heads as usize) * context * (hd as usize);
+        let keys = Array::from_slice(&vec![0.01f32; kv_len], &[1, kv_heads, context as i32, hd])
+            .as_dtype(dtype)?;
+        let values = keys.clone();
+        let scale = (hd as f32).powf(-0.5);
+        let t = time_op(|| scaled_dot_product_attention(&qh, &keys, &values, scale, None, None))?;
+        per_token += t * layers;
+        rows.push(json!({"op": "sdpa", "shape": [heads, context, hd], "ms": round(t, 4), "per_token": layers}));
+        for r in rows {
+            self.emit("profile_kernel", None, r);
+        }
+        self.emit(
+            "profile_kernels",
+            None,
+            json!({"kernels_per_token_ms": round(per_token, 3), "context": context}),
+        );
+        Ok(())
+    }
+}
+
+/// Median time of one evaluation of `op`'s result, over repeated runs.
+fn time_op(op: impl Fn() -> mlx_rs::error::Result<Array>) -> AnyResult<f64> {
+    for _ in 0..3 {
+        op()?.eval()?;
+    }
+    let mut times = Vec::new();
+    for _ in 0..15 {
+        let y = op()?;
+        let t = Instant::now();
+        y.eval()?;
+        times.push(ms(t));
+    }
+    Ok(median(&times))
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+fn run(args: Args) -> AnyResult<()> {
+    let baseline = Memory::status_kb("VmRSS:");
+    let started = Instant::now();
+    let model = Arc::new(Model::load(
+        &args.model,
+        &LoadOptions {
+            dtype: args.dtype,
+            quantize: None,
+            cpu_parallel: None,
+        },
+    )?);
+    let load_ms = ms(started);
+    let device = if gpu_available() { "gpu" } else { "cpu" };
+    let mut common = Map::new();
+    common.insert("peer".into(), json!(args.label));
+    common.insert(
+        "model".into(),
+        json!(args
+            .model
+            .file_name()
+            .map(|s| s.to_string_lossy().into_owned())),
+    );
+    common.insert(
+        "dtype".into(),
+        json!(format!("{:?}", model.dtype).to_lowercase()),
+    );
+    common.insert("device".into(), json!(device));
+    let digest = args.prompts.as_ref().map(|p| p.digest.clone());
+    let bench = Bench {
+        model,
+        args,
+        common,
+    };
+    let mut load = Map::new();
+    load.insert("load_ms".into(), json!(round(load_ms, 1)));
+    load.insert(
+        "engine_load_ms".into(),
+        json!(round(bench.model.load_ms, 1)),
+    );
+    load.insert("weight_bytes".into(), json!(bench.model.weight_bytes));
+    load.insert(
+        "cpu_worker_streams".into(),
+        json!(bench.model.parallel_ways),
+    );
+    load.insert(
+        "rss_before_load_mb".into(),
+        json!(baseline.map(|kb| round(kb / 1024.0, 1))),
+    );
+    load.insert("mlx_version".into(), json!(mlx_version()));
+    load.insert("prompts_sha256".into(), json!(digest));
+    Memory::record(&mut load);
+    bench.emit("load", None, Value::Object(load));
+
+    bench.warm_up()?;
+    for run in 0..bench.args.runs {
+        if bench.wants("decode") {
+            bench.decode(run)?;
+        }
+        if bench.wants("prefill") {
+            bench.prefill(run)?;
+        }
+        if bench.wants("batch") {
+            for &b in &bench.args.batches {
+                bench.batch(run, b)?;
+            }
+        }
+    }
+    if bench.wants("profile") {
+        bench.profile()?;
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = match parse() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match run(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
