@@ -33,6 +33,9 @@ pub enum Error {
     Template(String),
     #[error("{0}")]
     InvalidArgument(String),
+    /// The work cannot fit in MLX's memory limit.
+    #[error("out of memory: {0}")]
+    OutOfMemory(String),
     #[error("prompt has {len} tokens but max_len is {max_len}: it must leave room for at least one generated token")]
     PromptTooLong { len: usize, max_len: usize },
 }
@@ -55,6 +58,7 @@ impl Error {
             Error::Template(_) => "template",
             Error::InvalidArgument(_) => "invalid_argument",
             Error::PromptTooLong { .. } => "prompt_too_long",
+            Error::OutOfMemory(_) => "out_of_memory",
         }
     }
 
@@ -76,10 +80,11 @@ impl From<mlx_rs::error::Exception> for Error {
     }
 }
 
-/// Reads a JSON file, naming the file in both kinds of failure.
+/// Reads a JSON file, naming the file in both kinds of failure. Bytes, not
+/// a string: invalid UTF-8 is then malformed JSON rather than an I/O error.
 pub(crate) fn read_json(path: &Path) -> Result<serde_json::Value> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-    serde_json::from_str(&text).map_err(|e| Error::Json {
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    serde_json::from_slice(&bytes).map_err(|e| Error::Json {
         path: path.to_path_buf(),
         message: e.to_string(),
     })

@@ -152,7 +152,7 @@ impl Generation {
             .iter()
             .any(|p| p.len() != longest)
             .then(|| prompts.iter().map(|p| (longest - p.len()) as i32).collect());
-        let capacity = longest + options.max_new_tokens.min(options.max_len);
+        let capacity = cache_capacity(&model, prompts.len(), longest, &options)?;
         let sampler = Sampler::new(options.sampler.clone())?;
         let own_stream = match stream {
             Some(_) => None,
@@ -166,7 +166,7 @@ impl Generation {
         } else {
             vec![]
         };
-        let cache = stream.run(|| KvCache::new(&model, prompts.len() as i32, capacity as i32))?;
+        let cache = stream.run(|| KvCache::new(&model, prompts.len() as i32, capacity))?;
         let mut generation = Generation {
             model,
             tokenizer,
@@ -452,6 +452,53 @@ fn validate(
         }
     }
     Ok(())
+}
+
+/// The KV cache's length: the longest prompt plus what may be generated.
+/// Refused when MLX cannot address it (shapes are i32: a silently wrapped
+/// length would end decoding early with no finish reason) or when the cache,
+/// with the attention scores of a prefill chunk, cannot fit in memory.
+fn cache_capacity(model: &Model, batch: usize, longest: usize, o: &GenerateOptions) -> Result<i32> {
+    let too_long = || {
+        Error::invalid(format!(
+            "max_new_tokens ({}) and max_len ({}) allow more positions than a KV cache can hold (2^31 - 1)",
+            o.max_new_tokens, o.max_len
+        ))
+    };
+    let positions = longest
+        .checked_add(o.max_new_tokens.min(o.max_len))
+        .ok_or_else(too_long)?;
+    let capacity = i32::try_from(positions).map_err(|_| too_long())?;
+    let c = &model.config;
+    let element = if model.dtype == mlx_rs::Dtype::Float32 {
+        4
+    } else {
+        2
+    };
+    let kv = [
+        batch,
+        2 * c.num_layers,
+        c.num_kv_heads as usize,
+        positions,
+        c.head_dim as usize,
+        element,
+    ];
+    let scores = [
+        batch,
+        c.num_heads as usize,
+        longest.min(o.prefill_chunk.max(1)),
+        positions,
+        4,
+    ];
+    let product = |dims: &[usize]| dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+    let bytes = product(&kv)
+        .zip(product(&scores))
+        .and_then(|(kv, scores)| kv.checked_add(scores));
+    crate::memory::ensure_fits(
+        bytes,
+        &format!("a KV cache of {positions} positions for {batch} prompt(s)"),
+    )?;
+    Ok(capacity)
 }
 
 /// Result of a whole single-prompt generation.

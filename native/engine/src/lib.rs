@@ -10,6 +10,7 @@ pub mod device;
 pub mod error;
 pub mod generate;
 pub mod layers;
+pub mod memory;
 pub mod model;
 pub mod sampler;
 pub mod tokenizer;

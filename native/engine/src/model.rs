@@ -134,7 +134,9 @@ impl Model {
             plan("model.embed_tokens"),
             tied_ways,
         )?;
-        let mut blocks = Vec::with_capacity(c.num_layers);
+        // Not `with_capacity(num_layers)`: the count comes from config.json,
+        // and an absurd one must end in a missing tensor, not an abort.
+        let mut blocks = Vec::new();
         for i in 0..c.num_layers {
             let p = format!("model.layers.{i}");
             let linear = |w: &mut Weights, name: &str, i: i32, o: i32, bias: bool| {
@@ -225,6 +227,12 @@ impl Model {
             norm: final_norm,
             lm_head,
         };
+        // Converting or quantizing the weights allocates their final form
+        // while the loaded tensors are still held.
+        crate::memory::ensure_fits(
+            Some(crate::memory::unevaluated_bytes(model.arrays())),
+            "converting the weights",
+        )?;
         // Materialize everything now: loading errors surface here rather than
         // mid-generation, and later readers only see evaluated arrays.
         mlx_rs::transforms::eval(model.arrays())?;

@@ -41,7 +41,10 @@ impl Weights {
             path: path.to_path_buf(),
             message: e.to_string(),
         })?;
-        for (name, view) in st.tensors() {
+        let tensors = st.tensors();
+        let bytes = tensors.iter().map(|(_, view)| view.data().len()).sum();
+        crate::memory::ensure_fits(Some(bytes), &format!("loading {}", path.display()))?;
+        for (name, view) in tensors {
             let dtype = mlx_dtype(view.dtype()).ok_or_else(|| Error::Safetensors {
                 path: path.to_path_buf(),
                 message: format!("tensor `{name}` has unsupported dtype {:?}", view.dtype()),

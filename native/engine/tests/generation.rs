@@ -234,6 +234,34 @@ fn invalid_requests_are_typed_errors() {
         start(&[vec![1]], stop_without_tokenizer).kind(),
         "invalid_argument"
     );
+    // A cache length past i32 used to wrap to a few positions, and decoding
+    // then stopped early without finishing the row.
+    let wrapped = GenerateOptions {
+        max_new_tokens: (1 << 32) + 4,
+        max_len: (1 << 32) + 9,
+        ..ok()
+    };
+    let err = start(&[vec![1]], wrapped);
+    assert_eq!(err.kind(), "invalid_argument", "{err}");
+    let overflowing = GenerateOptions {
+        max_new_tokens: usize::MAX,
+        max_len: usize::MAX,
+        ..ok()
+    };
+    assert_eq!(start(&[vec![1]], overflowing).kind(), "invalid_argument");
+    // Hundreds of GB of KV cache: MLX's CPU allocator would hand out a null
+    // buffer and the process would segfault.
+    let huge = GenerateOptions {
+        max_new_tokens: (1 << 31) - 10,
+        max_len: (1 << 31) - 5,
+        ..ok()
+    };
+    let err = start(&[vec![1, 2, 3]], huge);
+    assert_eq!(err.kind(), "out_of_memory", "{err}");
+    assert!(
+        err.to_string().contains("KV cache of 2147483641 positions"),
+        "{err}"
+    );
 }
 
 #[test]

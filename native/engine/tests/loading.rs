@@ -212,3 +212,23 @@ fn quantize_option_on_a_quantized_checkpoint_is_refused() {
         .unwrap();
     assert_eq!(err.kind(), "invalid_argument");
 }
+
+#[test]
+fn absurd_layer_counts_fail_on_the_missing_tensor() {
+    // Preallocating for config.json's layer count used to abort the process.
+    let dir = scratch_copy("qwen3-4bit-g64", "layers");
+    let config = fs::read_to_string(dir.join("config.json")).unwrap();
+    for layers in ["1099511627776", "9223372036854775807"] {
+        let text = config.replace(
+            "\"num_hidden_layers\": 2",
+            &format!("\"num_hidden_layers\": {layers}"),
+        );
+        fs::write(dir.join("config.json"), text).unwrap();
+        let err = kind_of(&dir);
+        assert!(
+            err.starts_with("missing_tensor") && err.contains("model.layers.2."),
+            "{err}"
+        );
+    }
+    fs::remove_dir_all(&dir).unwrap();
+}
