@@ -25,6 +25,8 @@ defmodule EMLXAxon do
   Or from the command line: `mix emlx_axon.generate --help`.
   """
 
+  @max_usize 0xFFFF_FFFF_FFFF_FFFF
+
   @doc """
   Returns information about the MLX runtime: its version, the default
   device and whether a GPU is available.
@@ -42,4 +44,71 @@ defmodule EMLXAxon do
           gpu_available: boolean()
         }
   def mlx_info, do: EMLXAxon.Native.mlx_info()
+
+  @doc """
+  Returns MLX's memory figures, in bytes, for the whole VM:
+
+    * `:active` - held by live MLX arrays: loaded models' weights and
+      running generations' KV caches
+    * `:peak` - the highest `:active` since start or `reset_peak_memory/0`
+    * `:cache` - freed buffers MLX keeps to reuse (see `clear_memory_cache/0`)
+    * `:limit` - MLX's memory limit (on the CPU, 80% of the machine's
+      memory): a checkpoint or a generation's KV cache that would take
+      `:active` past it is refused with an `EMLXAxon.Error` of kind
+      `:out_of_memory` rather than allocated
+
+  A model's weights are freed when its `EMLXAxon.Qwen3.Model.State` is
+  garbage collected; a generation's KV cache when the generation returns
+  (or when the process running it dies).
+
+  ## Examples
+
+      iex> %{active: active, peak: peak, cache: cache, limit: limit} = EMLXAxon.memory_info()
+      iex> Enum.all?([active, peak, cache, limit], &(is_integer(&1) and &1 >= 0))
+      true
+
+  """
+  @spec memory_info() :: %{
+          active: non_neg_integer(),
+          peak: non_neg_integer(),
+          cache: non_neg_integer(),
+          limit: non_neg_integer()
+        }
+  def memory_info, do: ok!(EMLXAxon.Native.memory_info())
+
+  @doc """
+  Resets the `:peak` of `memory_info/0` (to zero on the CPU; MLX raises it
+  again with the next allocation).
+  """
+  @spec reset_peak_memory() :: :ok
+  def reset_peak_memory, do: ok!(EMLXAxon.Native.memory_reset_peak())
+
+  @doc """
+  Hands the freed buffers MLX keeps for reuse back to the system
+  (`memory_info/0`'s `:cache` drops to zero).
+  """
+  @spec clear_memory_cache() :: :ok
+  def clear_memory_cache, do: ok!(EMLXAxon.Native.memory_clear_cache())
+
+  @doc """
+  Sets MLX's memory limit (see `memory_info/0`) to `bytes` and returns the
+  previous limit. It applies to the whole VM.
+
+  ## Examples
+
+      previous = EMLXAxon.set_memory_limit(8 * 1024 ** 3)
+
+  """
+  @spec set_memory_limit(pos_integer()) :: non_neg_integer()
+  def set_memory_limit(bytes) when is_integer(bytes) and bytes > 0 and bytes <= @max_usize,
+    do: ok!(EMLXAxon.Native.memory_set_limit(bytes))
+
+  def set_memory_limit(other) do
+    raise ArgumentError,
+          "expected the memory limit to be a positive integer (bytes), got: #{inspect(other)}"
+  end
+
+  defp ok!({:ok, :ok}), do: :ok
+  defp ok!({:ok, value}), do: value
+  defp ok!({:error, reason}), do: raise(EMLXAxon.Error.from_native(reason))
 end

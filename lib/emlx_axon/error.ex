@@ -19,6 +19,8 @@ defmodule EMLXAxon.Error do
     * `:tokenizer` / `:template` - tokenization or chat-template rendering failed
     * `:invalid_argument` - an argument was rejected by the engine
     * `:prompt_too_long` - the prompt leaves no room in `:max_len`
+    * `:out_of_memory` - the checkpoint or the generation's KV cache cannot
+      fit in MLX's memory limit (see `EMLXAxon.memory_info/0`)
     * `:closed_stream` - an `EMLXAxon.Stream` was used after `EMLXAxon.Stream.close/1`
     * `:released` - a generation was used after it was freed
     * `:panic` - the native code panicked (a bug: please report it)
@@ -46,6 +48,7 @@ defmodule EMLXAxon.Error do
           | :template
           | :invalid_argument
           | :prompt_too_long
+          | :out_of_memory
           | :closed_stream
           | :released
           | :panic

@@ -6,7 +6,9 @@ defmodule EMLXAxon.Native do
   #
   # Unless noted, functions return `{:ok, term}` or `{:error, {kind, message}}`
   # (see `EMLXAxon.Error` for the kinds); bad argument types raise
-  # ArgumentError. The public modules validate arguments before calling in.
+  # ArgumentError, except a field of the wrong type inside an options map,
+  # which raises an ErlangError naming the field. The public
+  # modules validate arguments before calling in.
 
   require Logger
 
@@ -70,6 +72,10 @@ defmodule EMLXAxon.Native do
   ## Runtime
 
   def mlx_info, do: err()
+  def memory_info, do: err()
+  def memory_reset_peak, do: err()
+  def memory_clear_cache, do: err()
+  def memory_set_limit(_bytes), do: err()
 
   ## Models
 

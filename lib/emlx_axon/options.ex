@@ -91,11 +91,12 @@ defmodule EMLXAxon.Options do
   defp validate_value!(:stop, value) when is_binary(value), do: validate_value!(:stop, [value])
 
   defp validate_value!(:stop, value) when is_list(value) do
-    if Enum.all?(value, &(is_binary(&1) and &1 != "")) do
+    if Enum.all?(value, &(is_binary(&1) and &1 != "" and String.valid?(&1))) do
       value
     else
       raise ArgumentError,
-            "expected :stop to be a non-empty string or a list of them, got: #{inspect(value)}"
+            "expected :stop to be a non-empty string of valid UTF-8 or a list of them, " <>
+              "got: #{inspect(value)}"
     end
   end
 

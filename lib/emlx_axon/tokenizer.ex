@@ -112,6 +112,10 @@ defmodule EMLXAxon.Tokenizer do
       raise ArgumentError, "expected the text to encode to be a string, got: #{inspect(text)}"
     end
 
+    unless String.valid?(text) do
+      raise ArgumentError, "expected the text to encode to be valid UTF-8, got: #{inspect(text)}"
+    end
+
     Error.wrap(Native.tokenizer_encode(ref, text, opts[:add_special_tokens]))
   end
 
@@ -243,7 +247,15 @@ defmodule EMLXAxon.Tokenizer do
   defp message!(role, content) when is_atom(role) and not is_nil(role) and not is_boolean(role),
     do: message!(Atom.to_string(role), content)
 
-  defp message!(role, content) when is_binary(role) and is_binary(content), do: {role, content}
+  defp message!(role, content) when is_binary(role) and is_binary(content) do
+    unless String.valid?(role) and String.valid?(content) do
+      raise ArgumentError,
+            "expected a chat message's role and content to be valid UTF-8, " <>
+              "got role #{inspect(role)} and content #{inspect(content)}"
+    end
+
+    {role, content}
+  end
 
   defp message!(role, content) do
     raise ArgumentError,

@@ -10,6 +10,22 @@ defmodule EMLXAxon.Qwen3.Loader do
   checkpoint can also be quantized while loading with the `:quantize`
   option.
 
+  ## Files and memory
+
+  Loading copies every tensor out of the checkpoint's files into MLX's own
+  memory; the files are memory-mapped only while `load/2` runs. A loaded
+  model therefore does not depend on its files: they can be overwritten,
+  truncated, replaced or deleted afterwards and the model generates exactly
+  as before (only a later load sees the change). Do not modify the files
+  *while* they load: a file truncated under a running load can fault the
+  mapping, as with any memory-mapped loader.
+
+  The weights stay in memory until the returned state is garbage collected
+  (no process references it any more). A checkpoint that would take MLX
+  past its memory limit, counting the conversion to the compute dtype, is
+  refused with an error of kind `:out_of_memory` before anything is copied
+  (see `EMLXAxon.memory_info/0`).
+
   ## Examples
 
       {:ok, state} = EMLXAxon.Qwen3.Loader.load("~/models/Qwen3-0.6B-MLX-4bit")

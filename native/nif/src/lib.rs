@@ -6,6 +6,7 @@
 
 mod error;
 mod generation;
+mod memory;
 mod model;
 mod stream;
 mod tokenizer;
