@@ -4,7 +4,7 @@
 //! cargo run --release -p emlx_axon_engine --example bench -- --model DIR
 //!     (--prompts FILE | --prompt-ids 1,2,3) [--dtype float32|bfloat16|float16]
 //!     [--tokens N] [--batch-tokens N] [--batch 1,4,8] [--measures decode,prefill,batch,profile]
-//!     [--warmup K] [--warmup-mode full|light] [--runs R] [--chunk C] [--label TEXT]
+//!     [--warmup K] [--warmup-mode full|light] [--runs R] [--profile-stream own|default] [--chunk C] [--label TEXT]
 //!
 //! --prompts is the JSON written by bench/prompts.py: `decode` (batch-1
 //! decode prompt), `prefill` (~512 ids, for prefill speed and time to first
@@ -20,7 +20,8 @@
 //!            first token on the host)
 //!   batch    for each --batch size: rows x (batch tokens - 1) / decode time
 //!   profile  a hand-run decode loop timing graph construction, evaluation
-//!            and sampling separately, and each decode-shaped kernel alone
+//!            and sampling separately, and each decode-shaped kernel alone;
+//!            with BENCH_DOT=FILE, one decode step's graph as Graphviz
 //! Each measure reports the peak RSS while it ran (VmHWM, reset through
 //! /proc/self/clear_refs) and MLX's own peak memory.
 
@@ -58,6 +59,7 @@ struct Args {
     measures: Vec<String>,
     warmup: usize,
     light_warmup: bool,
+    default_stream: bool,
     runs: usize,
     chunk: usize,
     label: String,
@@ -104,6 +106,7 @@ fn parse() -> AnyResult<Args> {
         measures: ["decode", "prefill", "batch"].map(String::from).to_vec(),
         warmup: 1,
         light_warmup: false,
+        default_stream: false,
         runs: 1,
         chunk: 16,
         label: "rust".into(),
@@ -150,6 +153,17 @@ fn parse() -> AnyResult<Args> {
                     "full" => false,
                     other => {
                         return Err(format!("--warmup-mode is full or light, not {other}").into())
+                    }
+                }
+            }
+            "--profile-stream" => {
+                args.default_stream = match v(&mut rest, &flag)?.as_str() {
+                    "default" => true,
+                    "own" => false,
+                    other => {
+                        return Err(
+                            format!("--profile-stream is own or default, not {other}").into()
+                        )
                     }
                 }
             }
@@ -355,7 +369,7 @@ impl Bench {
         let prompt = self.prompts().decode.clone();
         let n = self.args.tokens;
         Memory::reset();
-        let t = self.generate(&[prompt.clone()], n)?;
+        let t = self.generate(std::slice::from_ref(&prompt), n)?;
         let mut fields = Map::new();
         fields.insert("batch".into(), json!(1));
         fields.insert("prompt_tokens".into(), json!(prompt.len()));
@@ -379,7 +393,7 @@ impl Bench {
     fn prefill(&self, run: usize) -> AnyResult<()> {
         let prompt = self.prompts().prefill.clone();
         Memory::reset();
-        let t = self.generate(&[prompt.clone()], 2)?;
+        let t = self.generate(std::slice::from_ref(&prompt), 2)?;
         let mut fields = Map::new();
         fields.insert("batch".into(), json!(1));
         fields.insert("prompt_tokens".into(), json!(prompt.len()));
@@ -447,7 +461,11 @@ impl Bench {
         } else {
             vec![]
         };
-        own.stream().run(|| self.profile_steps(&workers))?;
+        if self.args.default_stream {
+            self.profile_steps(&workers)?;
+        } else {
+            own.stream().run(|| self.profile_steps(&workers))?;
+        }
         own.stream()
             .run(|| self.profile_kernels(self.prompts().decode.len() + self.args.tokens / 2))
     }
@@ -478,12 +496,19 @@ impl Bench {
             sample.push((t3 - t2).as_secs_f64() * 1e3);
         }
         let step: Vec<f64> = (0..n).map(|i| build[i] + eval[i] + sample[i]).collect();
+        if let Ok(path) = std::env::var("BENCH_DOT") {
+            // One more step's graph, unevaluated (the cache has room for it).
+            let input = token.reshape(&[1, 1])?;
+            let logits = model.forward(&input, &mut cache, &AttentionMask::None, false, workers)?;
+            export_dot(&path, &logits)?;
+        }
         self.emit(
             "profile_step",
             None,
             json!({
                 "steps": n,
                 "worker_streams": workers.len(),
+                "stream": if self.args.default_stream { "default" } else { "own" },
                 "graph_build_ms": round(median(&build), 3),
                 "eval_ms": round(median(&eval), 3),
                 "sample_ms": round(median(&sample), 3),
@@ -589,6 +614,38 @@ impl Bench {
         );
         Ok(())
     }
+}
+
+extern "C" {
+    fn fopen(
+        path: *const std::os::raw::c_char,
+        mode: *const std::os::raw::c_char,
+    ) -> *mut mlx_sys::FILE;
+    fn fclose(file: *mut mlx_sys::FILE) -> std::os::raw::c_int;
+}
+
+/// Writes the graph that computes `output` in Graphviz form (MLX's
+/// `export_to_dot`), to compare it node by node with mlx-lm's.
+fn export_dot(path: &str, output: &Array) -> AnyResult<()> {
+    let c_path = std::ffi::CString::new(path)?;
+    // SAFETY: plain C calls on handles created and freed here; `output`
+    // outlives the call.
+    unsafe {
+        let file = fopen(c_path.as_ptr(), c"w".as_ptr());
+        if file.is_null() {
+            return Err(format!("cannot write {path}").into());
+        }
+        let outputs = mlx_sys::mlx_vector_array_new_value(output.as_ptr());
+        let namer = mlx_sys::mlx_node_namer_new();
+        let status = mlx_sys::mlx_export_to_dot(file, namer, outputs);
+        mlx_sys::mlx_node_namer_free(namer);
+        mlx_sys::mlx_vector_array_free(outputs);
+        fclose(file);
+        if status != 0 {
+            return Err("mlx_export_to_dot failed".into());
+        }
+    }
+    Ok(())
 }
 
 /// Median time of one evaluation of `op`'s result, over repeated runs.
