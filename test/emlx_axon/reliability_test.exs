@@ -2,7 +2,9 @@ defmodule EMLXAxon.ReliabilityTest do
   # Not async: these tests load the machine on purpose.
   use ExUnit.Case, async: false
 
-  alias EMLXAxon.{Error, TestFixtures, TextGeneration}
+  import EMLXAxon.TestMemory
+
+  alias EMLXAxon.{Error, TestCheckpoint, TestFixtures, TextGeneration}
   alias EMLXAxon.Qwen3.{Generate, Loader}
 
   @moduletag :fixtures
@@ -29,20 +31,37 @@ defmodule EMLXAxon.ReliabilityTest do
     ]
   end
 
-  test "8 processes on 2 streams give the sequential greedy outputs", %{
+  defp sixteen_inputs do
+    inputs() ++
+      [
+        "Water boils at",
+        %{input_ids: [9707, 11, 1879]},
+        [%{role: "system", content: "Be brief."}, %{role: "user", content: "Why?"}],
+        "日本語のテキスト",
+        "def fib(n):",
+        "A B C D E F",
+        %{text: "Rivers flow"},
+        "The end."
+      ]
+  end
+
+  defp sequential(tokenizer, state, inputs),
+    do: Enum.map(inputs, &TextGeneration.run(tokenizer, state, &1, @opts).results)
+
+  test "16 processes on 4 streams give the sequential greedy outputs", %{
     tokenizer: tokenizer,
     state: state
   } do
-    inputs = inputs()
-    expected = Enum.map(inputs, &TextGeneration.run(tokenizer, state, &1, @opts).results)
-    streams = [EMLXAxon.Stream.new!(:cpu), EMLXAxon.Stream.new!(:default)]
+    inputs = sixteen_inputs()
+    expected = sequential(tokenizer, state, inputs)
+    streams = [:cpu, :cpu, :cpu, :default] |> Enum.map(&EMLXAxon.Stream.new!/1)
 
-    for _round <- 1..3 do
+    for _round <- 1..2 do
       results =
         inputs
         |> Enum.with_index()
         |> Enum.map(fn {input, index} ->
-          stream = Enum.at(streams, rem(index, 2))
+          stream = Enum.at(streams, rem(index, 4))
 
           Task.async(fn ->
             EMLXAxon.Stream.with_stream(stream, fn ->
@@ -56,46 +75,94 @@ defmodule EMLXAxon.ReliabilityTest do
     end
   end
 
-  test "concurrent streaming and batched runs agree with sequential runs", %{
+  test "3x more generations than dirty schedulers, all alive at once, do not deadlock", %{
     tokenizer: tokenizer,
     state: state
   } do
-    inputs = inputs()
-    expected = Enum.map(inputs, &TextGeneration.run(tokenizer, state, &1, @opts).results)
-    stream = EMLXAxon.Stream.new!(:cpu)
+    # Every generation waits, after its first chunk, until all of them have
+    # started: that only works if no generation holds a dirty scheduler
+    # between chunks. Half share one stream, the rest lease their own.
+    count = 3 * :erlang.system_info(:dirty_cpu_schedulers)
+    inputs = Enum.map(0..(count - 1), &Enum.at(sixteen_inputs(), rem(&1, 16)))
+    expected = sequential(tokenizer, state, inputs)
+    shared = EMLXAxon.Stream.new!(:cpu)
+    coordinator = self()
 
-    tasks = [
-      Task.async(fn ->
-        tokenizer |> TextGeneration.run(state, inputs, @opts) |> Enum.map(& &1.results)
-      end),
-      Task.async(fn ->
-        Enum.map(inputs, fn input ->
-          TextGeneration.stream(
-            tokenizer,
-            state,
-            input,
-            fn _ -> :ok end,
-            @opts ++ [stream: stream]
-          ).results
+    tasks =
+      inputs
+      |> Enum.with_index()
+      |> Enum.map(fn {input, index} ->
+        opts = if rem(index, 2) == 0, do: [stream: shared], else: []
+
+        Task.async(fn ->
+          emit = fn _chunk ->
+            if Process.put(:started, true) == nil do
+              send(coordinator, {:started, self()})
+              receive do: (:go -> :ok)
+            end
+          end
+
+          opts = @opts ++ [chunk_size: 1] ++ opts
+          TextGeneration.stream(tokenizer, state, input, emit, opts).results
         end)
-      end),
-      Task.async(fn ->
-        tokenizer
-        |> TextGeneration.run(state, inputs, @opts ++ [mlx_stream: stream, chunk_size: 1])
-        |> Enum.map(& &1.results)
       end)
-    ]
 
-    for result <- Task.await_many(tasks, 120_000), do: assert(result == expected)
+    for _ <- tasks, do: assert_receive({:started, _}, 60_000)
+    for %Task{pid: pid} <- tasks, do: send(pid, :go)
+
+    assert Task.await_many(tasks, 120_000) == expected
   end
 
-  test "killing a generating process frees it and the VM carries on", %{
+  test "batched runs from many processes under load lose no request", %{
     tokenizer: tokenizer,
     state: state
   } do
+    inputs = sixteen_inputs()
+    expected = sequential(tokenizer, state, inputs)
+    batches = inputs |> Enum.zip(expected) |> Enum.chunk_every(4)
+    stream = EMLXAxon.Stream.new!(:cpu)
+
+    batched =
+      for {batch, index} <- Enum.with_index(batches), round <- 1..2 do
+        {inputs, expected} = Enum.unzip(batch)
+        # Alternately on a shared stream with a chunk per token, and alone.
+        opts =
+          if rem(index + round, 2) == 0,
+            do: @opts ++ [mlx_stream: stream, chunk_size: 1],
+            else: @opts
+
+        Task.async(fn ->
+          outputs = TextGeneration.run(tokenizer, state, inputs, opts)
+          {Enum.map(outputs, & &1.results), expected}
+        end)
+      end
+
+    # The load: single runs and streams alongside the batches.
+    singles =
+      for {input, expected} <- Enum.zip(inputs, expected) do
+        Task.async(fn ->
+          {TextGeneration.stream(tokenizer, state, input, fn _ -> :ok end, @opts).results,
+           expected}
+        end)
+      end
+
+    results = Task.await_many(batched, 120_000)
+    assert length(results) == 8
+    assert Enum.sum(Enum.map(results, fn {outputs, _} -> length(outputs) end)) == 32
+    for {outputs, expected} <- results, do: assert(outputs == expected)
+    for {output, expected} <- Task.await_many(singles, 120_000), do: assert(output == expected)
+  end
+
+  test "killing a generating process stops it within a chunk and frees its cache", %{
+    tokenizer: tokenizer,
+    state: state
+  } do
+    before = settled_active()
     parent = self()
 
-    for _ <- 1..5 do
+    for chunk_size <- [1, 1, 4, 16, 1] do
+      # 100,000 tokens would take many minutes: the memory can only come
+      # back promptly if decoding stopped with the process.
       pid =
         spawn(fn ->
           TextGeneration.stream(
@@ -103,19 +170,29 @@ defmodule EMLXAxon.ReliabilityTest do
             state,
             "Tell me a story",
             fn chunk -> send(parent, {:chunk, self(), chunk}) end,
-            max_new_tokens: 1000,
-            max_len: 2048,
+            max_new_tokens: 100_000,
+            max_len: 100_100,
             ignore_eos: true,
-            chunk_size: 1
+            chunk_size: chunk_size
           )
         end)
 
       assert_receive {:chunk, ^pid, _}, 30_000
+      assert active() - before >= kv_bytes(state, 1, 100_000)
+      ref = Process.monitor(pid)
       Process.exit(pid, :kill)
+      assert_receive {:DOWN, ^ref, :process, ^pid, :killed}
+
+      {microseconds, now} = :timer.tc(fn -> await_active(before, 10_000) end)
+      assert now == before, "a killed generation kept #{now - before} bytes"
+
+      IO.puts(
+        "\nkilled with chunk_size #{chunk_size}: cache freed in #{div(microseconds, 1000)} ms"
+      )
     end
 
-    :erlang.garbage_collect()
-    assert %{results: [%{num_tokens: 16}]} = TextGeneration.run(tokenizer, state, "Hello", @opts)
+    assert %{results: [%{num_tokens: 16}]} =
+             TextGeneration.run(tokenizer, state, "Hello", @opts ++ [ignore_eos: true])
   end
 
   test "many generations in a row, some failing, do not break anything", %{
@@ -149,17 +226,6 @@ defmodule EMLXAxon.ReliabilityTest do
     assert %{results: [%{num_tokens: 16}]} = TextGeneration.run(tokenizer, state, "Hello", @opts)
   end
 
-  test "generating from many processes at once", %{tokenizer: tokenizer, state: state} do
-    expected = TextGeneration.run(tokenizer, state, "Hello", @opts).results
-
-    1..24
-    |> Task.async_stream(fn _ -> TextGeneration.run(tokenizer, state, "Hello", @opts).results end,
-      max_concurrency: 12,
-      timeout: 120_000
-    )
-    |> Enum.each(fn {:ok, results} -> assert results == expected end)
-  end
-
   test "a model and tokenizer can be loaded concurrently" do
     path = TestFixtures.path("qwen3-4bit-g64")
 
@@ -171,5 +237,37 @@ defmodule EMLXAxon.ReliabilityTest do
       assert %{results: [%{num_tokens: 4}]} =
                TextGeneration.run(tokenizer, state, "Hi", max_new_tokens: 4, ignore_eos: true)
     end)
+  end
+
+  test "a checkpoint overwritten, truncated or deleted after loading changes nothing" do
+    dir = TestCheckpoint.scratch_copy("qwen3-4bit-g64")
+
+    %{"prompt_ids" => ids, "greedy_ids" => greedy} =
+      TestFixtures.reference("qwen3-4bit-g64")["prompts"]["plain"]
+
+    state = Loader.load!(dir)
+    weights = Path.join(dir, "model.safetensors")
+    %{size: size} = File.stat!(weights)
+
+    damages = [
+      # In place: the same file (inode) gets new bytes, as a mapping would see.
+      overwritten: fn ->
+        {:ok, file} = :file.open(weights, [:read, :write, :raw, :binary])
+        :ok = :file.pwrite(file, 0, :rand.bytes(size))
+        :ok = :file.close(file)
+      end,
+      truncated: fn -> File.write!(weights, "") end,
+      deleted: fn -> File.rm!(weights) end
+    ]
+
+    for {damage, fun} <- damages do
+      fun.()
+
+      assert {:ok, %{token_ids: ^greedy}} =
+               Generate.generate(state, ids, max_new_tokens: length(greedy)),
+             "after the weights were #{damage}"
+    end
+
+    assert {:error, %Error{kind: :io}} = Loader.load(dir)
   end
 end
