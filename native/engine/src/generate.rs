@@ -104,9 +104,10 @@ struct Row {
 pub struct Generation {
     model: Arc<Model>,
     tokenizer: Option<Arc<Tokenizer>>,
-    stream: MlxStream,
-    /// Held while no stream was given, so the generation has one to itself.
-    _own_stream: Option<Lease>,
+    /// The caller's stream; without one, each call runs on the calling
+    /// thread's default stream (MLX's fastest path on GPU) and leaves nothing
+    /// queued when it returns, since the next call may come on another thread.
+    stream: Option<MlxStream>,
     /// CPU worker streams for the model's split projections.
     workers: Vec<Lease>,
     options: GenerateOptions,
@@ -123,6 +124,13 @@ pub struct Generation {
     last_token_at: Option<Instant>,
     prefill_ms: f64,
     steps: usize,
+}
+
+fn run_on<T>(stream: &Option<MlxStream>, f: impl FnOnce() -> T) -> T {
+    match stream {
+        Some(s) => s.run(f),
+        None => f(),
+    }
 }
 
 impl Generation {
@@ -154,24 +162,23 @@ impl Generation {
             .then(|| prompts.iter().map(|p| (longest - p.len()) as i32).collect());
         let capacity = cache_capacity(&model, prompts.len(), longest, &options)?;
         let sampler = Sampler::new(options.sampler.clone())?;
-        let own_stream = match stream {
-            Some(_) => None,
-            None => Some(Lease::new(DeviceKind::default_kind())?),
-        };
-        let stream = stream.unwrap_or_else(|| own_stream.as_ref().unwrap().stream().clone());
-        let workers = if model.parallel_ways > 1 && stream.kind == DeviceKind::Cpu {
+        let kind = stream
+            .as_ref()
+            .map_or_else(DeviceKind::default_kind, |s| s.kind);
+        let workers = if model.parallel_ways > 1 && kind == DeviceKind::Cpu {
             (0..model.parallel_ways)
                 .map(|_| Lease::new(DeviceKind::Cpu))
                 .collect::<Result<Vec<_>>>()?
         } else {
             vec![]
         };
-        let cache = stream.run(|| KvCache::new(&model, prompts.len() as i32, capacity))?;
+        let cache = run_on(&stream, || {
+            KvCache::new(&model, prompts.len() as i32, capacity)
+        })?;
         let mut generation = Generation {
             model,
             tokenizer,
             stream,
-            _own_stream: own_stream,
             workers,
             sampler,
             cache,
@@ -196,7 +203,10 @@ impl Generation {
             options,
         };
         let stream = generation.stream.clone();
-        stream.run(|| generation.prefill(prompts, longest))?;
+        run_on(&stream, || {
+            generation.prefill(prompts, longest)?;
+            generation.settle_if_thread_bound()
+        })?;
         Ok(generation)
     }
 
@@ -272,7 +282,20 @@ impl Generation {
     /// Decodes up to `max_steps` tokens for every unfinished row.
     pub fn next(&mut self, max_steps: usize) -> Result<Vec<RowDelta>> {
         let stream = self.stream.clone();
-        stream.run(|| self.decode(max_steps))
+        run_on(&stream, || {
+            let deltas = self.decode(max_steps)?;
+            self.settle_if_thread_bound()?;
+            Ok(deltas)
+        })
+    }
+
+    /// On a thread's default stream, finishes queued work before returning:
+    /// MLX cannot schedule an array of another thread's stream.
+    fn settle_if_thread_bound(&self) -> Result<()> {
+        if self.stream.is_none() {
+            transforms::eval(self.pending.iter().chain(self.cache.arrays()))?;
+        }
+        Ok(())
     }
 
     fn decode(&mut self, max_steps: usize) -> Result<Vec<RowDelta>> {
