@@ -9,6 +9,7 @@ use std::ffi::c_void;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
+use memmap2::UncheckedAdvice;
 use mlx_rs::{Array, Dtype};
 use safetensors::tensor::{Dtype as StDtype, SafeTensors};
 
@@ -62,6 +63,15 @@ impl Weights {
             // SAFETY: safetensors checked that `data` holds exactly shape x dtype bytes.
             let array =
                 unsafe { Array::from_raw_data(data.as_ptr() as *const c_void, &shape, dtype) };
+            // MLX now holds its own copy: drop the file's pages from this
+            // process so that loading peaks near one copy of the weights,
+            // not two. Best effort; the pages are file-backed and unmodified,
+            // so reading them again would only fetch the same bytes.
+            let offset = data.as_ptr() as usize - map.as_ptr() as usize;
+            // SAFETY: see above; the range lies inside the mapping.
+            let _ = unsafe {
+                map.unchecked_advise_range(UncheckedAdvice::DontNeed, offset, data.len())
+            };
             self.bytes += data.len();
             self.tensors.insert(name, array);
         }
