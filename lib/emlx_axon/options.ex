@@ -9,6 +9,25 @@ defmodule EMLXAxon.Options do
   @doc false
   def samplers, do: @samplers
 
+  # The generation and sampling options every entry point takes, with the
+  # defaults EMLXAxon documents.
+  @generation_defaults [
+    max_new_tokens: 100,
+    max_len: 2048,
+    sampler: :greedy,
+    temperature: 1.0,
+    top_p: 0.9,
+    top_k: 0,
+    min_p: 0.0,
+    seed: nil,
+    stop: [],
+    eos_token_ids: nil,
+    ignore_eos: false
+  ]
+
+  @doc false
+  def generation_defaults, do: @generation_defaults
+
   @doc """
   Validates the keyword list `opts` against `defaults` (a keyword list of
   every accepted option and its default) and returns a map with all of

@@ -111,26 +111,16 @@ defmodule EMLXAxon.TextGeneration do
 
   @serving_module EMLXAxon.TextGeneration.Serving
 
-  @common_defaults [
-    max_new_tokens: 100,
-    max_len: 2048,
-    sampler: :greedy,
-    temperature: 1.0,
-    top_p: 0.9,
-    top_k: 0,
-    min_p: 0.0,
-    seed: nil,
-    stop: [],
-    eos_token_ids: nil,
-    ignore_eos: false,
-    chat: false,
-    enable_thinking: nil,
-    profile_timing: true,
-    timeout: :infinity,
-    chunk_size: nil,
-    stream: nil,
-    mlx_stream: nil
-  ]
+  @common_defaults Options.generation_defaults() ++
+                     [
+                       chat: false,
+                       enable_thinking: nil,
+                       profile_timing: true,
+                       timeout: :infinity,
+                       chunk_size: nil,
+                       stream: nil,
+                       mlx_stream: nil
+                     ]
 
   @serving_defaults @common_defaults ++ [stream_done: false, defn_options: []]
   @loader_options [:dtype, :quantize]

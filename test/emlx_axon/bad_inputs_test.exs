@@ -548,22 +548,7 @@ defmodule EMLXAxon.BadInputsTest do
   defp rejected?({:error, {kind, message}}), do: is_atom(kind) and is_binary(message)
   defp rejected?(_other), do: false
 
-  defp native_opts do
-    %{
-      max_new_tokens: 2,
-      max_len: 64,
-      sampler: :greedy,
-      temperature: 1.0,
-      top_p: 1.0,
-      top_k: 0,
-      min_p: 0.0,
-      seed: nil,
-      stop: [],
-      eos_token_ids: nil,
-      ignore_eos: true,
-      profile_timing: false
-    }
-  end
+  defp native_opts, do: TestFixtures.native_opts()
 
   # {function, valid arguments, argument types}; a resource type is
   # {:resource, name}.

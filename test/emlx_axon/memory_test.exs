@@ -236,20 +236,5 @@ defmodule EMLXAxon.MemoryTest do
     end
   end
 
-  defp native_opts do
-    %{
-      max_new_tokens: 2,
-      max_len: 64,
-      sampler: :greedy,
-      temperature: 1.0,
-      top_p: 1.0,
-      top_k: 0,
-      min_p: 0.0,
-      seed: nil,
-      stop: [],
-      eos_token_ids: nil,
-      ignore_eos: true,
-      profile_timing: false
-    }
-  end
+  defp native_opts, do: TestFixtures.native_opts()
 end

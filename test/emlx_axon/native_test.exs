@@ -28,25 +28,7 @@ defmodule EMLXAxon.NativeTest do
       %{state: state, ids: ids}
     end
 
-    defp opts(extra) do
-      Map.merge(
-        %{
-          max_new_tokens: 4,
-          max_len: 64,
-          sampler: :greedy,
-          temperature: 1.0,
-          top_p: 1.0,
-          top_k: 0,
-          min_p: 0.0,
-          seed: nil,
-          stop: [],
-          eos_token_ids: nil,
-          ignore_eos: true,
-          profile_timing: false
-        },
-        extra
-      )
-    end
+    defp opts(extra), do: TestFixtures.native_opts(Map.merge(%{max_new_tokens: 4}, extra))
 
     test "next after :done returns :done with empty rows", %{state: state, ids: ids} do
       {:ok, gen} = Native.generation_start(state.ref, nil, nil, [ids], opts(%{}))

@@ -18,6 +18,27 @@ defmodule EMLXAxon.TestFixtures do
   def path(name), do: Path.join(@fixtures, name)
   def tokenizer_dir, do: Path.join(@root, ".cache/tokenizer-qwen3")
 
+  @doc "A complete options map for `EMLXAxon.Native.generation_start/5`: greedy, EOS ignored."
+  def native_opts(overrides \\ %{}) do
+    Map.merge(
+      %{
+        max_new_tokens: 2,
+        max_len: 64,
+        sampler: :greedy,
+        temperature: 1.0,
+        top_p: 1.0,
+        top_k: 0,
+        min_p: 0.0,
+        seed: nil,
+        stop: [],
+        eos_token_ids: nil,
+        ignore_eos: true,
+        profile_timing: false
+      },
+      overrides
+    )
+  end
+
   def available? do
     File.regular?(Path.join(@fixtures, "chat_renders.exs")) and
       Enum.all?(@models, &File.regular?(Path.join(path(&1), "reference.exs")))

@@ -27,24 +27,14 @@ defmodule EMLXAxon.Qwen3.Generate do
   alias EMLXAxon.{Error, Generation, Options}
   alias EMLXAxon.Qwen3.Model.State
 
-  @defaults [
-    max_new_tokens: 100,
-    max_len: 2048,
-    sampler: :greedy,
-    temperature: 1.0,
-    top_p: 0.9,
-    top_k: 0,
-    min_p: 0.0,
-    seed: nil,
-    stop: [],
-    tokenizer: nil,
-    eos_token_ids: nil,
-    ignore_eos: false,
-    profile_timing: false,
-    stream: nil,
-    timeout: :infinity,
-    chunk_size: 16
-  ]
+  @defaults Options.generation_defaults() ++
+              [
+                tokenizer: nil,
+                profile_timing: false,
+                stream: nil,
+                timeout: :infinity,
+                chunk_size: 16
+              ]
 
   @typedoc "The result of generating from one prompt."
   @type result :: %{
