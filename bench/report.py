@@ -348,7 +348,11 @@ def goals_section(s, settings):
         if load_peak:
             line += (
                 f". Process peak while loading: {fmt(load_peak)} MB = {load_peak / bound:.2f}x the bound"
-                + (" (the loader holds the memory-mapped file and MLX's copy at once)" if load_peak > bound else "")
+                + (
+                    f" ({fmt(load_peak - base)} MB above the runtime's own)"
+                    if load_peak > bound and base
+                    else ""
+                )
             )
         out.append(line + ".")
     out.append("")
