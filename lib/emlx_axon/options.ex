@@ -157,7 +157,7 @@ defmodule EMLXAxon.Options do
 
   defp validate_value!(:enable_thinking, value) do
     raise ArgumentError,
-          "expected :enable_thinking to be nil or a boolean, got: #{inspect(value)}"
+          "expected :enable_thinking to be a boolean or nil, got: #{inspect(value)}"
   end
 
   defp validate_value!(:tokenizer, nil), do: nil
@@ -187,7 +187,15 @@ defmodule EMLXAxon.Options do
   defp validate_value!(:stream, value), do: value
 
   defp validate_value!(key, value)
-       when key in [:ignore_eos, :profile_timing, :chat, :stream_done] do
+       when key in [
+              :ignore_eos,
+              :profile_timing,
+              :chat,
+              :stream_done,
+              :add_special_tokens,
+              :skip_special_tokens,
+              :add_generation_prompt
+            ] do
     if is_boolean(value) do
       value
     else

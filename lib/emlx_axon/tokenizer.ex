@@ -20,7 +20,7 @@ defmodule EMLXAxon.Tokenizer do
   A tokenizer can be shared freely between processes.
   """
 
-  alias EMLXAxon.{Error, Native}
+  alias EMLXAxon.{Error, Native, Options}
 
   @enforce_keys [:ref, :path]
   defstruct [:ref, :path, :vocab_size]
@@ -106,7 +106,7 @@ defmodule EMLXAxon.Tokenizer do
   """
   @spec encode(t(), String.t(), keyword()) :: {:ok, [non_neg_integer()]} | {:error, Error.t()}
   def encode(%__MODULE__{ref: ref}, text, opts \\ []) do
-    opts = validate_opts!(opts, [add_special_tokens: false], "encode/3")
+    opts = Options.validate!(opts, [add_special_tokens: false], "EMLXAxon.Tokenizer.encode/3")
 
     unless is_binary(text) do
       raise ArgumentError, "expected the text to encode to be a string, got: #{inspect(text)}"
@@ -134,7 +134,7 @@ defmodule EMLXAxon.Tokenizer do
   """
   @spec decode(t(), [non_neg_integer()], keyword()) :: {:ok, String.t()} | {:error, Error.t()}
   def decode(%__MODULE__{ref: ref}, ids, opts \\ []) do
-    opts = validate_opts!(opts, [skip_special_tokens: true], "decode/3")
+    opts = Options.validate!(opts, [skip_special_tokens: true], "EMLXAxon.Tokenizer.decode/3")
 
     unless is_list(ids) and Enum.all?(ids, &(is_integer(&1) and &1 >= 0)) do
       raise ArgumentError, "expected a list of non-negative token ids, got: #{inspect(ids)}"
@@ -174,10 +174,10 @@ defmodule EMLXAxon.Tokenizer do
           {:ok, String.t()} | {:error, Error.t()}
   def apply_chat_template(%__MODULE__{ref: ref}, messages, opts \\ []) do
     opts =
-      validate_opts!(
+      Options.validate!(
         opts,
         [add_generation_prompt: true, enable_thinking: nil],
-        "apply_chat_template/3"
+        "EMLXAxon.Tokenizer.apply_chat_template/3"
       )
 
     messages = normalize_messages!(messages)
@@ -261,36 +261,5 @@ defmodule EMLXAxon.Tokenizer do
     raise ArgumentError,
           "expected a chat message's role to be a string or atom and its content a string, " <>
             "got role #{inspect(role)} and content #{inspect(content)}"
-  end
-
-  defp validate_opts!(opts, defaults, fun) do
-    unless Keyword.keyword?(opts) do
-      raise ArgumentError,
-            "expected EMLXAxon.Tokenizer.#{fun} options to be a keyword list, got: #{inspect(opts)}"
-    end
-
-    valid = Keyword.keys(defaults)
-
-    Enum.each(opts, fn {key, value} ->
-      unless key in valid do
-        raise ArgumentError,
-              "unknown option #{inspect(key)} for EMLXAxon.Tokenizer.#{fun}, " <>
-                "valid options are: #{Enum.map_join(valid, ", ", &inspect/1)}"
-      end
-
-      valid_value? =
-        case key do
-          :enable_thinking -> value == nil or is_boolean(value)
-          _ -> is_boolean(value)
-        end
-
-      unless valid_value? do
-        raise ArgumentError,
-              "expected #{inspect(key)} to be a boolean#{if key == :enable_thinking, do: " or nil"}, " <>
-                "got: #{inspect(value)}"
-      end
-    end)
-
-    Keyword.merge(defaults, opts)
   end
 end
