@@ -129,6 +129,26 @@ pub(crate) fn token_ids(v: Option<&Value>, key: &str) -> Result<Vec<u32>> {
     }
 }
 
+/// The EOS ids of `generation_config.json` in `dir` (none without the
+/// file). It may list more than config.json: Qwen3 adds `<|endoftext|>`
+/// next to `<|im_end|>`.
+pub(crate) fn generation_eos_ids(dir: &Path) -> Result<Vec<u32>> {
+    let path = dir.join("generation_config.json");
+    if !path.exists() {
+        return Ok(vec![]);
+    }
+    token_ids(read_json(&path)?.get("eos_token_id"), "eos_token_id")
+}
+
+/// Appends the ids of `more` that `ids` lacks, keeping their order.
+pub(crate) fn add_missing(ids: &mut Vec<u32>, more: impl IntoIterator<Item = u32>) {
+    for id in more {
+        if !ids.contains(&id) {
+            ids.push(id);
+        }
+    }
+}
+
 fn quant_spec(v: &Value, context: &str) -> Result<QuantSpec> {
     if let Some(mode) = get(v, "mode") {
         if mode.as_str() != Some("affine") {

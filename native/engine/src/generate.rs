@@ -15,6 +15,7 @@ use mlx_rs::ops::{arange, ge, le, logical_and};
 use mlx_rs::{transforms, Array};
 
 use crate::cache::KvCache;
+use crate::config::add_missing;
 use crate::device::{DeviceKind, Lease, MlxStream};
 use crate::error::{Error, Result};
 use crate::model::{AttentionMask, Model};
@@ -147,11 +148,10 @@ impl Generation {
             Some(ids) => ids.clone(),
             None => {
                 let mut ids = model.config.eos_token_ids.clone();
-                for id in tokenizer.iter().flat_map(|t| t.eos_token_ids()) {
-                    if !ids.contains(id) {
-                        ids.push(*id);
-                    }
-                }
+                let from_tokenizer = tokenizer
+                    .iter()
+                    .flat_map(|t| t.eos_token_ids().iter().copied());
+                add_missing(&mut ids, from_tokenizer);
                 ids
             }
         };

@@ -9,8 +9,8 @@ use mlx_rs::ops::{multiply, sigmoid};
 use mlx_rs::{Array, Dtype};
 
 use crate::cache::KvCache;
-use crate::config::{Arch, ModelConfig, QuantSpec};
-use crate::error::{read_json, Error, Result};
+use crate::config::{add_missing, generation_eos_ids, Arch, ModelConfig, QuantSpec};
+use crate::error::{Error, Result};
 use crate::layers::{Embedding, Linear, LoadPlan, Workers};
 use crate::weights::Weights;
 
@@ -94,7 +94,7 @@ impl Model {
             ));
         }
         let mut config = ModelConfig::from_file(&dir.join("config.json"))?;
-        add_generation_eos(dir, &mut config)?;
+        add_missing(&mut config.eos_token_ids, generation_eos_ids(dir)?);
         if config.quantization.is_some() && options.quantize.is_some() {
             return Err(Error::invalid(
                 "the checkpoint is already quantized; drop the quantize option",
@@ -365,20 +365,4 @@ impl Model {
             .reshape(&[b, l, c.num_heads * c.head_dim])?;
         a.o.forward(&out, workers)
     }
-}
-
-/// generation_config.json may list more EOS ids than config.json (Qwen3 adds
-/// `<|endoftext|>` next to `<|im_end|>`).
-fn add_generation_eos(dir: &Path, config: &mut ModelConfig) -> Result<()> {
-    let path = dir.join("generation_config.json");
-    if !path.exists() {
-        return Ok(());
-    }
-    let json = read_json(&path)?;
-    for id in crate::config::token_ids(json.get("eos_token_id"), "eos_token_id")? {
-        if !config.eos_token_ids.contains(&id) {
-            config.eos_token_ids.push(id);
-        }
-    }
-    Ok(())
 }

@@ -5,6 +5,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
+use crate::config::{add_missing, generation_eos_ids};
 use crate::error::{read_json, Error, Result};
 
 pub struct Tokenizer {
@@ -68,17 +69,7 @@ impl Tokenizer {
             .iter()
             .filter_map(|t| inner.token_to_id(t))
             .collect();
-        let generation = dir.join("generation_config.json");
-        if generation.exists() {
-            for id in crate::config::token_ids(
-                read_json(&generation)?.get("eos_token_id"),
-                "eos_token_id",
-            )? {
-                if !eos_token_ids.contains(&id) {
-                    eos_token_ids.push(id);
-                }
-            }
-        }
+        add_missing(&mut eos_token_ids, generation_eos_ids(&dir)?);
         Ok(Tokenizer {
             vocab_size: inner.get_vocab_size(true),
             inner,

@@ -99,14 +99,6 @@ impl Weights {
         }
         Ok(array)
     }
-
-    pub fn take_opt(&mut self, name: &str, expected: Option<&[i32]>) -> Result<Option<Array>> {
-        if self.contains(name) {
-            self.take(name, expected).map(Some)
-        } else {
-            Ok(None)
-        }
-    }
 }
 
 fn mlx_dtype(dtype: StDtype) -> Option<Dtype> {
