@@ -36,6 +36,17 @@ pub struct GenerateOptions {
     pub profile_timing: bool,
     /// Longest prompt slice run through the model at once.
     pub prefill_chunk: usize,
+    /// Per-row settings, one per prompt, or empty for none.
+    pub rows: Vec<RowOptions>,
+}
+
+/// Settings of one batch row that override the generation's.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RowOptions {
+    /// The row's own sampling seed: with it, the row samples exactly as a
+    /// single-prompt generation with `seed` would, whatever it is batched
+    /// with. Without it, the row's stream derives from the sampler's seed.
+    pub seed: Option<u64>,
 }
 
 impl Default for GenerateOptions {
@@ -49,6 +60,7 @@ impl Default for GenerateOptions {
             stop: vec![],
             profile_timing: true,
             prefill_chunk: 512,
+            rows: vec![],
         }
     }
 }
@@ -161,7 +173,12 @@ impl Generation {
             .any(|p| p.len() != longest)
             .then(|| prompts.iter().map(|p| (longest - p.len()) as i32).collect());
         let capacity = cache_capacity(&model, prompts.len(), longest, &options)?;
-        let sampler = Sampler::new(options.sampler.clone())?;
+        let row_seeds: Vec<Option<u64>> = if options.rows.is_empty() {
+            vec![None; prompts.len()]
+        } else {
+            options.rows.iter().map(|r| r.seed).collect()
+        };
+        let sampler = Sampler::new(options.sampler.clone(), &row_seeds)?;
         let kind = stream
             .as_ref()
             .map_or_else(DeviceKind::default_kind, |s| s.kind);
@@ -311,9 +328,11 @@ impl Generation {
                 self.pending = Some(self.step(&current)?);
             }
             current.eval()?;
-            let now = Instant::now();
-            self.first_token_at.get_or_insert(now);
-            self.last_token_at = Some(now);
+            if self.options.profile_timing {
+                let now = Instant::now();
+                self.first_token_at.get_or_insert(now);
+                self.last_token_at = Some(now);
+            }
             self.steps += 1;
             let tokens: Vec<u32> = current.as_slice::<u32>().to_vec();
             for (i, &token) in tokens.iter().enumerate() {
@@ -434,6 +453,13 @@ fn validate(
 ) -> Result<()> {
     if prompts.is_empty() {
         return Err(Error::invalid("no prompts given"));
+    }
+    if !o.rows.is_empty() && o.rows.len() != prompts.len() {
+        return Err(Error::invalid(format!(
+            "row options were given for {} rows but there are {} prompts",
+            o.rows.len(),
+            prompts.len()
+        )));
     }
     if o.max_new_tokens == 0 {
         return Err(Error::invalid("max_new_tokens must be at least 1"));

@@ -18,7 +18,9 @@ pub mod weights;
 
 pub use config::{Arch, ModelConfig, QuantSpec};
 pub use error::{Error, Result};
-pub use generate::{generate, FinishReason, GenerateOptions, Generation, Output, RowDelta, Stats};
+pub use generate::{
+    generate, FinishReason, GenerateOptions, Generation, Output, RowDelta, RowOptions, Stats,
+};
 pub use mlx_rs::Dtype;
 pub use model::{LoadOptions, Model};
 pub use sampler::{SamplerConfig, SamplerKind};

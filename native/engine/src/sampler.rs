@@ -1,8 +1,14 @@
-//! Token selection from last-position logits: greedy, or nucleus (top-p)
-//! sampling with temperature, top-k and min-p, on the device or the host.
+//! Token selection from last-position logits, as mlx-lm's `make_sampler`
+//! does it: greedy at temperature 0, otherwise top-p, min-p and top-k filter
+//! the untempered log-probabilities ([`filter`]) and the token is drawn from
+//! what is left, scaled by the temperature. Sampling runs on the device or on
+//! the host; each batch row draws from its own random stream, so a seeded
+//! row's tokens do not depend on the rows it is batched with.
 
-use mlx_rs::ops::indexing::{argmax_axis, take_along_axis};
-use mlx_rs::ops::{argsort_axis, select, softmax_axis};
+pub mod filter;
+
+use mlx_rs::ops::concatenate;
+use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
 use mlx_rs::{random, Array, Dtype};
 
 use crate::error::{Error, Result};
@@ -10,21 +16,26 @@ use crate::error::{Error, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SamplerKind {
     Greedy,
-    /// Nucleus sampling on the host from logits copied back each step.
+    /// Sampling on the host from logits copied back each step.
     TopPCpu,
-    /// Nucleus sampling as MLX ops, so decoding never waits on the host.
+    /// Sampling as MLX ops, so decoding never waits on the host.
     TopPGpu,
 }
 
 #[derive(Debug, Clone)]
 pub struct SamplerConfig {
     pub kind: SamplerKind,
+    /// 0 samples greedily, whatever the kind.
     pub temperature: f32,
+    /// 1 disables.
     pub top_p: f32,
     /// 0 disables.
     pub top_k: usize,
     /// 0 disables.
     pub min_p: f32,
+    /// Tokens min-p never drops (the most likely ones).
+    pub min_tokens_to_keep: usize,
+    /// Seeds every row without a seed of its own; see [`row_seed`].
     pub seed: Option<u64>,
 }
 
@@ -36,6 +47,7 @@ impl Default for SamplerConfig {
             top_p: 1.0,
             top_k: 0,
             min_p: 0.0,
+            min_tokens_to_keep: 1,
             seed: None,
         }
     }
@@ -43,9 +55,9 @@ impl Default for SamplerConfig {
 
 impl SamplerConfig {
     pub fn validate(&self) -> Result<()> {
-        if !(self.temperature.is_finite() && self.temperature > 0.0) {
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             return Err(Error::invalid(format!(
-                "temperature must be > 0, got {}",
+                "temperature must be >= 0 (0 is greedy), got {}",
                 self.temperature
             )));
         }
@@ -55,18 +67,27 @@ impl SamplerConfig {
                 self.top_p
             )));
         }
-        if !(self.min_p >= 0.0 && self.min_p < 1.0) {
+        if !(self.min_p >= 0.0 && self.min_p <= 1.0) {
             return Err(Error::invalid(format!(
-                "min_p must be in [0, 1), got {}",
+                "min_p must be in [0, 1], got {}",
                 self.min_p
             )));
         }
+        if self.min_tokens_to_keep == 0 {
+            return Err(Error::invalid("min_tokens_to_keep must be at least 1"));
+        }
         Ok(())
+    }
+
+    /// Whether tokens are chosen by argmax.
+    pub fn is_greedy(&self) -> bool {
+        self.kind == SamplerKind::Greedy || self.temperature == 0.0
     }
 }
 
 /// SplitMix64: a tiny, well-distributed generator; enough for sampling and
 /// reproducible from a seed without another dependency.
+#[derive(Debug, Clone)]
 struct SplitMix64(u64);
 
 impl SplitMix64 {
@@ -83,82 +104,84 @@ impl SplitMix64 {
     }
 }
 
+/// The seed of row `row` when it has none of its own: the generation's seed
+/// for the first row (so a single prompt samples as it always did), a
+/// distinct stream derived from it for the others.
+pub fn row_seed(generation_seed: u64, row: usize) -> u64 {
+    if row == 0 {
+        generation_seed
+    } else {
+        SplitMix64(generation_seed ^ SplitMix64(row as u64).next_u64()).next_u64()
+    }
+}
+
 pub struct Sampler {
     config: SamplerConfig,
-    rng: SplitMix64,
+    /// One random stream per batch row.
+    rngs: Vec<SplitMix64>,
 }
 
 impl Sampler {
-    pub fn new(config: SamplerConfig) -> Result<Self> {
+    /// `row_seeds` holds one entry per batch row (`None`: derived from the
+    /// configuration's seed).
+    pub fn new(config: SamplerConfig, row_seeds: &[Option<u64>]) -> Result<Self> {
         config.validate()?;
-        let seed = config.seed.unwrap_or_else(|| {
+        let base = config.seed.unwrap_or_else(|| {
             std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.as_nanos() as u64)
                 .unwrap_or(0)
         });
-        Ok(Sampler {
-            config,
-            rng: SplitMix64(seed),
-        })
+        let rngs = row_seeds
+            .iter()
+            .enumerate()
+            .map(|(i, seed)| SplitMix64(seed.unwrap_or_else(|| row_seed(base, i))))
+            .collect();
+        Ok(Sampler { config, rngs })
     }
 
     /// Whether `sample_device` applies; otherwise use `sample_host`.
     pub fn on_device(&self) -> bool {
-        self.config.kind != SamplerKind::TopPCpu
+        self.config.is_greedy() || self.config.kind != SamplerKind::TopPCpu
+    }
+
+    fn check_rows(&self, rows: usize) -> Result<()> {
+        if rows != self.rngs.len() {
+            return Err(Error::invalid(format!(
+                "the sampler was made for {} rows, got logits for {rows}",
+                self.rngs.len()
+            )));
+        }
+        Ok(())
     }
 
     /// `[B, V]` logits -> `[B]` uint32 token ids, as a lazy MLX array.
     pub fn sample_device(&mut self, logits: &Array) -> Result<Array> {
-        let ids = match self.config.kind {
-            SamplerKind::Greedy => argmax_axis(logits, -1, false)?,
-            _ => {
-                let masked = self.filtered_logits(logits)?;
-                let key = random::key(self.rng.next_u64())?;
-                random::categorical(&masked, -1, None, &key)?
+        let ids = if self.config.is_greedy() {
+            argmax_axis(logits, -1, false)?
+        } else {
+            self.check_rows(logits.dim(0) as usize)?;
+            let scaled = filter::filtered_logprobs(&self.config, logits)?
+                .multiply(Array::from_f32(1.0 / self.config.temperature))?;
+            // One draw per row with the row's own key: a batched draw's
+            // noise for a row would depend on the batch's shape.
+            let rows = self
+                .rngs
+                .iter_mut()
+                .enumerate()
+                .map(|(i, rng)| {
+                    let key = random::key(rng.next_u64())?;
+                    let row = scaled.index((i as i32..i as i32 + 1, ..));
+                    random::categorical(&row, -1, None, &key)
+                })
+                .collect::<Result<Vec<Array>, _>>()?;
+            if rows.len() == 1 {
+                rows.into_iter().next().expect("one row")
+            } else {
+                concatenate(&rows, 0)?
             }
         };
         Ok(ids.as_dtype(Dtype::Uint32)?)
-    }
-
-    /// Logits scaled by temperature with every token outside the top-k, the
-    /// nucleus and the min-p band set to -inf.
-    fn filtered_logits(&self, logits: &Array) -> Result<Array> {
-        let c = &self.config;
-        let logits = logits
-            .as_dtype(Dtype::Float32)?
-            .divide(Array::from_f32(c.temperature))?;
-        let probs = softmax_axis(&logits, -1, true)?;
-        // Descending order, then the smallest probability each filter keeps.
-        let order = argsort_axis(probs.negative()?, -1)?;
-        let sorted = take_along_axis(&probs, &order, -1)?;
-        let vocab = sorted.dim(-1);
-        let mut threshold = Array::from_f32(0.0);
-        if c.top_p < 1.0 {
-            let before = sorted.cumsum(-1, None, None)?.subtract(&sorted)?;
-            let kept = select(
-                before.lt(Array::from_f32(c.top_p))?,
-                &sorted,
-                Array::from_f32(f32::INFINITY),
-            )?;
-            threshold = mlx_rs::ops::maximum(&threshold, kept.min_axis(-1, true)?)?;
-        }
-        if c.top_k > 0 && (c.top_k as i32) < vocab {
-            let kth = mlx_rs::ops::indexing::IndexOp::index(
-                &sorted,
-                (.., (c.top_k as i32 - 1)..(c.top_k as i32)),
-            );
-            threshold = mlx_rs::ops::maximum(&threshold, kth)?;
-        }
-        if c.min_p > 0.0 {
-            let top = mlx_rs::ops::indexing::IndexOp::index(&sorted, (.., 0..1));
-            threshold = mlx_rs::ops::maximum(&threshold, top.multiply(Array::from_f32(c.min_p))?)?;
-        }
-        Ok(select(
-            probs.ge(&threshold)?,
-            &logits,
-            Array::from_f32(f32::NEG_INFINITY),
-        )?)
     }
 
     /// `[B, V]` logits -> token ids, sampled on the host.
@@ -166,53 +189,29 @@ impl Sampler {
         let logits = logits.as_dtype(Dtype::Float32)?;
         logits.eval()?;
         let vocab = logits.dim(-1) as usize;
+        self.check_rows(logits.dim(0) as usize)?;
         let data: &[f32] = logits.as_slice();
-        let mut out = Vec::with_capacity(data.len() / vocab);
-        for row in data.chunks(vocab) {
-            out.push(self.sample_row(row));
-        }
-        Ok(out)
+        let config = &self.config;
+        Ok(data
+            .chunks(vocab)
+            .zip(self.rngs.iter_mut())
+            .map(|(row, rng)| draw(&filter::distribution_host(config, row), rng.next_f64()))
+            .collect())
     }
+}
 
-    fn sample_row(&mut self, logits: &[f32]) -> u32 {
-        let c = &self.config;
-        let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-        let mut probs: Vec<(u32, f64)> = logits
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| (i as u32, (((l - max) / c.temperature) as f64).exp()))
-            .collect();
-        let total: f64 = probs.iter().map(|p| p.1).sum();
-        probs.iter_mut().for_each(|p| p.1 /= total);
-        probs.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        let mut keep = probs.len();
-        if c.top_k > 0 {
-            keep = keep.min(c.top_k);
-        }
-        if c.top_p < 1.0 {
-            let mut cumulative = 0.0;
-            let nucleus = probs
-                .iter()
-                .position(|p| {
-                    cumulative += p.1;
-                    cumulative >= c.top_p as f64
-                })
-                .map_or(probs.len(), |i| i + 1);
-            keep = keep.min(nucleus);
-        }
-        if c.min_p > 0.0 {
-            let floor = probs[0].1 * c.min_p as f64;
-            keep = keep.min(probs.iter().take_while(|p| p.1 >= floor).count().max(1));
-        }
-        let kept = &probs[..keep.max(1)];
-        let mass: f64 = kept.iter().map(|p| p.1).sum();
-        let mut target = self.rng.next_f64() * mass;
-        for p in kept {
-            target -= p.1;
-            if target <= 0.0 {
-                return p.0;
+/// The token whose cumulative probability first reaches `u` (in `[0, 1)`).
+fn draw(probs: &[f64], u: f64) -> u32 {
+    let mut target = u;
+    let mut last = 0;
+    for (i, &p) in probs.iter().enumerate() {
+        if p > 0.0 {
+            last = i;
+            target -= p;
+            if target < 0.0 {
+                return i as u32;
             }
         }
-        kept[kept.len() - 1].0
     }
+    last as u32
 }

@@ -4,8 +4,8 @@ mod common;
 
 use common::*;
 use emlx_axon_engine::{
-    generate, Dtype, FinishReason, GenerateOptions, Generation, LoadOptions, SamplerConfig,
-    SamplerKind,
+    generate, Dtype, FinishReason, GenerateOptions, Generation, LoadOptions, RowOptions,
+    SamplerConfig, SamplerKind,
 };
 
 const FIXTURE: &str = "qwen3-4bit-g64";
@@ -36,8 +36,8 @@ fn sampler(kind: SamplerKind, top_p: f32, top_k: usize, seed: u64) -> SamplerCon
         temperature: 1.0,
         top_p,
         top_k,
-        min_p: 0.0,
         seed: Some(seed),
+        ..SamplerConfig::default()
     }
 }
 
@@ -103,6 +103,61 @@ fn seeded_sampling_is_reproducible_on_both_paths() {
             a.ids, c.ids,
             "{kind:?}: different seeds gave the same 12 tokens"
         );
+    }
+}
+
+/// A seeded row samples the same tokens whatever it is batched with, on
+/// both sampling paths (float32: batched rows equal their single runs).
+#[test]
+fn seeded_rows_equal_their_single_runs() {
+    let refs = reference(FIXTURE, "");
+    let (a, b) = (refs[0].1.clone(), refs[1].1.clone());
+    for kind in [SamplerKind::TopPCpu, SamplerKind::TopPGpu] {
+        let config = |seed| SamplerConfig {
+            temperature: 1.5,
+            ..sampler(kind, 1.0, 0, seed)
+        };
+        let solo = generate(model(), None, &a, options(12, config(42)))
+            .unwrap()
+            .ids;
+        let batch = |prompts: &[&Vec<u32>], seeds: &[Option<u64>], seed| {
+            let prompts: Vec<Vec<u32>> = prompts.iter().map(|p| (*p).clone()).collect();
+            let rows = seeds.iter().map(|&seed| RowOptions { seed }).collect();
+            run_batch(
+                &prompts,
+                GenerateOptions {
+                    rows,
+                    ..options(12, config(seed))
+                },
+            )
+        };
+        let mixed = batch(&[&b, &a, &a], &[Some(5), Some(42), None], 9);
+        assert_eq!(mixed[1], solo, "{kind:?}: seeded second row");
+        assert_ne!(
+            mixed[2], solo,
+            "{kind:?}: an unseeded row drew the seeded row's tokens"
+        );
+        let first = batch(&[&a, &b], &[Some(42), Some(1)], 9);
+        assert_eq!(first[0], solo, "{kind:?}: seeded first row");
+        // A row without a seed of its own follows the generation's seed.
+        let derived = batch(&[&a, &b], &[None, Some(3)], 42);
+        assert_eq!(
+            derived[0], solo,
+            "{kind:?}: row 0 follows the generation seed"
+        );
+    }
+}
+
+#[test]
+fn temperature_zero_is_greedy() {
+    let (_, prompt, expected) = reference(FIXTURE, "").remove(0);
+    for kind in [SamplerKind::TopPCpu, SamplerKind::TopPGpu] {
+        let config = SamplerConfig {
+            temperature: 0.0,
+            ..sampler(kind, 0.9, 20, 11)
+        };
+        let out = generate(model(), None, &prompt, options(16, config)).unwrap();
+        assert_eq!(out.ids, expected, "{kind:?} at temperature 0");
     }
 }
 
@@ -213,7 +268,7 @@ fn invalid_requests_are_typed_errors() {
     let bad_temp = options(
         4,
         SamplerConfig {
-            temperature: 0.0,
+            temperature: -0.5,
             ..SamplerConfig::default()
         },
     );
@@ -226,6 +281,22 @@ fn invalid_requests_are_typed_errors() {
         },
     );
     assert_eq!(start(&[vec![1]], bad_p).kind(), "invalid_argument");
+    let bad_min_p = options(
+        4,
+        SamplerConfig {
+            min_p: 1.5,
+            ..SamplerConfig::default()
+        },
+    );
+    assert_eq!(start(&[vec![1]], bad_min_p).kind(), "invalid_argument");
+    let rows_mismatch = GenerateOptions {
+        rows: vec![RowOptions::default(); 3],
+        ..ok()
+    };
+    assert_eq!(
+        start(&[vec![1], vec![2]], rows_mismatch).kind(),
+        "invalid_argument"
+    );
     let stop_without_tokenizer = GenerateOptions {
         stop: vec!["x".into()],
         ..ok()

@@ -2,8 +2,8 @@
 
 use std::sync::Mutex;
 
-use emlx_axon_engine::{GenerateOptions, Generation, SamplerConfig, SamplerKind};
-use rustler::{Atom, NifMap, ResourceArc};
+use emlx_axon_engine::{GenerateOptions, Generation, RowOptions, SamplerConfig, SamplerKind};
+use rustler::{Atom, NifMap, ResourceArc, Term};
 
 use crate::error::{guard, NifError, NifResult};
 use crate::model::ModelResource;
@@ -11,7 +11,7 @@ use crate::stream::StreamResource;
 use crate::tokenizer::TokenizerResource;
 
 mod atoms {
-    rustler::atoms! { greedy, top_p_cpu, top_p_gpu, cont, done, ok, eos, stop, length, max_len }
+    rustler::atoms! { row_seeds, greedy, top_p_cpu, top_p_gpu, cont, done, ok, eos, stop, length, max_len }
 }
 
 pub struct GenerationResource {
@@ -62,15 +62,42 @@ fn sampler_kind(atom: Atom) -> NifResult<SamplerKind> {
     }
 }
 
+/// The optional `row_seeds` key: one entry per prompt (`nil`: derived from
+/// `seed`), or `nil`. Read apart from `StartOptions` so that a map without
+/// it still decodes.
+fn row_seeds(opts: Term) -> NifResult<Vec<RowOptions>> {
+    let invalid = || {
+        NifError::new(
+            "invalid_argument",
+            "row_seeds must be nil or a list of nil or non-negative integers",
+        )
+    };
+    let seeds: Option<Vec<Option<u64>>> = match opts.map_get(atoms::row_seeds()) {
+        Ok(term) => term.decode().map_err(|_| invalid())?,
+        Err(_) => None,
+    };
+    Ok(seeds
+        .unwrap_or_default()
+        .into_iter()
+        .map(|seed| RowOptions { seed })
+        .collect())
+}
+
 #[rustler::nif(schedule = "DirtyCpu")]
 fn generation_start(
     model: ResourceArc<ModelResource>,
     tokenizer: Option<ResourceArc<TokenizerResource>>,
     stream: Option<ResourceArc<StreamResource>>,
     prompts: Vec<Vec<u32>>,
-    o: StartOptions,
+    opts: Term,
 ) -> NifResult<ResourceArc<GenerationResource>> {
     guard(|| {
+        let o: StartOptions = opts.decode().map_err(|_| {
+            NifError::new(
+                "invalid_argument",
+                "generation options must be a map with every key of EMLXAxon.Options.native/1",
+            )
+        })?;
         let options = GenerateOptions {
             max_new_tokens: o.max_new_tokens,
             max_len: o.max_len,
@@ -81,7 +108,9 @@ fn generation_start(
                 top_k: o.top_k,
                 min_p: o.min_p as f32,
                 seed: o.seed,
+                ..SamplerConfig::default()
             },
+            rows: row_seeds(opts)?,
             eos_token_ids: o.eos_token_ids,
             ignore_eos: o.ignore_eos,
             stop: o.stop,
