@@ -1,10 +1,13 @@
 //! Linear and embedding layers, dense or affine-quantized (MLX layout:
 //! `<name>.weight` packed uint32, `<name>.scales`, `<name>.biases`).
 //!
-//! MLX's CPU backend runs each matmul on its stream's single thread. On CPU a
-//! projection can therefore be split by output rows across several CPU
-//! streams (one thread each), which run in parallel and are joined with a
-//! concatenation; the row blocks are views of the same weight buffers.
+//! On CPU, 4- and 8-bit quantized projections with float32 activations run on
+//! our own kernels (`emlx_axon_kernels`: an MLX primitive, threaded over
+//! output rows). Anything else uses MLX's ops, and MLX's CPU backend runs each
+//! of those on its stream's single thread: such a projection can be split by
+//! output rows across several CPU streams (one thread each), which run in
+//! parallel and are joined with a concatenation; the row blocks are views of
+//! the same weight buffers.
 
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::{concatenate, dequantize, matmul, quantize, quantized_matmul};
@@ -158,6 +161,27 @@ impl Projection {
     }
 
     fn apply(&self, x: &Array, workers: Workers) -> Result<Array> {
+        if let Weight::Quantized {
+            w,
+            scales,
+            biases,
+            spec,
+        } = &self.weight
+        {
+            // Our kernels thread internally, so the whole weight goes at once.
+            if let Some(y) = emlx_axon_kernels::quantized_linear(
+                x,
+                w,
+                scales,
+                biases,
+                spec.group_size,
+                spec.bits,
+            )
+            .map_err(|e| Error::Mlx(e.to_string()))?
+            {
+                return Ok(y);
+            }
+        }
         if self.blocks.is_empty() || workers.len() < self.blocks.len() {
             return self.weight.apply_transposed(x);
         }

@@ -1,0 +1,185 @@
+// MLX integration: an MLX primitive whose CPU evaluation runs our kernels, so
+// a decode step stays one lazily built graph that MLX evaluates once, and a C
+// API for the Rust side.
+//
+// The Rust side hands over MLX-C handles (`mlx_array`, `mlx_stream`): each is
+// a struct holding a pointer to a heap-allocated `mlx::core::array` or
+// `mlx::core::Stream`, which is the layout declared here.
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "pool.h"
+#include "qmm.h"
+
+namespace mx = mlx::core;
+
+extern "C" {
+typedef struct {
+  void* ctx;
+} emlx_mlx_array;
+typedef struct {
+  void* ctx;
+} emlx_mlx_stream;
+}
+
+namespace emlx {
+namespace {
+
+// x [..., K] f32 @ dequantize(w [N, K * bits / 32], scales, biases)^T -> [..., N] f32.
+class AffineQuantizedLinear : public mx::UnaryPrimitive {
+ public:
+  AffineQuantizedLinear(mx::Stream stream, int group, int bits)
+      : mx::UnaryPrimitive(stream), group_(group), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const mx::array& x = inputs[0];
+    const mx::array& w = inputs[1];
+    const mx::array& scales = inputs[2];
+    const mx::array& biases = inputs[3];
+    for (const auto& a : inputs)
+      if (!a.flags().row_contiguous)
+        throw std::runtime_error("affine-quantized linear: inputs must be row-contiguous");
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+
+    QmmArgs args;
+    args.x = x.data<float>();
+    args.w = w.data<uint32_t>();
+    args.scales = scales.data<float>();
+    args.biases = biases.data<float>();
+    args.y = out.data<float>();
+    args.K = x.shape(-1);
+    args.M = (int)(x.size() / args.K);
+    args.N = w.shape(0);
+    args.bits = bits_;
+    args.group = group_;
+
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([args] { qmm(args, selected_isa(), 0); });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    // Only built for CPU streams; GPU streams use MLX's quantized_matmul.
+    throw std::runtime_error("affine-quantized linear: no GPU evaluation");
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    mx::Shape shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
+  }
+
+  const char* name() const override { return "AffineQuantizedLinear"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const AffineQuantizedLinear&>(other);
+    return group_ == o.group_ && bits_ == o.bits_;
+  }
+
+ private:
+  int group_;
+  int bits_;
+};
+
+// An input as the kernel reads it: already row-contiguous, or made so lazily.
+mx::array dense(const mx::array& a, const mx::Stream& s) {
+  if (a.is_available() && a.flags().row_contiguous) return a;
+  return mx::contiguous(a, false, s);
+}
+
+void set_error(char* err, size_t len, const char* message) {
+  if (err && len) {
+    std::strncpy(err, message, len - 1);
+    err[len - 1] = '\0';
+  }
+}
+
+}  // namespace
+}  // namespace emlx
+
+extern "C" {
+
+// Builds `x @ dequantize(w, scales, biases)^T` with our primitive into *out.
+// Returns 1 when built, 0 when this case is not ours (GPU stream, dtype, bit
+// width, group size or shapes outside what the kernels take; the caller then
+// uses MLX's own quantized_matmul, which also reports bad shapes), -1 on an
+// error (message in err).
+int emlx_kernels_quantized_linear(emlx_mlx_array* out, emlx_mlx_array x, emlx_mlx_array w,
+                                  emlx_mlx_array scales, emlx_mlx_array biases, int group,
+                                  int bits, emlx_mlx_stream stream, char* err, size_t err_len) {
+  try {
+    if (!out || !x.ctx || !w.ctx || !scales.ctx || !biases.ctx || !stream.ctx) {
+      emlx::set_error(err, err_len, "affine-quantized linear: empty handle");
+      return -1;
+    }
+    const auto& s = *static_cast<mx::Stream*>(stream.ctx);
+    const auto& X = *static_cast<mx::array*>(x.ctx);
+    const auto& Wq = *static_cast<mx::array*>(w.ctx);
+    const auto& S = *static_cast<mx::array*>(scales.ctx);
+    const auto& B = *static_cast<mx::array*>(biases.ctx);
+    if (s.device.type != mx::Device::DeviceType::cpu) return 0;
+    if (bits != 4 && bits != 8) return 0;
+    if (group != 32 && group != 64 && group != 128) return 0;
+    if (X.dtype() != mx::float32 || Wq.dtype() != mx::uint32 || S.dtype() != mx::float32 ||
+        B.dtype() != mx::float32)
+      return 0;
+    if (X.ndim() < 1 || Wq.ndim() != 2 || S.ndim() != 2 || B.ndim() != 2) return 0;
+    const long K = X.shape(-1);
+    const long N = Wq.shape(0);
+    if (K <= 0 || N <= 0 || X.size() == 0 || K % group != 0) return 0;
+    if (Wq.shape(1) != K * bits / 32 || S.shape(0) != N || S.shape(1) != K / group ||
+        B.shape() != S.shape())
+      return 0;
+    if (X.size() / K > (1L << 30) || K > (1L << 30) || N > (1L << 30)) return 0;
+
+    mx::Shape shape = X.shape();
+    shape.back() = (int)N;
+    auto primitive = std::make_shared<emlx::AffineQuantizedLinear>(s, group, bits);
+    mx::array y(std::move(shape), mx::float32, primitive,
+                {emlx::dense(X, s), emlx::dense(Wq, s), emlx::dense(S, s), emlx::dense(B, s)});
+    if (out->ctx) {
+      *static_cast<mx::array*>(out->ctx) = std::move(y);
+    } else {
+      out->ctx = new mx::array(std::move(y));
+    }
+    return 1;
+  } catch (const std::exception& e) {
+    emlx::set_error(err, err_len, e.what());
+    return -1;
+  } catch (...) {
+    emlx::set_error(err, err_len, "affine-quantized linear: unknown C++ exception");
+    return -1;
+  }
+}
+
+// The product on plain buffers with a chosen variant (0 scalar, 1 AVX2,
+// 2 AVX-512) and at most `threads` threads (0: the whole pool). Returns 0, or
+// -1 when the variant does not run on this CPU.
+int emlx_kernels_qmm(const float* x, const uint32_t* w, const float* scales,
+                     const float* biases, float* y, int M, int N, int K, int bits, int group,
+                     int isa, int threads) {
+  if (isa < emlx::kScalar || isa > emlx::kAvx512 || !emlx::isa_supported((emlx::Isa)isa))
+    return -1;
+  emlx::QmmArgs args{x, w, scales, biases, y, M, N, K, bits, group};
+  emlx::qmm(args, (emlx::Isa)isa, threads);
+  return 0;
+}
+
+int emlx_kernels_selected_isa() { return emlx::selected_isa(); }
+
+int emlx_kernels_isa_supported(int isa) {
+  return isa >= emlx::kScalar && isa <= emlx::kAvx512 && emlx::isa_supported((emlx::Isa)isa);
+}
+
+int emlx_kernels_threads() { return emlx::Pool::shared().size(); }
+}

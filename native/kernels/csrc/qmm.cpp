@@ -1,0 +1,107 @@
+// Variant selection and the threaded split of a product over output rows.
+#include "qmm.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "pool.h"
+
+namespace emlx {
+
+bool isa_supported(Isa isa) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  switch (isa) {
+    case kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("fma");
+    case kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    default:
+      return true;
+  }
+#else
+  return isa == kScalar;
+#endif
+}
+
+Isa selected_isa() {
+  static const Isa isa = [] {
+    Isa wanted = kAvx512;
+    if (const char* env = std::getenv("EMLX_AXON_KERNELS")) {
+      if (std::strcmp(env, "scalar") == 0) wanted = kScalar;
+      if (std::strcmp(env, "avx2") == 0) wanted = kAvx2;
+    }
+    for (int i = wanted; i > kScalar; --i)
+      if (isa_supported((Isa)i)) return (Isa)i;
+    return kScalar;
+  }();
+  return isa;
+}
+
+namespace {
+
+Kernels kernels_for(Isa isa) {
+#if defined(__x86_64__)
+  if (isa == kAvx512) return avx512_kernels();
+  if (isa == kAvx2) return avx2_kernels();
+#endif
+  (void)isa;
+  return scalar_kernels();
+}
+
+// Below this many multiply-adds a product runs on one thread: waking the
+// pool would cost more than it saves.
+constexpr long kMinParallelWork = 1L << 17;
+// Rows per unit of the split: the SIMD products dequantize 4 rows at a time.
+constexpr int kRowAlign = 4;
+
+}  // namespace
+
+void qmm(const QmmArgs& a, Isa isa, int max_threads) {
+  const Kernels k = kernels_for(isa);
+  // Decode-sized inputs use the fused matrix-vector form; larger ones the
+  // tiled matrix product, which dequantizes each weight block once per tile.
+  const bool gemv = a.M <= 2;
+  std::vector<float> xsum;
+  if (gemv) {
+    const int groups = a.K / a.group;
+    xsum.assign((size_t)a.M * groups, 0.0f);
+    for (int m = 0; m < a.M; ++m)
+      for (int g = 0; g < groups; ++g) {
+        const float* x = a.x + (long)m * a.K + (long)g * a.group;
+        float s = 0.0f;
+        for (int i = 0; i < a.group; ++i) s += x[i];
+        xsum[(size_t)m * groups + g] = s;
+      }
+  }
+
+  Pool& pool = Pool::shared();
+  int threads = pool.size();
+  if (max_threads > 0) threads = std::min(threads, max_threads);
+  const long work = (long)a.M * a.N * a.K;
+  if (work < kMinParallelWork) threads = 1;
+  const int units = (a.N + kRowAlign - 1) / kRowAlign;
+  threads = std::max(1, std::min(threads, units));
+
+  const float* xs = xsum.data();
+  auto task = [&](int t) {
+    const int n0 = std::min(a.N, (int)((long)units * t / threads) * kRowAlign);
+    const int n1 = std::min(a.N, (int)((long)units * (t + 1) / threads) * kRowAlign);
+    if (n0 >= n1) return;
+    if (gemv)
+      k.gemv(a, xs, n0, n1);
+    else
+      k.gemm(a, n0, n1);
+  };
+  if (threads == 1) {
+    task(0);
+  } else {
+    pool.run(threads, task);
+  }
+}
+
+}  // namespace emlx

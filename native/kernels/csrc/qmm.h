@@ -1,0 +1,51 @@
+// Affine-quantized matrix products in MLX's layout, on raw buffers.
+//
+// y[m, n] = sum_k x[m, k] * (scales[n, k / group] * q[n, k] + biases[n, k / group])
+// where q[n, k] is packed along k into uint32 words, low bits first
+// (8 x 4-bit or 4 x 8-bit per word). All pointers are row-major and dense.
+#pragma once
+
+#include <stdint.h>
+
+namespace emlx {
+
+enum Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+struct QmmArgs {
+  const float* x;  // [M, K]
+  const uint32_t* w;  // [N, K * bits / 32]
+  const float* scales;  // [N, K / group]
+  const float* biases;  // [N, K / group]
+  float* y;  // [M, N]
+  int M, N, K, bits, group;
+};
+
+// Rows n0..n1 of y, for every m. Each variant computes every output with a
+// fixed summation order that does not depend on n0/n1, so splitting rows
+// across threads never changes a result.
+using RowsFn = void (*)(const QmmArgs&, int n0, int n1);
+
+// Matrix-vector form: per row, per group, s * sum(q * x) + b * sum(x).
+// `xsum` holds the group sums of x, [M, K / group].
+using GemvFn = void (*)(const QmmArgs&, const float* xsum, int n0, int n1);
+
+struct Kernels {
+  GemvFn gemv;
+  RowsFn gemm;
+};
+
+Kernels scalar_kernels();
+#if defined(__x86_64__)
+Kernels avx2_kernels();
+Kernels avx512_kernels();
+#endif
+
+// Whole product on `isa`, split over the shared pool's threads (at most
+// `max_threads`, 0 for all).
+void qmm(const QmmArgs& args, Isa isa, int max_threads);
+
+// The best variant this CPU runs, unless EMLX_AXON_KERNELS names another.
+Isa selected_isa();
+bool isa_supported(Isa isa);
+
+}  // namespace emlx

@@ -1,0 +1,242 @@
+//! CPU kernels for MLX's affine-quantized matrix products (4- and 8-bit,
+//! groups of 32, 64 or 128, float32 activations), run as an MLX primitive so
+//! that a model's forward pass stays one lazily built MLX graph.
+//!
+//! Variants: AVX-512, AVX2 + FMA and portable scalar code, picked at run time
+//! for the CPU (`EMLX_AXON_KERNELS=scalar|avx2` forces a lesser one;
+//! `EMLX_AXON_KERNELS=mlx` turns the kernels off in favour of MLX's). Work is
+//! split over output rows across one process-wide thread pool sized to the
+//! cores (`EMLX_AXON_CPU_THREADS` overrides).
+
+use std::ffi::{c_char, c_int, CStr};
+use std::fmt;
+
+use mlx_rs::{Array, Stream};
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Handle {
+    ctx: *mut std::ffi::c_void,
+}
+
+extern "C" {
+    #[allow(clippy::too_many_arguments)]
+    fn emlx_kernels_quantized_linear(
+        out: *mut Handle,
+        x: Handle,
+        w: Handle,
+        scales: Handle,
+        biases: Handle,
+        group: c_int,
+        bits: c_int,
+        stream: Handle,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    fn emlx_kernels_qmm(
+        x: *const f32,
+        w: *const u32,
+        scales: *const f32,
+        biases: *const f32,
+        y: *mut f32,
+        m: c_int,
+        n: c_int,
+        k: c_int,
+        bits: c_int,
+        group: c_int,
+        isa: c_int,
+        threads: c_int,
+    ) -> c_int;
+    fn emlx_kernels_selected_isa() -> c_int;
+    fn emlx_kernels_isa_supported(isa: c_int) -> c_int;
+    fn emlx_kernels_threads() -> c_int;
+}
+
+/// A kernel failure, with MLX's or our message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelError(pub String);
+
+impl fmt::Display for KernelError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for KernelError {}
+
+/// Instruction-set variants of the kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    Scalar = 0,
+    Avx2 = 1,
+    Avx512 = 2,
+}
+
+impl Isa {
+    pub const ALL: [Isa; 3] = [Isa::Scalar, Isa::Avx2, Isa::Avx512];
+
+    /// Whether this CPU runs the variant.
+    pub fn supported(self) -> bool {
+        // SAFETY: a pure query.
+        unsafe { emlx_kernels_isa_supported(self as c_int) != 0 }
+    }
+
+    /// The variant products built by [`quantized_linear`] use.
+    pub fn selected() -> Isa {
+        // SAFETY: a pure query.
+        match unsafe { emlx_kernels_selected_isa() } {
+            2 => Isa::Avx512,
+            1 => Isa::Avx2,
+            _ => Isa::Scalar,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+}
+
+/// False when `EMLX_AXON_KERNELS=mlx` asks for MLX's own kernels.
+pub fn enabled() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENABLED.get_or_init(|| std::env::var("EMLX_AXON_KERNELS").map_or(true, |v| v != "mlx"))
+}
+
+/// Threads of the shared pool, the calling thread included.
+pub fn threads() -> usize {
+    // SAFETY: a pure query (starts the pool on first use).
+    unsafe { emlx_kernels_threads() as usize }
+}
+
+/// Whether [`quantized_linear`] takes products of this bit width and group size.
+pub fn supports(bits: i32, group_size: i32) -> bool {
+    matches!(bits, 4 | 8) && matches!(group_size, 32 | 64 | 128)
+}
+
+/// `x @ dequantize(w, scales, biases).T` as a lazy MLX array computed by our
+/// kernels, on the calling thread's default stream. `Ok(None)` when the case
+/// is not ours (kernels turned off, a GPU stream, non-float32 inputs, another bit width or group
+/// size, or shapes that do not match): the caller then uses MLX's
+/// `quantized_matmul`, which also reports bad shapes.
+pub fn quantized_linear(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: &Array,
+    group_size: i32,
+    bits: i32,
+) -> Result<Option<Array>, KernelError> {
+    if !enabled() || !supports(bits, group_size) {
+        return Ok(None);
+    }
+    let stream = Stream::thread_local_or_default();
+    let mut err = [0 as c_char; 512];
+    let mut out = Handle {
+        ctx: std::ptr::null_mut(),
+    };
+    let handle = |a: &Array| Handle {
+        ctx: a.as_ptr().ctx,
+    };
+    // SAFETY: the handles are live MLX-C arrays/streams borrowed for the call;
+    // on success `out` receives a new heap array that `Array` takes over.
+    let status = unsafe {
+        emlx_kernels_quantized_linear(
+            &mut out,
+            handle(x),
+            handle(w),
+            handle(scales),
+            handle(biases),
+            group_size,
+            bits,
+            Handle {
+                ctx: stream.as_ptr().ctx,
+            },
+            err.as_mut_ptr(),
+            err.len(),
+        )
+    };
+    match status {
+        1 => Ok(Some(unsafe {
+            Array::from_ptr(mlx_sys::mlx_array { ctx: out.ctx })
+        })),
+        0 => Ok(None),
+        _ => {
+            // SAFETY: the C side always NUL-terminates within `err`.
+            let message = unsafe { CStr::from_ptr(err.as_ptr()) };
+            Err(KernelError(message.to_string_lossy().into_owned()))
+        }
+    }
+}
+
+/// A quantized matrix in MLX's affine layout, borrowed as plain slices.
+pub struct QuantizedMatrix<'a> {
+    /// `[rows, cols * bits / 32]`
+    pub w: &'a [u32],
+    /// `[rows, cols / group_size]`
+    pub scales: &'a [f32],
+    pub biases: &'a [f32],
+    pub rows: usize,
+    pub cols: usize,
+    pub bits: i32,
+    pub group_size: i32,
+}
+
+/// `y = x @ dequantize(m).T` on plain buffers with a chosen variant and at
+/// most `max_threads` threads (0: the whole pool). For tests and benchmarks.
+pub fn qmm_with(
+    isa: Isa,
+    max_threads: usize,
+    x: &[f32],
+    m: &QuantizedMatrix,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    let bad = |what: &str| Err(KernelError(format!("qmm: {what}")));
+    if !supports(m.bits, m.group_size) {
+        return bad("unsupported bits or group size");
+    }
+    if m.cols == 0 || m.rows == 0 || !m.cols.is_multiple_of(m.group_size as usize) {
+        return bad("columns must be a positive multiple of the group size");
+    }
+    let batch = x.len() / m.cols;
+    if !x.len().is_multiple_of(m.cols)
+        || m.w.len() != m.rows * m.cols * m.bits as usize / 32
+        || m.scales.len() != m.rows * m.cols / m.group_size as usize
+        || m.biases.len() != m.scales.len()
+        || y.len() != batch * m.rows
+    {
+        return bad("buffer sizes do not match the shapes");
+    }
+    let fits = |v: usize| i32::try_from(v).is_ok();
+    if !fits(batch) || !fits(m.rows) || !fits(m.cols) {
+        return bad("dimensions too large");
+    }
+    // SAFETY: every buffer was checked against the shapes above.
+    let status = unsafe {
+        emlx_kernels_qmm(
+            x.as_ptr(),
+            m.w.as_ptr(),
+            m.scales.as_ptr(),
+            m.biases.as_ptr(),
+            y.as_mut_ptr(),
+            batch as c_int,
+            m.rows as c_int,
+            m.cols as c_int,
+            m.bits,
+            m.group_size,
+            isa as c_int,
+            max_threads.min(i32::MAX as usize) as c_int,
+        )
+    };
+    if status != 0 {
+        return Err(KernelError(format!(
+            "qmm: this CPU does not run the {} variant",
+            isa.name()
+        )));
+    }
+    Ok(())
+}
