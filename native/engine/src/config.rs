@@ -75,6 +75,8 @@ pub struct ModelConfig {
     pub rope_theta: f32,
     /// Position scale for RoPE: 1 / factor for linear scaling, else 1.
     pub rope_scale: f32,
+    /// RoPE on adjacent pairs of dimensions rather than the two halves.
+    pub rope_traditional: bool,
     pub tie_word_embeddings: bool,
     pub vocab_size: i32,
     pub max_position_embeddings: usize,
@@ -112,6 +114,14 @@ fn float(v: &Value, key: &str) -> Result<Option<f64>> {
             .as_f64()
             .map(Some)
             .ok_or_else(|| Error::Config(format!("`{key}` must be a number, got {x}"))),
+    }
+}
+
+fn boolean(v: &Value, key: &str) -> Result<Option<bool>> {
+    match get(v, key) {
+        None => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(x) => Err(Error::Config(format!("`{key}` must be a boolean, got {x}"))),
     }
 }
 
@@ -259,15 +269,12 @@ impl ModelConfig {
                 return Err(Error::Config("missing required key `rope_theta`".into()))
             }
         };
-        let tie_default = arch == Arch::Qwen2;
-        let tie_word_embeddings = match get(v, "tie_word_embeddings") {
-            None => tie_default,
-            Some(Value::Bool(b)) => *b,
-            Some(x) => {
-                return Err(Error::Config(format!(
-                    "`tie_word_embeddings` must be a boolean, got {x}"
-                )))
-            }
+        let tie_word_embeddings = boolean(v, "tie_word_embeddings")?.unwrap_or(arch == Arch::Qwen2);
+        // As mlx-lm: its qwen2 passes `rope_traditional` to RoPE, its qwen3
+        // always rotates halves whatever the key says.
+        let rope_traditional = match arch {
+            Arch::Qwen2 => boolean(v, "rope_traditional")?.unwrap_or(false),
+            Arch::Qwen3 => false,
         };
         Ok(ModelConfig {
             arch,
@@ -280,6 +287,7 @@ impl ModelConfig {
             rms_norm_eps: float(v, "rms_norm_eps")?.unwrap_or(1e-6) as f32,
             rope_theta: rope_theta as f32,
             rope_scale: rope_scale(v)?,
+            rope_traditional,
             tie_word_embeddings,
             vocab_size: i32_of(req_int(v, "vocab_size")?, "vocab_size")?,
             max_position_embeddings: int(v, "max_position_embeddings")?.unwrap_or(32768) as usize,

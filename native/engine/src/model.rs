@@ -332,7 +332,7 @@ impl Model {
             rope(
                 y,
                 c.head_dim,
-                false,
+                c.rope_traditional,
                 c.rope_theta,
                 c.rope_scale,
                 offset,

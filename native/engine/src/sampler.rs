@@ -186,11 +186,14 @@ impl Sampler {
 
     /// `[B, V]` logits -> token ids, sampled on the host.
     pub fn sample_host(&mut self, logits: &Array) -> Result<Vec<u32>> {
-        let logits = logits.as_dtype(Dtype::Float32)?;
+        // Contiguous: a view (a broadcast or a slice) has no flat host buffer.
+        let logits = logits.as_dtype(Dtype::Float32)?.contiguous()?;
         logits.eval()?;
         let vocab = logits.dim(-1) as usize;
         self.check_rows(logits.dim(0) as usize)?;
-        let data: &[f32] = logits.as_slice();
+        let data: &[f32] = logits
+            .try_as_slice()
+            .map_err(|e| Error::Mlx(format!("reading logits back: {e:?}")))?;
         let config = &self.config;
         Ok(data
             .chunks(vocab)

@@ -118,6 +118,11 @@ fn qwen2_4bit_group64_untied() {
 }
 
 #[test]
+fn qwen2_rope_traditional() {
+    check_fixture("qwen2-rope-traditional", "", f32_load());
+}
+
+#[test]
 fn splitting_projections_across_cpu_streams_changes_no_logit() {
     let run = |parallel: bool| {
         let options = LoadOptions {
