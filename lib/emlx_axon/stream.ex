@@ -14,7 +14,7 @@ defmodule EMLXAxon.Stream do
 
   ## Examples
 
-      {:ok, stream} = EMLXAxon.Stream.new(:gpu)
+      stream = EMLXAxon.Stream.new(:gpu)
 
       # Per call:
       {:ok, result} = EMLXAxon.Qwen3.Generate.generate(state, ids, stream: stream)
@@ -25,6 +25,10 @@ defmodule EMLXAxon.Stream do
       end)
 
       :ok = EMLXAxon.Stream.close(stream)
+
+  `new/1` raises when the stream cannot be opened (such as `:gpu` on a
+  machine without one); `open/1` returns `{:ok, stream}` or
+  `{:error, %EMLXAxon.Error{}}` instead.
 
   A stream is closed when `close/1` is called or when it is garbage
   collected. Using a closed stream returns (or raises) an
@@ -47,41 +51,54 @@ defmodule EMLXAxon.Stream do
   Opens a new stream on `device`: `:cpu`, `:gpu` or `:default` (MLX's
   default device: the GPU where there is one, else the CPU).
 
+  Raises `EMLXAxon.Error` when the stream cannot be opened; see `open/1`
+  for a variant returning a tuple.
+
   ## Examples
 
-      {:ok, stream} = EMLXAxon.Stream.new()
-      {:ok, cpu} = EMLXAxon.Stream.new(:cpu)
+      stream = EMLXAxon.Stream.new()
+      cpu = EMLXAxon.Stream.new(:cpu)
+
+      EMLXAxon.Stream.with_stream(EMLXAxon.Stream.new(:gpu), fn ->
+        Nx.Serving.run(serving, "Hello")
+      end)
 
   """
-  @spec new(device()) :: {:ok, t()} | {:error, Error.t()}
-  def new(device \\ :default)
+  @spec new(device()) :: t()
+  def new(device \\ :default) do
+    case open(device) do
+      {:ok, stream} -> stream
+      {:error, error} -> raise error
+    end
+  end
 
-  def new(device) when device in [:cpu, :gpu, :default] do
+  @doc """
+  Same as `new/1`.
+  """
+  @spec new!(device()) :: t()
+  def new!(device \\ :default), do: new(device)
+
+  @doc """
+  Like `new/1`, but returns `{:ok, stream}` or `{:error, %EMLXAxon.Error{}}`.
+
+  ## Examples
+
+      {:ok, stream} = EMLXAxon.Stream.open(:cpu)
+
+  """
+  @spec open(device()) :: {:ok, t()} | {:error, Error.t()}
+  def open(device \\ :default)
+
+  def open(device) when device in [:cpu, :gpu, :default] do
     with {:ok, ref} <- Error.wrap(Native.stream_new(device)),
          {:ok, %{device: actual}} <- Error.wrap(Native.stream_info(ref)) do
       {:ok, %__MODULE__{ref: ref, device: actual}}
     end
   end
 
-  def new(device) do
+  def open(device) do
     raise ArgumentError,
           "expected the stream device to be :cpu, :gpu or :default, got: #{inspect(device)}"
-  end
-
-  @doc """
-  Like `new/1`, but raises `EMLXAxon.Error` on failure.
-
-  ## Examples
-
-      stream = EMLXAxon.Stream.new!(:cpu)
-
-  """
-  @spec new!(device()) :: t()
-  def new!(device \\ :default) do
-    case new(device) do
-      {:ok, stream} -> stream
-      {:error, error} -> raise error
-    end
   end
 
   @doc """
