@@ -68,10 +68,12 @@ defmodule EMLXAxon.Options do
             "got: #{inspect(value)}"
   end
 
-  defp validate_value!(:temperature, value) when is_number(value) and value > 0, do: value / 1
+  # 0 means greedy decoding, as in mlx-lm.
+  defp validate_value!(:temperature, value) when is_number(value) and value >= 0, do: value / 1
 
   defp validate_value!(:temperature, value) do
-    raise ArgumentError, "expected :temperature to be a number > 0, got: #{inspect(value)}"
+    raise ArgumentError,
+          "expected :temperature to be a number >= 0 (0 decodes greedily), got: #{inspect(value)}"
   end
 
   defp validate_value!(:top_p, value) when is_number(value) and value > 0 and value <= 1,
@@ -183,6 +185,34 @@ defmodule EMLXAxon.Options do
     raise ArgumentError, "expected :defn_options to be a keyword list, got: #{inspect(value)}"
   end
 
+  defp validate_value!(:compile, nil), do: nil
+
+  defp validate_value!(:compile, value) when is_list(value) do
+    unless Keyword.keyword?(value) do
+      raise ArgumentError, compile_message(value)
+    end
+
+    Enum.each(value, fn
+      {:batch_size, size} when is_integer(size) and size > 0 ->
+        :ok
+
+      {:sequence_length, length} when is_integer(length) and length > 0 ->
+        :ok
+
+      {:sequence_length, [_ | _] = lengths} ->
+        unless Enum.all?(lengths, &(is_integer(&1) and &1 > 0)) do
+          raise ArgumentError, compile_message(value)
+        end
+
+      _ ->
+        raise ArgumentError, compile_message(value)
+    end)
+
+    value
+  end
+
+  defp validate_value!(:compile, value), do: raise(ArgumentError, compile_message(value))
+
   # :stream's meaning depends on the function: it is checked by the caller.
   defp validate_value!(:stream, value), do: value
 
@@ -194,7 +224,8 @@ defmodule EMLXAxon.Options do
               :stream_done,
               :add_special_tokens,
               :skip_special_tokens,
-              :add_generation_prompt
+              :add_generation_prompt,
+              :preallocate_params
             ] do
     if is_boolean(value) do
       value
@@ -205,6 +236,11 @@ defmodule EMLXAxon.Options do
 
   # Options specific to one function (validated there).
   defp validate_value!(_key, value), do: value
+
+  defp compile_message(value) do
+    "expected :compile to be a keyword list with :batch_size (a positive integer) and/or " <>
+      ":sequence_length (a positive integer or a list of them), got: #{inspect(value)}"
+  end
 
   defp pos_integer!(_key, value) when is_integer(value) and value > 0, do: value
 
@@ -228,7 +264,8 @@ defmodule EMLXAxon.Options do
 
   @doc """
   The map of generation options the NIF's `generation_start/5` expects (all
-  keys present).
+  keys present). `:row_seeds` (one seed or `nil` per prompt, giving each
+  row its own random numbers) is taken from `opts` when there.
   """
   @spec native(map()) :: map()
   def native(opts) do
@@ -244,7 +281,8 @@ defmodule EMLXAxon.Options do
       stop: opts.stop,
       eos_token_ids: opts.eos_token_ids,
       ignore_eos: opts.ignore_eos,
-      profile_timing: opts.profile_timing
+      profile_timing: opts.profile_timing,
+      row_seeds: Map.get(opts, :row_seeds)
     }
   end
 end

@@ -201,7 +201,7 @@ defmodule EMLXAxon.Qwen3.GenerateTest do
       assert full.text == full_text
 
       # Stop on the text that the (k+1)th token adds.
-      {k, prefix, stop} = stop_string(tokenizer, greedy)
+      {k, prefix, stop} = TestFixtures.stop_string(tokenizer, greedy)
 
       assert {:ok, %{finish_reason: :stop, token_ids: tokens, text: text}} =
                Generate.generate(
@@ -228,8 +228,27 @@ defmodule EMLXAxon.Qwen3.GenerateTest do
 
       assert prefill > 0 and decode > 0 and tps > 0 and ttft > 0 and total > 0
 
-      assert {:ok, %{timings: %{decode_ms: +0.0, decode_tokens_per_s: +0.0}}} =
+      # Without profiling only the counts and Elixir's wall clock are there.
+      assert {:ok, %{timings: timings}} =
                Generate.generate(state, ids, max_new_tokens: 8, profile_timing: false)
+
+      assert %{
+               prefill_ms: +0.0,
+               decode_ms: +0.0,
+               decode_tokens_per_s: +0.0,
+               time_to_first_token_ms: +0.0,
+               generated_tokens: 8,
+               total_ms: total
+             } = timings
+
+      assert total > 0
+    end
+
+    test "temperature 0 is greedy decoding", %{state: state, ids: ids, greedy: greedy} do
+      for sampler <- [:top_p_cpu, :top_p_gpu] do
+        assert {:ok, %{token_ids: ^greedy}} =
+                 Generate.generate(state, ids, @parity ++ [sampler: sampler, temperature: 0])
+      end
     end
 
     test "chunk_size does not change the result", %{state: state, ids: ids, greedy: greedy} do
@@ -253,7 +272,7 @@ defmodule EMLXAxon.Qwen3.GenerateTest do
     end
 
     test "stream option and the process default stream", %{state: state, ids: ids, greedy: greedy} do
-      {:ok, stream} = EMLXAxon.Stream.new(:cpu)
+      stream = EMLXAxon.Stream.new(:cpu)
 
       assert {:ok, %{token_ids: ^greedy}} =
                Generate.generate(state, ids, @parity ++ [stream: stream])
@@ -281,7 +300,7 @@ defmodule EMLXAxon.Qwen3.GenerateTest do
         {[max_new_tokens: 1.5], ~r/:max_new_tokens to be a positive integer/},
         {[max_len: 0], ~r/:max_len to be a positive integer/},
         {[sampler: :beam], ~r/:sampler to be one of :greedy, :top_p_cpu, :top_p_gpu/},
-        {[temperature: 0], ~r/:temperature to be a number > 0/},
+        {[temperature: -1], ~r/:temperature to be a number >= 0/},
         {[temperature: "hot"], ~r/:temperature/},
         {[top_p: 0], ~r/:top_p/},
         {[top_p: 1.5], ~r/:top_p/},
@@ -334,24 +353,5 @@ defmodule EMLXAxon.Qwen3.GenerateTest do
         Generate.generate(:state, ids)
       end
     end
-  end
-
-  @doc false
-  # Finds k such that the text of the first k+1 tokens is the text of the
-  # first k plus a new piece that does not occur earlier: {k, text_k, piece}.
-  def stop_string(tokenizer, ids) do
-    Enum.find_value(2..(length(ids) - 1), fn k ->
-      {:ok, before} = Tokenizer.decode(tokenizer, Enum.take(ids, k))
-      {:ok, now} = Tokenizer.decode(tokenizer, Enum.take(ids, k + 1))
-
-      with true <- String.starts_with?(now, before) and not String.contains?(now, "\uFFFD"),
-           piece = binary_part(now, byte_size(before), byte_size(now) - byte_size(before)),
-           true <- String.trim(piece) != "",
-           true <- :binary.match(now, piece) == {byte_size(before), byte_size(piece)} do
-        {k, before, piece}
-      else
-        _ -> nil
-      end
-    end) || flunk("no usable stop string in #{inspect(ids)}")
   end
 end

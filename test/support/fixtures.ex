@@ -64,6 +64,27 @@ defmodule EMLXAxon.TestFixtures do
     cached({:tokenizer, name}, fn -> Tokenizer.load!(path(name)) end)
   end
 
+  @doc """
+  A stop string for greedy output `ids`: `{k, text_before, stop}` where the
+  text of `ids`' first k tokens is `text_before` and token k + 1 adds
+  `stop`, found nowhere earlier.
+  """
+  def stop_string(tokenizer, ids) do
+    Enum.find_value(2..(length(ids) - 1), fn k ->
+      {:ok, before} = EMLXAxon.Tokenizer.decode(tokenizer, Enum.take(ids, k))
+      {:ok, now} = EMLXAxon.Tokenizer.decode(tokenizer, Enum.take(ids, k + 1))
+
+      with true <- String.starts_with?(now, before) and not String.contains?(now, "\uFFFD"),
+           piece = binary_part(now, byte_size(before), byte_size(now) - byte_size(before)),
+           true <- String.trim(piece) != "",
+           true <- :binary.match(now, piece) == {byte_size(before), byte_size(piece)} do
+        {k, before, piece}
+      else
+        _ -> nil
+      end
+    end) || ExUnit.Assertions.flunk("no usable stop string in #{inspect(ids)}")
+  end
+
   defp eval!(file) do
     {term, _binding} = Code.eval_file(file)
     term

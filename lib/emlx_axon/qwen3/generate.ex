@@ -46,10 +46,14 @@ defmodule EMLXAxon.Qwen3.Generate do
 
   @typedoc """
   Token counts and timings. `prompt_tokens` and `generated_tokens` are this
-  prompt's; the times are the whole batch's. `prefill_ms` is always
-  measured; `decode_ms`, `decode_tokens_per_s` and `time_to_first_token_ms`
-  are 0.0 unless `profile_timing: true`. `total_ms` is the wall time
-  measured in Elixir.
+  prompt's; the times are the whole batch's.
+
+  Always measured: the token counts, `batch_size` and `total_ms` (the wall
+  time of the call, measured in Elixir). Measured only with
+  `profile_timing: true`, and 0.0 otherwise: `prefill_ms`, `decode_ms`,
+  `decode_tokens_per_s` and `time_to_first_token_ms`. Without it the engine
+  takes no timestamps at all, and does not wait for the prefill to finish
+  before queuing the first decode step.
   """
   @type timings :: %{
           prompt_tokens: non_neg_integer(),
@@ -84,7 +88,8 @@ defmodule EMLXAxon.Qwen3.Generate do
       `:prompt_too_long`
     * `:sampler` - `:greedy` (default), `:top_p_cpu` or `:top_p_gpu`
       (nucleus sampling on the host or on the device)
-    * `:temperature` - sampling temperature, > 0 (default 1.0)
+    * `:temperature` - sampling temperature, >= 0; 0 decodes greedily
+      (default 1.0)
     * `:top_p` - nucleus probability mass, in (0, 1] (default 0.9)
     * `:top_k` - keep only the k most likely tokens; 0 disables (default 0)
     * `:min_p` - drop tokens less likely than `min_p` times the most likely
@@ -98,7 +103,8 @@ defmodule EMLXAxon.Qwen3.Generate do
     * `:eos_token_ids` - the tokens ending generation (default: the model's
       and the tokenizer's)
     * `:ignore_eos` - keep generating past EOS tokens (default `false`)
-    * `:profile_timing` - measure decode timings (default `false`)
+    * `:profile_timing` - measure the prefill and decode timings (default
+      `false`; see `t:timings/0`)
     * `:stream` - the `EMLXAxon.Stream` to run on (default: the process's
       `EMLXAxon.Stream.with_stream/2` stream, else MLX's default)
     * `:timeout` - milliseconds after which unfinished rows stop with
