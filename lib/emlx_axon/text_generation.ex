@@ -106,35 +106,31 @@ defmodule EMLXAxon.TextGeneration do
   Unknown options and out-of-range values raise `ArgumentError`.
   """
 
-  alias EMLXAxon.{Generation, Options, Tokenizer}
+  alias EMLXAxon.{Generation, Tokenizer}
   alias EMLXAxon.Qwen3.{Loader, Model.State}
+  alias EMLXAxon.TextGeneration.{Config, Input, Output, TokenizerSource}
 
   @serving_module EMLXAxon.TextGeneration.Serving
-
-  @common_defaults Options.generation_defaults() ++
-                     [
-                       chat: false,
-                       enable_thinking: nil,
-                       profile_timing: true,
-                       timeout: :infinity,
-                       chunk_size: nil,
-                       stream: nil,
-                       mlx_stream: nil
-                     ]
-
-  @serving_defaults @common_defaults ++ [stream_done: false, defn_options: []]
-  @loader_options [:dtype, :quantize]
-
-  @run_chunk_size 16
-  @stream_chunk_size 4
 
   @typedoc "One input: see the module documentation."
   @type input ::
           String.t()
-          | %{required(:text) => String.t(), optional(atom()) => term()}
-          | %{required(:messages) => [Tokenizer.message()]}
-          | %{required(:input_ids) => [non_neg_integer()]}
+          | %{required(:text) => String.t(), optional(:seed) => non_neg_integer() | nil}
+          | %{
+              required(:messages) => [Tokenizer.message()],
+              optional(:seed) => non_neg_integer() | nil
+            }
+          | %{
+              required(:input_ids) => [non_neg_integer()],
+              optional(:seed) => non_neg_integer() | nil
+            }
           | [Tokenizer.message()]
+
+  @typedoc """
+  A tokenizer: an `EMLXAxon.Tokenizer`, a Bumblebee tokenizer (from
+  `Bumblebee.load_tokenizer/1`) or a `Tokenizers.Tokenizer`.
+  """
+  @type tokenizer :: Tokenizer.t() | struct()
 
   @type finish_reason :: :eos | :stop | :length | :max_len | :timeout
 
@@ -142,9 +138,15 @@ defmodule EMLXAxon.TextGeneration do
           results: [
             %{
               generated_text: String.t(),
+              text: String.t(),
               num_tokens: pos_integer(),
               token_ids: [non_neg_integer()],
-              finish_reason: finish_reason()
+              finish_reason: finish_reason(),
+              token_summary: %{
+                input: non_neg_integer(),
+                output: non_neg_integer(),
+                padding: non_neg_integer()
+              }
             }
           ],
           metadata: map()
@@ -158,14 +160,26 @@ defmodule EMLXAxon.TextGeneration do
   Requires Nx in your application (`{:nx, "~> 0.9"}`); without it this
   raises. Takes the options described in the module documentation.
 
+  `tokenizer` is an `EMLXAxon.Tokenizer`, or the tokenizer a Bumblebee
+  application already has: the struct `Bumblebee.load_tokenizer/1` returns
+  or a bare `Tokenizers.Tokenizer`. Those are copied into an
+  `EMLXAxon.Tokenizer` through the `tokenizers` package; they carry no chat
+  template, so for chat inputs pass an `EMLXAxon.Tokenizer` (or use
+  `from_mlx4bit/3`, which reads the template from the checkpoint).
+
   The serving accepts the inputs described in the module documentation
   and returns the same output as `run/4`: plain maps and lists, so it
   works across nodes. Inputs batched together by `Nx.Serving` are decoded
   together as one batch.
 
+  Prompts travel to the serving padded to a length bucket (see `:compile`
+  in the module documentation), and only prompts of one bucket are
+  batched together.
+
   With `stream: true`, `Nx.Serving.run/2` and `Nx.Serving.batched_run/2`
   return a stream of text chunks instead (one input at a time), ending
-  with `{:done, output}` when `stream_done: true`.
+  with `{:done, %{token_summary: summary, results: [result], metadata: metadata}}`
+  when `stream_done: true`.
 
   Started with `partitions: true`, each partition gets its own
   `EMLXAxon.Stream`, so partitions decode concurrently; set the number of
@@ -174,30 +188,35 @@ defmodule EMLXAxon.TextGeneration do
   ## Examples
 
       serving = EMLXAxon.TextGeneration.serving(tokenizer, state, max_new_tokens: 64)
-      %{results: [%{generated_text: text}]} = Nx.Serving.run(serving, "Hello")
+      %{results: [%{text: text}]} = Nx.Serving.run(serving, "Hello")
 
       children = [
         {Nx.Serving, serving: serving, name: MyApp.LLM, batch_size: 8, batch_timeout: 50}
       ]
 
       Nx.Serving.batched_run(MyApp.LLM, [%{role: "user", content: "Hi!"}])
+      Nx.Serving.batched_run(MyApp.LLM, %{text: "Once upon a time", seed: 7})
 
       streaming = EMLXAxon.TextGeneration.serving(tokenizer, state, stream: true)
       for chunk <- Nx.Serving.run(streaming, "Tell me a story"), do: IO.write(chunk)
 
   """
-  @spec serving(Tokenizer.t(), State.t(), keyword()) :: struct()
+  @spec serving(tokenizer(), State.t(), keyword()) :: struct()
   def serving(tokenizer, state, opts \\ []) do
-    tokenizer = tokenizer!(tokenizer)
+    tokenizer = TokenizerSource.resolve!(tokenizer)
     state!(state)
-    opts = validate_serving_opts!(opts)
+    opts = Config.serving!(opts)
     ensure_nx!()
     apply(@serving_module, :new, [tokenizer, state, opts])
   end
 
   @doc """
-  Loads the checkpoint at `path` (and its tokenizer, when `tokenizer` is
-  `nil`) and builds `serving/3` with it.
+  Loads the checkpoint at `path` (and its tokenizer) and builds `serving/3`
+  with it.
+
+  `tokenizer` may be `nil`, an `EMLXAxon.Tokenizer`, or a Bumblebee or
+  `Tokenizers` tokenizer: for the latter two, the same tokenizer is loaded
+  from `path` (with its chat template), since the directory is at hand.
 
   Besides the serving options, takes `EMLXAxon.Qwen3.Loader.load/2`'s
   `:dtype` and `:quantize`. Raises `EMLXAxon.Error` when loading fails.
@@ -208,8 +227,11 @@ defmodule EMLXAxon.TextGeneration do
         max_new_tokens: 100
       )
 
+      {:ok, tokenizer} = Bumblebee.load_tokenizer({:local, "~/models/Qwen3-0.6B-MLX-4bit"})
+      serving = EMLXAxon.TextGeneration.from_mlx4bit("~/models/Qwen3-0.6B-MLX-4bit", tokenizer)
+
   """
-  @spec from_mlx4bit(Path.t(), Tokenizer.t() | nil, keyword()) :: struct()
+  @spec from_mlx4bit(Path.t(), tokenizer() | nil, keyword()) :: struct()
   def from_mlx4bit(path, tokenizer \\ nil, opts \\ []) do
     unless Keyword.keyword?(opts) do
       raise ArgumentError,
@@ -217,11 +239,11 @@ defmodule EMLXAxon.TextGeneration do
               "got: #{inspect(opts)}"
     end
 
-    {load_opts, serving_opts} = Keyword.split(opts, @loader_options)
+    {load_opts, serving_opts} = Keyword.split(opts, Config.loader_options())
     # Fail on bad options (or a missing Nx) before spending time loading.
-    validate_serving_opts!(serving_opts)
+    Config.serving!(serving_opts)
     ensure_nx!()
-    tokenizer = if tokenizer == nil, do: Tokenizer.load!(path), else: tokenizer!(tokenizer)
+    tokenizer = TokenizerSource.resolve!(tokenizer, Path.expand(path))
     state = Loader.load!(path, load_opts)
     serving(tokenizer, state, serving_opts)
   end
@@ -234,6 +256,9 @@ defmodule EMLXAxon.TextGeneration do
   `input` is one input or a list of them (see the module documentation);
   a list is decoded as one batch and gives a list of outputs, each equal
   to what that input gives alone with greedy decoding.
+
+  `tokenizer` is as in `serving/3`; a Bumblebee or `Tokenizers` tokenizer
+  is copied on every call, so prefer an `EMLXAxon.Tokenizer` here.
 
   Raises `ArgumentError` for bad options or inputs, and `EMLXAxon.Error`
   when generation fails (such as `:prompt_too_long`).
@@ -249,13 +274,13 @@ defmodule EMLXAxon.TextGeneration do
         EMLXAxon.TextGeneration.run(tokenizer, state, ["Hello", [%{role: "user", content: "Hi"}]])
 
   """
-  @spec run(Tokenizer.t(), State.t(), input() | [input()], keyword()) :: output() | [output()]
+  @spec run(tokenizer(), State.t(), input() | [input()], keyword()) :: output() | [output()]
   def run(tokenizer, state, input, opts \\ []) do
-    tokenizer = tokenizer!(tokenizer)
+    tokenizer = TokenizerSource.resolve!(tokenizer)
     state!(state)
-    opts = validate_run_opts!(opts, @run_chunk_size, "EMLXAxon.TextGeneration.run/4")
-    {prompts, multi?} = prompts!(tokenizer, state, input, opts)
-    generate!(tokenizer, state, prompts, opts, multi?, nil)
+    opts = Config.run!(opts, false, "EMLXAxon.TextGeneration.run/4")
+    {requests, multi?} = Input.requests!(tokenizer, state, input, opts)
+    generate!(tokenizer, state, requests, opts, multi?, nil)
   end
 
   @doc """
@@ -282,10 +307,10 @@ defmodule EMLXAxon.TextGeneration do
       end)
 
   """
-  @spec stream(Tokenizer.t(), State.t(), input() | [input()], (term() -> term()), keyword()) ::
+  @spec stream(tokenizer(), State.t(), input() | [input()], (term() -> term()), keyword()) ::
           output() | [output()]
   def stream(tokenizer, state, input, emit_fun, opts \\ []) do
-    tokenizer = tokenizer!(tokenizer)
+    tokenizer = TokenizerSource.resolve!(tokenizer)
     state!(state)
 
     unless is_function(emit_fun, 1) do
@@ -293,8 +318,8 @@ defmodule EMLXAxon.TextGeneration do
             "expected emit_fun to be a function of one argument, got: #{inspect(emit_fun)}"
     end
 
-    opts = validate_run_opts!(opts, @stream_chunk_size, "EMLXAxon.TextGeneration.stream/5")
-    {prompts, multi?} = prompts!(tokenizer, state, input, opts)
+    opts = Config.run!(opts, true, "EMLXAxon.TextGeneration.stream/5")
+    {requests, multi?} = Input.requests!(tokenizer, state, input, opts)
 
     on_chunk =
       if multi? do
@@ -313,208 +338,32 @@ defmodule EMLXAxon.TextGeneration do
         end
       end
 
-    generate!(tokenizer, state, prompts, opts, multi?, on_chunk)
+    generate!(tokenizer, state, requests, opts, multi?, on_chunk)
   end
 
-  defp generate!(tokenizer, state, prompts, opts, multi?, on_chunk) do
+  defp generate!(tokenizer, state, requests, opts, multi?, on_chunk) do
     stream_ref = EMLXAxon.Stream.resolve(opts.mlx_stream)
+    prompts = Enum.map(requests, & &1.ids)
+    opts = Map.put(opts, :row_seeds, Input.row_seeds(requests, opts.seed))
 
     case Generation.run(state, tokenizer, stream_ref, prompts, opts, on_chunk) do
       {:ok, %{rows: rows, stats: stats}} ->
+        paddings = Output.paddings(stats.prompt_tokens)
+
         outputs =
           rows
+          |> Enum.zip(Enum.zip(stats.prompt_tokens, paddings))
           |> Enum.with_index()
-          |> Enum.map(fn {row, index} -> output(row, Generation.row_timings(stats, index)) end)
+          |> Enum.map(fn {{row, {prompt_tokens, padding}}, index} ->
+            row = Map.merge(row, %{prompt_tokens: prompt_tokens, padding: padding})
+            Output.build(row, Generation.row_timings(stats, index))
+          end)
 
         if multi?, do: outputs, else: hd(outputs)
 
       {:error, error} ->
         raise error
     end
-  end
-
-  defp output(row, metadata) do
-    %{
-      results: [
-        %{
-          generated_text: row.text,
-          num_tokens: length(row.ids),
-          token_ids: row.ids,
-          finish_reason: row.finish_reason
-        }
-      ],
-      metadata: metadata
-    }
-  end
-
-  ## Helpers shared with the serving
-
-  @doc false
-  # Turns inputs into prompts (lists of token ids): `{prompts, multi?}`.
-  @spec prompts!(Tokenizer.t(), State.t() | nil, term(), map()) ::
-          {[[non_neg_integer()]], boolean()}
-  def prompts!(tokenizer, state, input, opts) do
-    {items, multi?} = normalize_input!(input)
-    prompts = Enum.map(items, &encode_item!(tokenizer, &1, opts))
-    if state, do: Generation.validate_prompts!(prompts, state)
-    {prompts, multi?}
-  end
-
-  @doc false
-  # Builds an output from generated ids by decoding them, as the engine
-  # does while streaming: EOS is not decoded, and the text ends before the
-  # first stop string. Used by the serving, whose results travel as tensors.
-  @spec output_from_ids(Tokenizer.t(), [non_neg_integer()], finish_reason(), [String.t()], map()) ::
-          output()
-  def output_from_ids(tokenizer, ids, finish_reason, stop, metadata) do
-    decode_ids = if finish_reason == :eos, do: Enum.drop(ids, -1), else: ids
-    # A model's vocabulary is often padded past the tokenizer's; such ids
-    # have no text.
-    decode_ids = Enum.filter(decode_ids, &(&1 < tokenizer.vocab_size))
-
-    text =
-      case Tokenizer.decode(tokenizer, decode_ids, skip_special_tokens: true) do
-        {:ok, text} -> text
-        {:error, error} -> raise error
-      end
-
-    text = if finish_reason == :stop, do: cut_at_stop(text, stop), else: text
-    output(%{text: text, ids: ids, finish_reason: finish_reason}, metadata)
-  end
-
-  defp cut_at_stop(text, stop) do
-    stop
-    |> Enum.flat_map(fn s ->
-      case :binary.match(text, s) do
-        {at, _} -> [at]
-        :nomatch -> []
-      end
-    end)
-    |> case do
-      [] -> text
-      positions -> binary_part(text, 0, Enum.min(positions))
-    end
-  end
-
-  @doc false
-  @spec validate_serving_opts!(term()) :: map()
-  def validate_serving_opts!(opts) do
-    opts = Options.validate!(opts, @serving_defaults, "EMLXAxon.TextGeneration.serving/3")
-
-    {streaming?, mlx_stream} =
-      case {opts.stream, opts.mlx_stream} do
-        {stream, mlx} when stream in [nil, false, true] -> {stream == true, mlx}
-        {%EMLXAxon.Stream{} = stream, nil} -> {false, stream}
-        {%EMLXAxon.Stream{}, %EMLXAxon.Stream{}} -> raise ArgumentError, both_streams_message()
-        {other, _} -> raise ArgumentError, bad_serving_stream_message(other)
-      end
-
-    chunk_size = opts.chunk_size || if(streaming?, do: @stream_chunk_size, else: @run_chunk_size)
-    %{opts | stream: streaming?, mlx_stream: mlx_stream, chunk_size: chunk_size}
-  end
-
-  defp validate_run_opts!(opts, default_chunk_size, where) do
-    opts = Options.validate!(opts, @common_defaults, where)
-
-    mlx_stream =
-      case {opts.stream, opts.mlx_stream} do
-        {stream, mlx} when stream in [nil, false] ->
-          mlx
-
-        {%EMLXAxon.Stream{} = stream, nil} ->
-          stream
-
-        {%EMLXAxon.Stream{}, %EMLXAxon.Stream{}} ->
-          raise ArgumentError, both_streams_message()
-
-        {true, _} ->
-          raise ArgumentError,
-                "stream: true is an option of EMLXAxon.TextGeneration.serving/3; " <>
-                  "to stream text here use EMLXAxon.TextGeneration.stream/5"
-
-        {other, _} ->
-          raise ArgumentError,
-                "expected :stream to be an EMLXAxon.Stream, got: #{inspect(other)}"
-      end
-
-    %{
-      opts
-      | stream: nil,
-        mlx_stream: mlx_stream,
-        chunk_size: opts.chunk_size || default_chunk_size
-    }
-  end
-
-  defp both_streams_message,
-    do: "give the EMLXAxon.Stream to run on in either :stream or :mlx_stream, not both"
-
-  defp bad_serving_stream_message(other),
-    do: "expected :stream to be a boolean or an EMLXAxon.Stream, got: #{inspect(other)}"
-
-  defp normalize_input!([]) do
-    raise ArgumentError, "expected an input to generate from, got an empty list"
-  end
-
-  defp normalize_input!(input) when is_list(input) do
-    if Enum.all?(input, &Tokenizer.message?/1) do
-      {[{:chat, input}], false}
-    else
-      {Enum.map(input, &normalize_item!/1), true}
-    end
-  end
-
-  defp normalize_input!(input), do: {[normalize_item!(input)], false}
-
-  defp normalize_item!(text) when is_binary(text), do: {:text, text}
-  defp normalize_item!(%{text: text}) when is_binary(text), do: {:text, text}
-  defp normalize_item!(%{messages: messages}) when is_list(messages), do: {:chat, messages}
-  defp normalize_item!(%{input_ids: ids}) when is_list(ids), do: {:ids, ids}
-
-  defp normalize_item!([_ | _] = messages) do
-    if Enum.all?(messages, &Tokenizer.message?/1) do
-      {:chat, messages}
-    else
-      raise ArgumentError, input_error(messages)
-    end
-  end
-
-  defp normalize_item!(other), do: raise(ArgumentError, input_error(other))
-
-  defp input_error(input) do
-    "expected each input to be a string, %{text: string}, %{messages: messages}, " <>
-      "%{input_ids: ids} or a list of chat messages, got: #{inspect(input)}"
-  end
-
-  defp encode_item!(tokenizer, {:text, text}, %{chat: true} = opts),
-    do: encode_item!(tokenizer, {:chat, [{"user", text}]}, opts)
-
-  defp encode_item!(tokenizer, {:text, text}, _opts) do
-    if text == "", do: raise(ArgumentError, "cannot generate from an empty string")
-    ok!(Tokenizer.encode(tokenizer, text, add_special_tokens: true))
-  end
-
-  defp encode_item!(tokenizer, {:chat, messages}, opts) do
-    prompt =
-      ok!(
-        Tokenizer.apply_chat_template(tokenizer, messages,
-          add_generation_prompt: true,
-          enable_thinking: opts.enable_thinking
-        )
-      )
-
-    ok!(Tokenizer.encode(tokenizer, prompt, add_special_tokens: false))
-  end
-
-  defp encode_item!(_tokenizer, {:ids, ids}, _opts), do: ids
-
-  defp ok!({:ok, value}), do: value
-  defp ok!({:error, error}), do: raise(error)
-
-  defp tokenizer!(%Tokenizer{} = tokenizer), do: tokenizer
-
-  defp tokenizer!(other) do
-    raise ArgumentError,
-          "expected an EMLXAxon.Tokenizer (from EMLXAxon.Tokenizer.load/1), got: #{inspect(other)}"
   end
 
   defp state!(%State{}), do: :ok

@@ -151,3 +151,246 @@ if Code.ensure_loaded?(Nx.Serving) do
     end
   end
 end
+
+defmodule EMLXAxon.TextGeneration.ServingLogicTest do
+  # The serving's own logic lives in plain modules that need no Nx (the
+  # Nx.Serving callbacks only move their binaries in and out of tensors),
+  # so it is tested everywhere.
+  use ExUnit.Case, async: true
+
+  alias EMLXAxon.{Error, TestFixtures, TextGeneration}
+  alias EMLXAxon.TextGeneration.{Config, Input, Output}
+  alias EMLXAxon.TextGeneration.Serving.{Batch, Events, Execution, Results}
+
+  @plain "The quick brown fox jumps over the lazy dog."
+  @chat [%{role: "user", content: "Give me a short introduction to large language models."}]
+
+  defp request(n, seed \\ nil), do: %{ids: Enum.to_list(1..n), seed: seed}
+
+  describe "batching inputs" do
+    test "prompts are padded to a length bucket, not to :max_len" do
+      opts = Config.serving!(max_len: 32_768)
+      assert Batch.buckets(opts) == Enum.map(4..15, &Integer.pow(2, &1))
+
+      for {length, width} <- [{1, 16}, {10, 16}, {16, 16}, {17, 32}, {20_000, 32_768}] do
+        assert Batch.width!([request(length)], opts) == width
+      end
+
+      assert Batch.width!([request(3), request(40), request(7)], opts) == 64
+
+      %{input_ids: ids} = Batch.encode([request(10), request(12)], 16)
+      assert byte_size(ids) == 2 * 16 * 4
+
+      assert Batch.buckets(Config.serving!(max_len: 100)) == [16, 32, 64, 100]
+      assert Batch.buckets(Config.serving!(max_len: 8)) == [8]
+
+      assert Batch.batch_keys(Config.serving!(max_len: 100)) ==
+               Enum.map([16, 32, 64, 100], &{:sequence_length, &1})
+    end
+
+    test "compile: [sequence_length: ...] sets the buckets" do
+      opts = Config.serving!(compile: [batch_size: 4, sequence_length: [64, 32]])
+      assert Batch.buckets(opts) == [32, 64]
+      assert Batch.width!([request(20)], opts) == 32
+      assert Batch.width!([request(33)], opts) == 64
+
+      assert_raise Error, ~r/longest compiled sequence_length \(64\)/, fn ->
+        Batch.width!([request(65)], opts)
+      end
+
+      assert Batch.buckets(Config.serving!(compile: [sequence_length: 128])) == [128]
+    end
+
+    test "a prompt must leave room to generate" do
+      opts = Config.serving!(max_len: 10)
+
+      assert_raise Error, ~r/prompt_too_long.*max_len is 10/, fn ->
+        Batch.width!([request(10)], opts)
+      end
+    end
+
+    test "requests survive the trip, merged with other callers' and padded" do
+      first = [request(3, 7), request(16)]
+      second = [%{ids: [5, 151_643, 0], seed: 0}]
+      a = Batch.encode(first, 16)
+      b = Batch.encode(second, 16)
+
+      # Nx.Serving concatenates callers' batches row-wise, and may pad them.
+      pad = Batch.encode([request(1)], 16)
+      merged = Map.new(a, fn {key, value} -> {key, value <> b[key] <> pad[key]} end)
+
+      assert Batch.decode(merged, 16, 3) == first ++ second
+    end
+
+    test "the client's padding costs time in proportion to the prompt, not to :max_len" do
+      requests = [request(10)]
+      {bucketed, _} = :timer.tc(fn -> for _ <- 1..200, do: Batch.encode(requests, 16) end)
+      {full, _} = :timer.tc(fn -> for _ <- 1..200, do: Batch.encode(requests, 32_768) end)
+      # Padding to the bucket instead of :max_len is what makes it cheap.
+      assert bucketed * 10 < full
+    end
+  end
+
+  describe "splitting outputs" do
+    defp rows(n, offset) do
+      for i <- 1..n do
+        %{ids: Enum.to_list((offset + i)..(offset + 2 * i)), text: "", finish_reason: :length}
+      end
+    end
+
+    defp stats(prompt_tokens, ms) do
+      %{
+        prompt_tokens: prompt_tokens,
+        generated_tokens: [],
+        prefill_ms: ms,
+        decode_ms: ms + 1,
+        decode_tokens_per_s: ms + 2,
+        time_to_first_token_ms: ms + 3,
+        total_ms: ms + 4
+      }
+    end
+
+    # What Nx.Serving does with a caller's rows: slices each field per row,
+    # and concatenates the slices of several executions.
+    defp slice(fields, start, count) do
+      Map.new(fields, fn {name, {_type, shape, binary}} ->
+        row = div(byte_size(binary), elem(shape, 0))
+        {name, binary_part(binary, start * row, count * row)}
+      end)
+    end
+
+    test "rows carry their own execution's metadata" do
+      first = Results.encode(rows(4, 0), stats([3, 5, 4, 2], 10.0), 8)
+      second = Results.encode(rows(2, 10), stats([6, 1], 20.0), 8)
+
+      # A caller of six inputs split over two executions of 4 and 2.
+      caller = Map.merge(slice(first, 0, 4), slice(second, 0, 2), fn _name, a, b -> a <> b end)
+
+      decoded = Results.decode(caller, 8)
+      assert Enum.map(decoded, & &1.metadata.batch_size) == [4, 4, 4, 4, 2, 2]
+      assert Enum.map(decoded, & &1.metadata.prefill_ms) == [10.0, 10.0, 10.0, 10.0, 20.0, 20.0]
+      assert Enum.map(decoded, & &1.metadata.total_ms) == [14.0, 14.0, 14.0, 14.0, 24.0, 24.0]
+      assert Enum.map(decoded, & &1.prompt_tokens) == [3, 5, 4, 2, 6, 1]
+      assert Enum.map(decoded, & &1.padding) == [2, 0, 1, 3, 0, 5]
+      assert Enum.map(decoded, & &1.ids) == Enum.map(rows(4, 0) ++ rows(2, 10), & &1.ids)
+
+      # A caller whose rows sit in the middle of an execution.
+      [row] = Results.decode(slice(first, 2, 1), 8)
+
+      assert row.metadata == %{
+               prompt_tokens: 4,
+               generated_tokens: 4,
+               batch_size: 4,
+               prefill_ms: 10.0,
+               decode_ms: 11.0,
+               decode_tokens_per_s: 12.0,
+               time_to_first_token_ms: 13.0,
+               total_ms: 14.0
+             }
+    end
+
+    test "every finish reason survives the trip" do
+      reasons = [:eos, :stop, :length, :max_len, :timeout]
+      rows = Enum.map(reasons, &%{ids: [1], text: "", finish_reason: &1})
+      fields = Results.encode(rows, stats([1, 1, 1, 1, 1], 1.0), 4)
+      decoded = Results.decode(slice(fields, 0, 5), 4)
+      assert Enum.map(decoded, & &1.finish_reason) == reasons
+    end
+  end
+
+  describe "streaming events" do
+    test "chunks of text per row" do
+      rows = [%{text: "héllo"}, %{text: ""}, %{text: "a"}]
+      {matrix, {3, width}, sizes} = Events.encode_chunk(rows)
+      assert width == byte_size("héllo")
+      sizes = for <<size::signed-native-32 <- sizes>>, do: size
+
+      items =
+        for {size, row} <- Enum.with_index(sizes) do
+          Events.items({:chunk, binary_part(matrix, row * width, width), size}, true)
+        end
+
+      assert items == [["héllo"], [], ["a"]]
+      assert {_, {1, 1}, _} = Events.encode_chunk([%{text: ""}])
+    end
+
+    test "the final event has Bumblebee's shape and EMLXAxon's output" do
+      output =
+        Output.build(
+          %{ids: [1, 2], text: "ab", finish_reason: :length, prompt_tokens: 5, padding: 0},
+          %{batch_size: 1}
+        )
+
+      summary = %{input: 5, output: 2, padding: 0}
+
+      assert [{:done, %{token_summary: ^summary, results: [%{text: "ab"}], metadata: %{}}}] =
+               Events.items({:done, output}, true)
+
+      assert Events.items({:done, output}, false) == []
+    end
+  end
+
+  describe "an execution" do
+    @describetag :fixtures
+
+    setup do
+      name = "qwen3-4bit-g64"
+      %{tokenizer: TestFixtures.tokenizer(name), state: TestFixtures.model(name)}
+    end
+
+    # The serving's whole path but for the tensors: requests encoded by the
+    # client, an execution, its results split and decoded by the client.
+    defp serve(tokenizer, state, inputs, opts) do
+      opts = Config.serving!(opts)
+      {requests, true} = Input.requests!(tokenizer, state, inputs, opts)
+      width = Batch.width!(requests, opts)
+      requests = requests |> Batch.encode(width) |> Batch.decode(width, length(requests))
+      arg = %{tokenizer: tokenizer, state: state, opts: opts}
+      fields = Execution.run(arg, requests, nil, nil)
+
+      fields
+      |> Map.new(fn {name, {_type, _shape, binary}} -> {name, binary} end)
+      |> Results.decode(opts.max_new_tokens)
+      |> Enum.map(fn row ->
+        text = Output.text!(tokenizer, row.ids, row.finish_reason, opts.stop)
+        Output.build(Map.put(row, :text, text), row.metadata)
+      end)
+    end
+
+    test "gives run/4's outputs", %{tokenizer: tokenizer, state: state} do
+      reference = TestFixtures.reference("qwen3-4bit-g64")["prompts"]
+      greedy = reference["plain"]["greedy_ids"]
+      {_k, _prefix, stop} = TestFixtures.stop_string(tokenizer, greedy)
+      eos = Enum.at(greedy, 4)
+      inputs = [@plain, @chat, "Hello", %{input_ids: [9707, 1879]}]
+
+      for opts <- [
+            [max_new_tokens: 16],
+            [max_new_tokens: 16, stop: [stop]],
+            [max_new_tokens: 16, eos_token_ids: [eos]],
+            [max_new_tokens: 40]
+          ] do
+        expected = TextGeneration.run(tokenizer, state, inputs, opts)
+        actual = serve(tokenizer, state, inputs, opts)
+        assert Enum.map(actual, & &1.results) == Enum.map(expected, & &1.results), inspect(opts)
+
+        for {a, e} <- Enum.zip(actual, expected) do
+          assert Map.take(a.metadata, [:prompt_tokens, :generated_tokens, :batch_size]) ==
+                   Map.take(e.metadata, [:prompt_tokens, :generated_tokens, :batch_size])
+        end
+      end
+    end
+
+    test "honours each input's seed", %{tokenizer: tokenizer, state: state} do
+      opts = [max_new_tokens: 16, sampler: :top_p_cpu, temperature: 1.5, top_p: 1.0]
+      inputs = [%{text: @plain, seed: 7}, %{text: "Hello", seed: 3}]
+      expected = TextGeneration.run(tokenizer, state, inputs, opts)
+
+      assert Enum.map(serve(tokenizer, state, inputs, opts), & &1.results) ==
+               Enum.map(expected, & &1.results)
+
+      [alone] = serve(tokenizer, state, [%{text: @plain, seed: 7}], opts)
+      assert hd(alone.results).token_ids == hd(hd(expected).results).token_ids
+    end
+  end
+end

@@ -1,7 +1,51 @@
+unless Code.ensure_loaded?(Tokenizers.Tokenizer) do
+  defmodule Tokenizers.Tokenizer do
+    @moduledoc false
+    # Stand-in: the struct and save/3 of the `tokenizers` package.
+    defstruct [:resource]
+
+    def save(%__MODULE__{resource: {:stand_in, source}}, path, _opts \\ []) do
+      File.cp!(source, path)
+      {:ok, path}
+    end
+  end
+end
+
+unless Code.ensure_loaded?(Bumblebee.Text.PreTrainedTokenizer) do
+  defmodule Bumblebee.Text.PreTrainedTokenizer do
+    @moduledoc false
+    # Stand-in: the struct Bumblebee.load_tokenizer/1 returns.
+    defstruct [:native_tokenizer, :type, special_tokens: %{}]
+  end
+end
+
+defmodule EMLXAxon.TextGenerationTest.ForeignTokenizers do
+  @moduledoc false
+  # Tokenizers from the `tokenizers` package and Bumblebee, or stand-ins of
+  # the same shape where the packages are not installed.
+
+  @real? Code.ensure_loaded?(Tokenizers.Tokenizer) and
+           function_exported?(Tokenizers.Tokenizer, :from_file, 2)
+
+  def native(file) do
+    if @real? do
+      {:ok, tokenizer} = apply(Tokenizers.Tokenizer, :from_file, [file, []])
+      tokenizer
+    else
+      struct(Tokenizers.Tokenizer, resource: {:stand_in, file})
+    end
+  end
+
+  def bumblebee(native) do
+    struct(Bumblebee.Text.PreTrainedTokenizer, native_tokenizer: native, type: :qwen2)
+  end
+end
+
 defmodule EMLXAxon.TextGenerationTest do
   use ExUnit.Case, async: true
 
   alias EMLXAxon.{Error, TestFixtures, TextGeneration, Tokenizer}
+  alias EMLXAxon.TextGenerationTest.ForeignTokenizers
 
   @moduletag :fixtures
 
@@ -45,9 +89,11 @@ defmodule EMLXAxon.TextGenerationTest do
                results: [
                  %{
                    generated_text: text,
+                   text: text,
                    num_tokens: 16,
                    token_ids: ^greedy,
-                   finish_reason: :length
+                   finish_reason: :length,
+                   token_summary: %{input: 10, output: 16, padding: 0}
                  }
                ],
                metadata: metadata
@@ -102,14 +148,75 @@ defmodule EMLXAxon.TextGenerationTest do
 
       assert length(batch) == 4
 
+      longest = singles |> Enum.map(& &1.metadata.prompt_tokens) |> Enum.max()
+
       for {single, batched} <- Enum.zip(singles, batch) do
-        assert batched.results == single.results
+        [single_result] = single.results
+        [batched_result] = batched.results
+        # The same result, but for the left padding the batch gave the row.
+        assert %{batched_result | token_summary: single_result.token_summary} == single_result
+        assert batched_result.token_summary.padding == longest - single.metadata.prompt_tokens
+        assert batched_result.token_summary.input == single.metadata.prompt_tokens
         assert batched.metadata.batch_size == 4
         assert batched.metadata.prompt_tokens == single.metadata.prompt_tokens
       end
 
       assert [%{results: [_]}] = TextGeneration.run(tokenizer, state, [@plain_text], @opts)
       assert [_, _] = TextGeneration.run(tokenizer, state, [@chat, @chat], @opts)
+    end
+
+    test "temperature 0 decodes greedily", %{
+      tokenizer: tokenizer,
+      state: state,
+      reference: reference
+    } do
+      greedy = reference["plain"]["greedy_ids"]
+
+      for sampler <- [:top_p_cpu, :top_p_gpu] do
+        assert %{results: [%{token_ids: ^greedy}]} =
+                 TextGeneration.run(
+                   tokenizer,
+                   state,
+                   @plain_text,
+                   @opts ++ [sampler: sampler, temperature: 0]
+                 )
+      end
+    end
+
+    test "an input's own :seed", %{tokenizer: tokenizer, state: state} do
+      sample = @opts ++ [sampler: :top_p_cpu, temperature: 1.5, top_p: 1.0]
+      seeded = fn seed -> %{text: @plain_text, seed: seed} end
+      ids = fn output -> hd(output.results).token_ids end
+
+      alone = ids.(TextGeneration.run(tokenizer, state, seeded.(7), sample))
+      assert ids.(TextGeneration.run(tokenizer, state, seeded.(7), sample)) == alone
+      refute ids.(TextGeneration.run(tokenizer, state, seeded.(8), sample)) == alone
+
+      # The seed belongs to the input: batch-mates, their seeds and their
+      # place in the batch do not change it.
+      for batch <- [
+            [seeded.(7), seeded.(8)],
+            [%{text: "Hello", seed: 3}, seeded.(7), @chat],
+            [seeded.(8), %{messages: @chat, seed: 1}, seeded.(7)]
+          ] do
+        outputs = TextGeneration.run(tokenizer, state, batch, sample)
+        index = Enum.find_index(batch, &(&1 == seeded.(7)))
+        assert ids.(Enum.at(outputs, index)) == alone, inspect(batch)
+      end
+
+      # Equal to the :seed option given for the call.
+      assert ids.(TextGeneration.run(tokenizer, state, @plain_text, sample ++ [seed: 7])) ==
+               alone
+
+      for bad <- [-1, 1.5, "7"] do
+        assert_raise ArgumentError, ~r/:seed to be nil or a non-negative integer/, fn ->
+          TextGeneration.run(tokenizer, state, seeded.(bad), sample)
+        end
+      end
+
+      assert_raise ArgumentError, ~r/unknown key\(s\) :temperature/, fn ->
+        TextGeneration.run(tokenizer, state, %{text: "x", temperature: 2}, sample)
+      end
     end
 
     test "enable_thinking", %{tokenizer: tokenizer, state: state} do
@@ -147,7 +254,7 @@ defmodule EMLXAxon.TextGenerationTest do
 
     test "stop strings", %{tokenizer: tokenizer, state: state, reference: reference} do
       greedy = reference["plain"]["greedy_ids"]
-      {k, prefix, stop} = EMLXAxon.Qwen3.GenerateTest.stop_string(tokenizer, greedy)
+      {k, prefix, stop} = TestFixtures.stop_string(tokenizer, greedy)
 
       assert %{
                results: [
@@ -185,15 +292,15 @@ defmodule EMLXAxon.TextGenerationTest do
       # this random model's greedy output for "Elixir" contains padding ids.
       {:ok, %{vocab_size: vocab}} = Tokenizer.info(tokenizer)
 
-      assert %{results: [%{token_ids: ids, generated_text: text} = result], metadata: metadata} =
+      assert %{results: [%{token_ids: ids, generated_text: text} = result]} =
                TextGeneration.run(tokenizer, state, "Elixir", @opts)
 
       assert Enum.any?(ids, &(&1 >= vocab))
       {:ok, expected} = Tokenizer.decode(tokenizer, Enum.filter(ids, &(&1 < vocab)))
       assert text == expected
 
-      assert %{results: [^result]} =
-               TextGeneration.output_from_ids(tokenizer, ids, result.finish_reason, [], metadata)
+      # As the serving's client decodes it.
+      assert TextGeneration.Output.text!(tokenizer, ids, result.finish_reason, []) == text
     end
 
     test "max_len and timeout", %{tokenizer: tokenizer, state: state} do
@@ -290,6 +397,8 @@ defmodule EMLXAxon.TextGenerationTest do
             {%{input_ids: [-1]}, ~r/token ids/},
             {123, ~r/expected each input to be a string/},
             {%{prompt: "x"}, ~r/expected each input/},
+            {%{text: "x", messages: @chat}, ~r/expected each input/},
+            {%{seed: 1}, ~r/expected each input/},
             {["ok", 5], ~r/expected each input/},
             {[[%{role: "user"}]], ~r/expected each input/},
             {[%{role: "user", content: 1}], ~r/content a string/}
@@ -301,6 +410,10 @@ defmodule EMLXAxon.TextGenerationTest do
 
       assert_raise ArgumentError, ~r/EMLXAxon.Tokenizer/, fn ->
         TextGeneration.run(nil, state, "x")
+      end
+
+      assert_raise ArgumentError, ~r/a Bumblebee tokenizer/, fn ->
+        TextGeneration.run(%{native_tokenizer: nil}, state, "x")
       end
 
       assert_raise ArgumentError, ~r/EMLXAxon.Qwen3.Model.State/, fn ->
@@ -374,35 +487,67 @@ defmodule EMLXAxon.TextGenerationTest do
     end
   end
 
-  test "serving results decoded from ids equal run/4's", %{
-    tokenizer: tokenizer,
-    state: state,
-    reference: reference
-  } do
-    greedy = reference["plain"]["greedy_ids"]
-    {_k, _prefix, stop} = EMLXAxon.Qwen3.GenerateTest.stop_string(tokenizer, greedy)
-    eos = Enum.at(greedy, 4)
+  describe "Bumblebee and Tokenizers tokenizers" do
+    # Bumblebee and `tokenizers` cannot be installed here: where they are
+    # missing, the stand-ins at the end of this file take their module names
+    # and struct shapes (a Bumblebee tokenizer's :native_tokenizer holds a
+    # %Tokenizers.Tokenizer{}; Tokenizers.Tokenizer.save/3 writes
+    # tokenizer.json). Where the real packages are loaded, they are used.
+    setup do
+      file = Path.join(TestFixtures.path("qwen3-4bit-g64"), "tokenizer.json")
+      native = ForeignTokenizers.native(file)
+      %{native: native, bumblebee: ForeignTokenizers.bumblebee(native)}
+    end
 
-    for opts <- [
-          @opts,
-          @opts ++ [stop: [stop]],
-          @opts ++ [eos_token_ids: [eos]],
-          [max_new_tokens: 40]
-        ],
-        input <- [@plain_text, @chat] do
-      %{results: [expected], metadata: metadata} =
-        TextGeneration.run(tokenizer, state, input, opts)
+    test "run/4 and stream/5 take them and give the same results", %{
+      tokenizer: tokenizer,
+      state: state,
+      native: native,
+      bumblebee: bumblebee
+    } do
+      results = fn outputs -> Enum.map(outputs, & &1.results) end
+      expected = TextGeneration.run(tokenizer, state, [@plain_text, "Hello"], @opts)
 
-      stops = opts |> Keyword.get(:stop, []) |> List.wrap()
+      for foreign <- [native, bumblebee] do
+        assert results.(TextGeneration.run(foreign, state, [@plain_text, "Hello"], @opts)) ==
+                 results.(expected)
 
-      assert %{results: [^expected]} =
-               TextGeneration.output_from_ids(
-                 tokenizer,
-                 expected.token_ids,
-                 expected.finish_reason,
-                 stops,
-                 metadata
-               )
+        ref = make_ref()
+        parent = self()
+        TextGeneration.stream(foreign, state, "Hello", &send(parent, {ref, &1}), @opts)
+        assert IO.iodata_to_binary(collect(ref)) == hd(Enum.at(expected, 1).results).text
+
+        # tokenizer.json alone carries no chat template.
+        assert_raise Error, ~r/chat_template/, fn ->
+          TextGeneration.run(foreign, state, @chat, @opts)
+        end
+      end
+    end
+
+    test "with the checkpoint's directory, it is loaded from there, chat template included", %{
+      native: native,
+      bumblebee: bumblebee
+    } do
+      dir = TestFixtures.path("qwen3-4bit-g64")
+
+      for foreign <- [native, bumblebee, nil] do
+        tokenizer = TextGeneration.TokenizerSource.resolve!(foreign, dir)
+        assert {:ok, %{has_chat_template: true}} = Tokenizer.info(tokenizer)
+      end
+
+      # Copies leave no files behind.
+      copies = fn -> Path.wildcard(Path.join(System.tmp_dir!(), "emlx_axon_tokenizer_*")) end
+      before = copies.()
+      TextGeneration.TokenizerSource.resolve!(bumblebee)
+      assert copies.() -- before == []
+    end
+
+    test "other structs are refused", %{state: state} do
+      for other <- [%URI{}, %{native_tokenizer: nil}, %{__struct__: Foo, native_tokenizer: nil}] do
+        assert_raise ArgumentError, ~r/a Bumblebee tokenizer/, fn ->
+          TextGeneration.run(other, state, "x")
+        end
+      end
     end
   end
 

@@ -159,7 +159,7 @@ defmodule Mix.Tasks.EmlxAxon.Generate do
 
   defp prompt_ids(tokenizer, state, input) do
     opts = %{chat: false, enable_thinking: nil}
-    {[ids], false} = TextGeneration.prompts!(tokenizer, state, input, opts)
+    {[%{ids: ids}], false} = TextGeneration.Input.requests!(tokenizer, state, input, opts)
     {:ok, ids}
   rescue
     e in [ArgumentError, EMLXAxon.Error] -> Mix.raise(Exception.message(e))

@@ -1,0 +1,88 @@
+defmodule EMLXAxon.TextGeneration.Output do
+  @moduledoc false
+  # Builds the outputs of EMLXAxon.TextGeneration: one map per input, with
+  # both EMLXAxon's result keys and Bumblebee's (`text`, `token_summary`), so
+  # code written against either library reads them unchanged.
+
+  alias EMLXAxon.Tokenizer
+
+  @type finish_reason :: :eos | :stop | :length | :max_len | :timeout
+
+  @typedoc """
+  A finished row: its ids and text, why it ended, its prompt's length and
+  the left padding it was given to share a batch.
+  """
+  @type row :: %{
+          required(:ids) => [non_neg_integer()],
+          required(:text) => String.t(),
+          required(:finish_reason) => finish_reason(),
+          required(:prompt_tokens) => non_neg_integer(),
+          required(:padding) => non_neg_integer()
+        }
+
+  @doc "The output for one finished row with its `metadata`."
+  @spec build(row(), map()) :: map()
+  def build(row, metadata) do
+    output = length(row.ids)
+
+    %{
+      results: [
+        %{
+          generated_text: row.text,
+          text: row.text,
+          num_tokens: output,
+          token_ids: row.ids,
+          finish_reason: row.finish_reason,
+          token_summary: %{input: row.prompt_tokens, output: output, padding: row.padding}
+        }
+      ],
+      metadata: metadata
+    }
+  end
+
+  @doc """
+  The left padding of each of a batch's rows: the engine aligns prompts of
+  different lengths on the right.
+  """
+  @spec paddings([non_neg_integer()]) :: [non_neg_integer()]
+  def paddings(prompt_lengths) do
+    longest = Enum.max(prompt_lengths, fn -> 0 end)
+    Enum.map(prompt_lengths, &(longest - &1))
+  end
+
+  @doc """
+  Decodes generated `ids` into the row's text the way the engine does while
+  streaming: an EOS token is not decoded, ids past the tokenizer's
+  vocabulary have no text, and a `:stop` row's text ends before the first
+  stop string.
+  """
+  @spec text!(Tokenizer.t(), [non_neg_integer()], finish_reason(), [String.t()]) :: String.t()
+  def text!(tokenizer, ids, finish_reason, stop) do
+    ids = if finish_reason == :eos, do: Enum.drop(ids, -1), else: ids
+    ids = Enum.filter(ids, &(&1 < tokenizer.vocab_size))
+
+    text =
+      case Tokenizer.decode(tokenizer, ids, skip_special_tokens: true) do
+        {:ok, text} -> text
+        {:error, error} -> raise error
+      end
+
+    if finish_reason == :stop, do: cut_at_stop(text, stop), else: text
+  end
+
+  @doc "`text` up to the first occurrence of any of the `stop` strings."
+  @spec cut_at_stop(String.t(), [String.t()]) :: String.t()
+  def cut_at_stop(text, stop) do
+    stop
+    |> Enum.flat_map(fn s ->
+      case :binary.match(text, s) do
+        {at, _} -> [at]
+        :nomatch -> []
+      end
+    end)
+    |> case do
+      [] -> text
+      positions -> binary_part(text, 0, Enum.min(positions))
+    end
+  end
+end
