@@ -1,16 +1,35 @@
 # The tests run against the real NIF and the fixtures that scripts/setup
 # builds in .cache/fixtures. Tests that need the fixtures are tagged
-# :fixtures; without the fixtures they are excluded, loudly.
+# :fixtures; without the fixtures they are excluded. Test modules that need
+# an optional dependency (Nx, :telemetry) are compiled only where it is.
+# Whatever is left out is said here, so a run never passes quietly short.
+left_out =
+  for {module, file, reason} <- EMLXAxon.TestSuites.left_out() do
+    "  #{module} (#{file}): #{reason}"
+  end
+
 exclude =
   if EMLXAxon.TestFixtures.available?() do
     []
   else
-    IO.puts(:stderr, """
-    \e[33mThe test fixtures are missing from #{EMLXAxon.TestFixtures.fixtures_dir()}: \
-    run scripts/setup to build them. Tests tagged :fixtures are excluded.\e[0m
-    """)
-
     [:fixtures]
   end
+
+left_out =
+  if exclude == [] do
+    left_out
+  else
+    left_out ++
+      [
+        "  every test tagged :fixtures: the fixtures are missing from " <>
+          "#{EMLXAxon.TestFixtures.fixtures_dir()} (run scripts/setup)"
+      ]
+  end
+
+if left_out == [] do
+  IO.puts("Every test module runs (Nx, :telemetry and the fixtures are available).")
+else
+  IO.puts(:stderr, "\e[33mLeft out of this run:\n#{Enum.join(left_out, "\n")}\e[0m")
+end
 
 ExUnit.start(exclude: exclude)

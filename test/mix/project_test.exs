@@ -3,10 +3,31 @@ defmodule EMLXAxon.MixProjectTest do
 
   @root EMLXAxon.TestFixtures.root()
 
-  test "the project declares no dependencies without Hex" do
-    refute Code.ensure_loaded?(Hex)
-    assert Mix.Project.config()[:deps] == []
+  @optional_deps [{:nx, "~> 0.9", optional: true}, {:telemetry, "~> 1.0", optional: true}]
+
+  test "Nx and telemetry are optional dependencies, declared only where Hex is" do
+    hex? =
+      Code.ensure_loaded?(Hex) and System.get_env("EMLX_AXON_NO_HEX") in [nil, "", "0", "false"]
+
+    assert Mix.Project.config()[:deps] == if(hex?, do: @optional_deps, else: [])
     assert Mix.Project.config()[:compilers] == [:emlx_axon_native | Mix.compilers()]
+
+    # The project's deps as a machine with Hex sees them (a stand-in Hex
+    # module where Hex is missing), and with EMLX_AXON_NO_HEX=1.
+    deps = fn env ->
+      script = """
+      unless Code.ensure_loaded?(Hex), do: defmodule(Hex, do: nil)
+      Mix.start()
+      Code.require_file("mix.exs")
+      IO.write(inspect(EMLXAxon.MixProject.project()[:deps]))
+      """
+
+      {output, 0} = System.cmd("elixir", ["-e", script], cd: @root, env: env)
+      output
+    end
+
+    assert deps.([{"EMLX_AXON_NO_HEX", nil}]) == inspect(@optional_deps)
+    assert deps.([{"EMLX_AXON_NO_HEX", "1"}]) == "[]"
   end
 
   test "the NIF is installed in priv/native and reachable from the build" do
@@ -31,7 +52,8 @@ defmodule EMLXAxon.MixProjectTest do
       System.cmd("mix", ["compile", "--warnings-as-errors"],
         cd: @root,
         stderr_to_stdout: true,
-        env: [{"MIX_ENV", "dev"}, {"MIX_BUILD_PATH", build}, {"EMLX_AXON_NO_HEX", nil}]
+        # Where Hex is installed, leave out the optional deps (not fetched here).
+        env: [{"MIX_ENV", "dev"}, {"MIX_BUILD_PATH", build}, {"EMLX_AXON_NO_HEX", "1"}]
       )
 
     assert status == 0, output
@@ -67,7 +89,9 @@ defmodule EMLXAxon.MixProjectTest do
       {"MIX_ENV", "dev"},
       {"MIX_BUILD_PATH", nil},
       {"CARGO_TARGET_DIR", nil},
-      {"EMLX_AXON_SKIP_NATIVE", nil}
+      {"EMLX_AXON_SKIP_NATIVE", nil},
+      # The copy has no deps fetched: where Hex is installed, leave them out.
+      {"EMLX_AXON_NO_HEX", "1"}
     ]
 
     mix = fn args, extra_env ->
