@@ -34,6 +34,12 @@ defmodule EMLXAxon.TextGeneration do
       result = Nx.Serving.run(serving, "Write a short story about a robot who learns to love.")
       IO.puts(result.results |> hd() |> Map.fetch!(:generated_text))
 
+  Code written for Bumblebee's text generation servings runs unchanged:
+  `serving/3` and `from_mlx4bit/3` take the tokenizer from
+  `Bumblebee.load_tokenizer/1`, inputs may carry a `:seed`, results have
+  Bumblebee's `:text` and `:token_summary`, and Bumblebee's serving options
+  are accepted.
+
   ## Inputs
 
     * a string: the prompt text (with `chat: true`, sent as a user message
@@ -47,6 +53,12 @@ defmodule EMLXAxon.TextGeneration do
     * a list of any of the above: a batch, decoded together; the result is
       then a list, in the same order
 
+  An input map may also hold `:seed` (a non-negative integer), as
+  Bumblebee allows: that input is sampled with its own random numbers,
+  seeded so, whatever else it is batched with (`%{text: "Hi", seed: 7}`
+  gives the same tokens alone, in a list, or merged by the serving with
+  other callers' inputs). Inputs without one use the `:seed` option.
+
   ## Output
 
   For one input:
@@ -55,26 +67,38 @@ defmodule EMLXAxon.TextGeneration do
         results: [
           %{
             generated_text: "...",
+            text: "...",
             num_tokens: 17,
             token_ids: [...],
-            finish_reason: :eos | :stop | :length | :max_len | :timeout
+            finish_reason: :eos | :stop | :length | :max_len | :timeout,
+            token_summary: %{input: 12, output: 17, padding: 0}
           }
         ],
-        metadata: %{prompt_tokens: 12, generated_tokens: 17, prefill_ms: ..., ...}
+        metadata: %{prompt_tokens: 12, generated_tokens: 17, batch_size: 1, prefill_ms: ..., ...}
       }
+
+  `text` equals `generated_text` and `token_summary` is Bumblebee's: the
+  prompt's tokens, the generated tokens (`num_tokens`) and the left padding
+  the prompt was given to share its batch with longer prompts.
 
   `finish_reason` says why generation ended: `:eos` (the model's end of
   sequence; `token_ids` include it, the text does not), `:stop` (a `:stop`
   string; the text ends just before it), `:length` (`:max_new_tokens`),
   `:max_len` (the `:max_len` KV budget) or `:timeout`. `metadata` holds the
-  token counts and timings described in `EMLXAxon.Qwen3.Generate`.
+  token counts and timings described in `EMLXAxon.Qwen3.Generate` (its
+  `t:EMLXAxon.Qwen3.Generate.timings/0`), of the batch the input was
+  decoded in: when the serving splits a list of inputs over several
+  executions, each output describes its own. With `profile_timing: false`
+  only the token counts, `batch_size` and `total_ms` are measured; the
+  other timings are 0.0.
 
   ## Options
 
     * `:max_new_tokens` - the most tokens to generate per input (default 100)
     * `:max_len` - the KV cache budget per input, prompt included (default 2048)
     * `:sampler` - `:greedy` (default), `:top_p_cpu` or `:top_p_gpu`
-    * `:temperature` - sampling temperature, > 0 (default 1.0)
+    * `:temperature` - sampling temperature, >= 0; 0 decodes greedily
+      (default 1.0)
     * `:top_p` - nucleus probability mass, in (0, 1] (default 0.9)
     * `:top_k` - keep only the k most likely tokens, 0 disables (default 0)
     * `:min_p` - min-p filtering, 0.0 disables (default 0.0)
@@ -87,7 +111,8 @@ defmodule EMLXAxon.TextGeneration do
       message (default `false`)
     * `:enable_thinking` - Qwen3's thinking switch for the chat template
       (default `nil`: the template's default)
-    * `:profile_timing` - measure decode timings (default `true`)
+    * `:profile_timing` - measure the prefill and decode timings (default
+      `true`)
     * `:timeout` - milliseconds after which generation stops with
       `finish_reason: :timeout` (default `:infinity`)
     * `:chunk_size` - tokens decoded per native call, which is also how
@@ -98,10 +123,25 @@ defmodule EMLXAxon.TextGeneration do
     * `:mlx_stream` - an `EMLXAxon.Stream` to run on (for a streaming
       serving, where `:stream` is `true`)
     * `:stream_done` - with a streaming serving, end the stream with
-      `{:done, result}` (default `false`)
-    * `:defn_options` - accepted for compatibility with Bumblebee servings;
-      only `:max_concurrency` is used, as the number of partitions a
-      serving started with `partitions: true` runs
+      `{:done, %{token_summary: summary, results: [result], metadata: metadata}}`
+      (Bumblebee's final event, with the output `run/4` gives) (default
+      `false`)
+
+  Bumblebee's serving options, for `serving/3` and `from_mlx4bit/3`:
+
+    * `:compile` - `[batch_size: n, sequence_length: len]`, either or both.
+      `:batch_size` is the serving's batch size (`Nx.Serving.batch_size/2`):
+      the most inputs one execution decodes. `:sequence_length` (an integer
+      or a list) sets the prompt length buckets: a prompt is sent padded to
+      the smallest bucket it fits in, only prompts of one bucket are
+      batched together, and a prompt longer than every bucket raises
+      `EMLXAxon.Error` (kind `:prompt_too_long`). Without it, the buckets
+      are the powers of two from 16 up to `:max_len`. Nothing is compiled
+      ahead: MLX needs no fixed shapes.
+    * `:defn_options` - only `:max_concurrency` is used, as the number of
+      partitions a serving started with `partitions: true` runs
+    * `:preallocate_params` - accepted and ignored: the weights are on the
+      device from the moment the model is loaded
 
   Unknown options and out-of-range values raise `ArgumentError`.
   """
