@@ -14,6 +14,8 @@ defmodule EMLXAxon.Error do
     * `:config` - `config.json` is missing a field or has a bad value
     * `:safetensors` - a weights file is malformed
     * `:missing_tensor` / `:shape_mismatch` - the weights do not match the config
+    * `:unexpected_tensor` - the checkpoint holds tensors the model does not
+      use (see `EMLXAxon.Qwen3.Loader.load/2`'s `:strict`)
     * `:unsupported` - the checkpoint uses something the engine does not support
     * `:mlx` - MLX itself failed
     * `:tokenizer` / `:template` - tokenization or chat-template rendering failed
@@ -42,6 +44,7 @@ defmodule EMLXAxon.Error do
           | :safetensors
           | :missing_tensor
           | :shape_mismatch
+          | :unexpected_tensor
           | :unsupported
           | :mlx
           | :tokenizer

@@ -81,6 +81,7 @@ defmodule EMLXAxon.Native do
 
   def model_load(_path, _opts), do: err()
   def model_info(_model), do: err()
+  def quantization_support, do: err()
 
   ## Tokenizers
 

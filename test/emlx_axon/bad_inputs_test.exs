@@ -489,11 +489,10 @@ defmodule EMLXAxon.BadInputsTest do
       for {key, value, pattern} <- [
             {:max_new_tokens, 0, "max_new_tokens"},
             {:max_len, 0, "max_len"},
-            {:temperature, 0.0, "temperature"},
             {:temperature, -1.0, "temperature"},
             {:top_p, 0.0, "top_p"},
             {:top_p, 1.5, "top_p"},
-            {:min_p, 1.0, "min_p"},
+            {:min_p, 1.5, "min_p"},
             {:sampler, :beam, "sampler"},
             {:stop, [""], "stop strings"}
           ] do

@@ -41,8 +41,6 @@ defmodule EMLXAxon.Qwen3.Loader do
   alias EMLXAxon.Qwen3.Model.State
 
   @dtypes [:float32, :bfloat16, :float16]
-  @bits 2..8
-  @group_sizes [32, 64, 128]
 
   @doc """
   Loads the checkpoint in directory `path` (`~` is expanded; `{:local, path}`
@@ -54,8 +52,12 @@ defmodule EMLXAxon.Qwen3.Loader do
       (default: `:float32` on the CPU, `:bfloat16` on the GPU). Quantized
       weights stay quantized; their scales and the other weights use it.
     * `:quantize` - quantize a dense checkpoint while loading, as
-      `[bits: 4, group_size: 64]` (`:bits` from 2 to 8, `:group_size` 32, 64
-      or 128; default group size 64). Default `nil`: load as stored.
+      `[bits: 4, group_size: 64]` (`:bits` 2, 3, 4, 5, 6 or 8, `:group_size`
+      32, 64 or 128, as the engine reports them; default group size 64).
+      Default `nil`: load as stored.
+    * `:strict` - refuse a checkpoint holding tensors the model does not use
+      (an `EMLXAxon.Error` of kind `:unexpected_tensor` naming them), as
+      mlx-lm's loader does. Default `true`; `false` ignores them.
 
   Returns `{:error, %EMLXAxon.Error{}}` when the directory or its files are
   missing or do not match the configuration.
@@ -139,7 +141,9 @@ defmodule EMLXAxon.Qwen3.Loader do
             "expected EMLXAxon.Qwen3.Loader.load/2 options to be a keyword list, got: #{inspect(opts)}"
     end
 
-    Enum.reduce(opts, %{dtype: nil, quantize_bits: nil, quantize_group_size: nil}, fn
+    initial = %{dtype: nil, quantize_bits: nil, quantize_group_size: nil, strict: true}
+
+    Enum.reduce(opts, initial, fn
       {:dtype, nil}, acc ->
         acc
 
@@ -154,10 +158,16 @@ defmodule EMLXAxon.Qwen3.Loader do
         {bits, group_size} = quantize!(quantize)
         %{acc | quantize_bits: bits, quantize_group_size: group_size}
 
+      {:strict, strict}, acc when is_boolean(strict) ->
+        %{acc | strict: strict}
+
+      {:strict, other}, _acc ->
+        raise ArgumentError, "expected :strict to be a boolean, got: #{inspect(other)}"
+
       {key, _value}, _acc ->
         raise ArgumentError,
               "unknown option #{inspect(key)} for EMLXAxon.Qwen3.Loader.load/2, " <>
-                "valid options are: :dtype, :quantize"
+                "valid options are: :dtype, :quantize, :strict"
     end)
   end
 
@@ -172,15 +182,18 @@ defmodule EMLXAxon.Qwen3.Loader do
 
     bits = Keyword.get(quantize, :bits, 4)
     group_size = Keyword.get(quantize, :group_size, 64)
+    # The engine's own list, so the two cannot drift apart.
+    supported = Native.quantization_support()
 
-    unless is_integer(bits) and bits in @bits do
+    unless is_integer(bits) and bits in supported.bits do
       raise ArgumentError,
-            "expected :quantize :bits to be an integer from 2 to 8, got: #{inspect(bits)}"
+            "expected :quantize :bits to be one of #{inspect(supported.bits)}, got: #{inspect(bits)}"
     end
 
-    unless group_size in @group_sizes do
+    unless is_integer(group_size) and group_size in supported.group_sizes do
       raise ArgumentError,
-            "expected :quantize :group_size to be one of #{inspect(@group_sizes)}, got: #{inspect(group_size)}"
+            "expected :quantize :group_size to be one of #{inspect(supported.group_sizes)}, " <>
+              "got: #{inspect(group_size)}"
     end
 
     {bits, group_size}

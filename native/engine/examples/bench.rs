@@ -682,6 +682,7 @@ fn run(args: Args) -> AnyResult<()> {
             dtype: args.dtype,
             quantize: None,
             cpu_parallel: None,
+            ..LoadOptions::default()
         },
     )?);
     let load_ms = ms(started);

@@ -100,6 +100,7 @@ fn run(args: Args) -> emlx_axon_engine::Result<()> {
             dtype: None,
             quantize: args.quantize,
             cpu_parallel: None,
+            ..LoadOptions::default()
         },
     )?);
     let tokenizer = Arc::new(Tokenizer::load(&args.model)?);

@@ -36,12 +36,14 @@ impl QuantSpec {
     pub fn new(bits: i32, group_size: i32) -> Result<Self> {
         if !Self::BITS.contains(&bits) {
             return Err(Error::Unsupported(format!(
-                "quantization bits {bits} (supported: 2, 3, 4, 5, 6, 8)"
+                "quantization bits {bits} (supported: {:?})",
+                Self::BITS
             )));
         }
         if !Self::GROUP_SIZES.contains(&group_size) {
             return Err(Error::Unsupported(format!(
-                "quantization group_size {group_size} (supported: 32, 64, 128)"
+                "quantization group_size {group_size} (supported: {:?})",
+                Self::GROUP_SIZES
             )));
         }
         Ok(QuantSpec { bits, group_size })
@@ -174,9 +176,22 @@ fn quant_spec(v: &Value, context: &str) -> Result<QuantSpec> {
     QuantSpec::new(i32_of(bits, "bits")?, i32_of(group, "group_size")?)
 }
 
+/// MLX's `quantization` block; else `quantization_config`, which MLX writes
+/// as a copy of it but other tools (GPTQ, AWQ, bitsandbytes...) fill with
+/// their own schemes, marked by `quant_method`.
 fn quantization(v: &Value) -> Result<Option<Quantization>> {
-    let Some(q) = get(v, "quantization").or_else(|| get(v, "quantization_config")) else {
-        return Ok(None);
+    let q = match (get(v, "quantization"), get(v, "quantization_config")) {
+        (Some(q), _) => q,
+        (None, Some(q)) => {
+            if let Some(method) = get(q, "quant_method") {
+                return Err(Error::Unsupported(format!(
+                    "quantization_config with quant_method {method}: only MLX's affine \
+                     quantization loads (convert the checkpoint with mlx_lm.convert)"
+                )));
+            }
+            q
+        }
+        (None, None) => return Ok(None),
     };
     let obj = q
         .as_object()
@@ -330,6 +345,46 @@ mod tests {
         assert_eq!(q.for_module("model.layers.1.mlp.down_proj").bits, 4);
         assert_eq!(c.rope_scale, 0.25);
         assert_eq!(c.eos_token_ids, vec![1, 2]);
+    }
+
+    #[test]
+    fn rope_traditional_as_mlx_lm_reads_it() {
+        let mut v = base();
+        v["rope_traditional"] = json!(true);
+        // mlx-lm's qwen3 ignores the key; its qwen2 passes it to RoPE.
+        assert!(!ModelConfig::from_json(&v).unwrap().rope_traditional);
+        v["model_type"] = json!("qwen2");
+        assert!(ModelConfig::from_json(&v).unwrap().rope_traditional);
+        v["rope_traditional"] = json!("yes");
+        assert_eq!(ModelConfig::from_json(&v).unwrap_err().kind(), "config");
+    }
+
+    #[test]
+    fn quantization_config_of_other_tools_is_unsupported() {
+        for method in ["gptq", "awq", "bitsandbytes", "fp8"] {
+            let mut v = base();
+            v["quantization_config"] =
+                json!({"quant_method": method, "bits": 4, "group_size": 128});
+            let err = ModelConfig::from_json(&v).unwrap_err();
+            assert_eq!(err.kind(), "unsupported", "{method}");
+            assert!(err.to_string().contains(method), "{err}");
+        }
+        // MLX writes `quantization_config` as a copy of `quantization`.
+        let mut v = base();
+        let mlx = json!({"bits": 4, "group_size": 64, "mode": "affine"});
+        v["quantization"] = mlx.clone();
+        v["quantization_config"] = mlx.clone();
+        assert_eq!(
+            ModelConfig::from_json(&v)
+                .unwrap()
+                .quantization
+                .unwrap()
+                .default,
+            QuantSpec::new(4, 64).unwrap()
+        );
+        let mut v = base();
+        v["quantization_config"] = mlx;
+        assert!(ModelConfig::from_json(&v).unwrap().quantization.is_some());
     }
 
     #[test]

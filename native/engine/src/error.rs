@@ -17,6 +17,9 @@ pub enum Error {
     Safetensors { path: PathBuf, message: String },
     #[error("missing tensor `{0}`")]
     MissingTensor(String),
+    /// Tensors the model has no place for, as mlx-lm's strict load refuses.
+    #[error("the checkpoint has {} tensor(s) the model does not use: {} (load with strict: false to ignore them)", .0.len(), .0.join(", "))]
+    UnexpectedTensors(Vec<String>),
     #[error("tensor `{name}` has shape {got:?}, expected {expected:?}")]
     ShapeMismatch {
         name: String,
@@ -51,6 +54,7 @@ impl Error {
             Error::Config(_) => "config",
             Error::Safetensors { .. } => "safetensors",
             Error::MissingTensor(_) => "missing_tensor",
+            Error::UnexpectedTensors(_) => "unexpected_tensor",
             Error::ShapeMismatch { .. } => "shape_mismatch",
             Error::Unsupported(_) => "unsupported",
             Error::Mlx(_) => "mlx",

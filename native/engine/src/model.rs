@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::layers::{Embedding, Linear, LoadPlan, Workers};
 use crate::weights::Weights;
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct LoadOptions {
     /// Compute dtype; default float32 on CPU (MLX's CPU bf16 is ~10x slower),
     /// bfloat16 on GPU.
@@ -24,6 +24,20 @@ pub struct LoadOptions {
     /// Split projections across CPU worker streams (default: on when the
     /// model runs on the CPU and there is more than one core).
     pub cpu_parallel: Option<bool>,
+    /// Refuse checkpoint tensors the model does not use, as mlx-lm's
+    /// `load_model(strict=True)` does (default true).
+    pub strict: bool,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            dtype: None,
+            quantize: None,
+            cpu_parallel: None,
+            strict: true,
+        }
+    }
 }
 
 pub enum AttentionMask {
@@ -214,6 +228,18 @@ impl Model {
                 ways,
             )?)
         };
+        // What mlx-lm's `sanitize` drops before its strict load: a tied
+        // model's stray output projection, Qwen2's precomputed RoPE table.
+        if c.tie_word_embeddings {
+            weights.discard(|name| name == "lm_head.weight");
+        }
+        if c.arch == Arch::Qwen2 {
+            weights.discard(|name| name.contains("self_attn.rotary_emb.inv_freq"));
+        }
+        let unexpected = weights.remaining();
+        if options.strict && !unexpected.is_empty() {
+            return Err(Error::UnexpectedTensors(unexpected));
+        }
         let model = Model {
             quantized_at_load: options.quantize,
             config,

@@ -82,6 +82,18 @@ impl Weights {
         self.tensors.contains_key(name)
     }
 
+    /// Drops the tensors whose names match `unused`.
+    pub fn discard(&mut self, unused: impl Fn(&str) -> bool) {
+        self.tensors.retain(|name, _| !unused(name));
+    }
+
+    /// The names of the tensors not taken yet, sorted.
+    pub fn remaining(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.tensors.keys().cloned().collect();
+        names.sort();
+        names
+    }
+
     /// Removes and returns a tensor, checking its shape where one is expected.
     pub fn take(&mut self, name: &str, expected: Option<&[i32]>) -> Result<Array> {
         let array = self

@@ -17,6 +17,7 @@ fn model() -> std::sync::Arc<emlx_axon_engine::Model> {
             dtype: Some(Dtype::Float32),
             quantize: None,
             cpu_parallel: None,
+            ..LoadOptions::default()
         },
     )
 }

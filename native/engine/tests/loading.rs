@@ -12,6 +12,7 @@ fn f32() -> LoadOptions {
         dtype: Some(Dtype::Float32),
         quantize: None,
         cpu_parallel: None,
+        ..LoadOptions::default()
     }
 }
 
@@ -132,6 +133,67 @@ fn rewrite(
         })
         .collect();
     safetensors::serialize_to_file(views, None, &path).unwrap();
+}
+
+fn small_tensor(name: &str) -> (String, safetensors::Dtype, Vec<usize>, Vec<u8>) {
+    (
+        name.to_string(),
+        safetensors::Dtype::F32,
+        vec![2],
+        vec![0; 8],
+    )
+}
+
+#[test]
+fn unexpected_tensors_are_refused_unless_not_strict() {
+    let dir = scratch_copy("qwen3-4bit-g64", "unexpected");
+    rewrite(&dir, |t| {
+        t.push(small_tensor("model.layers.0.self_attn.rotary_emb.inv_freq"));
+        t.push(small_tensor("model.layers.0.mlp.extra.weight"));
+    });
+    let err = Model::load(&dir, &f32()).err().unwrap();
+    assert_eq!(err.kind(), "unexpected_tensor", "{err}");
+    let message = err.to_string();
+    assert!(
+        message.contains("2 tensor(s)")
+            && message.contains("model.layers.0.mlp.extra.weight")
+            && message.contains("model.layers.0.self_attn.rotary_emb.inv_freq")
+            && message.contains("strict: false"),
+        "{message}"
+    );
+    let lenient = LoadOptions {
+        strict: false,
+        ..f32()
+    };
+    assert!(Model::load(&dir, &lenient).is_ok());
+    fs::remove_dir_all(dir).unwrap();
+
+    // What mlx-lm's sanitize drops loads strictly: a tied model's stray
+    // lm_head.weight, Qwen2's precomputed RoPE frequencies.
+    let tied = scratch_copy("qwen3-4bit-g64", "tied-head");
+    rewrite(&tied, |t| t.push(small_tensor("lm_head.weight")));
+    Model::load(&tied, &f32()).unwrap();
+    let qwen2 = scratch_copy("qwen2-4bit-g64", "inv-freq");
+    rewrite(&qwen2, |t| {
+        t.push(small_tensor("model.layers.1.self_attn.rotary_emb.inv_freq"))
+    });
+    Model::load(&qwen2, &f32()).unwrap();
+    for d in [tied, qwen2] {
+        fs::remove_dir_all(d).unwrap();
+    }
+}
+
+#[test]
+fn foreign_quantization_config_is_unsupported() {
+    let dir = scratch_copy("qwen3-bf16", "gptq");
+    let path = dir.join("config.json");
+    let mut config: serde_json::Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+    config["quantization_config"] = serde_json::json!({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": false});
+    fs::write(&path, serde_json::to_vec(&config).unwrap()).unwrap();
+    let err = Model::load(&dir, &f32()).err().unwrap();
+    assert_eq!(err.kind(), "unsupported", "{err}");
+    assert!(err.to_string().contains("gptq"), "{err}");
+    fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]

@@ -16,6 +16,7 @@ fn f32_load() -> LoadOptions {
         dtype: Some(Dtype::Float32),
         quantize: None,
         cpu_parallel: None,
+        ..LoadOptions::default()
     }
 }
 

@@ -64,16 +64,12 @@ fn sampler_kind(atom: Atom) -> NifResult<SamplerKind> {
 
 /// The optional `row_seeds` key: one entry per prompt (`nil`: derived from
 /// `seed`), or `nil`. Read apart from `StartOptions` so that a map without
-/// it still decodes.
-fn row_seeds(opts: Term) -> NifResult<Vec<RowOptions>> {
-    let invalid = || {
-        NifError::new(
-            "invalid_argument",
-            "row_seeds must be nil or a list of nil or non-negative integers",
-        )
-    };
+/// it still decodes; a bad value raises as a bad field of `StartOptions` does.
+fn row_seeds(opts: Term) -> Result<Vec<RowOptions>, rustler::Error> {
     let seeds: Option<Vec<Option<u64>>> = match opts.map_get(atoms::row_seeds()) {
-        Ok(term) => term.decode().map_err(|_| invalid())?,
+        Ok(term) => term.decode().map_err(|_| {
+            rustler::Error::RaiseTerm(Box::new("Could not decode field :row_seeds on %{}"))
+        })?,
         Err(_) => None,
     };
     Ok(seeds
@@ -90,14 +86,10 @@ fn generation_start(
     stream: Option<ResourceArc<StreamResource>>,
     prompts: Vec<Vec<u32>>,
     opts: Term,
-) -> NifResult<ResourceArc<GenerationResource>> {
-    guard(|| {
-        let o: StartOptions = opts.decode().map_err(|_| {
-            NifError::new(
-                "invalid_argument",
-                "generation options must be a map with every key of EMLXAxon.Options.native/1",
-            )
-        })?;
+) -> Result<NifResult<ResourceArc<GenerationResource>>, rustler::Error> {
+    let o: StartOptions = opts.decode()?;
+    let rows = row_seeds(opts)?;
+    Ok(guard(|| {
         let options = GenerateOptions {
             max_new_tokens: o.max_new_tokens,
             max_len: o.max_len,
@@ -110,7 +102,7 @@ fn generation_start(
                 seed: o.seed,
                 ..SamplerConfig::default()
             },
-            rows: row_seeds(opts)?,
+            rows,
             eos_token_ids: o.eos_token_ids,
             ignore_eos: o.ignore_eos,
             stop: o.stop,
@@ -128,7 +120,7 @@ fn generation_start(
         Ok(ResourceArc::new(GenerationResource {
             generation: Mutex::new(Some(generation)),
         }))
-    })
+    }))
 }
 
 #[derive(NifMap)]
@@ -145,7 +137,7 @@ fn generation_next(
 ) -> NifResult<(Atom, Vec<RowOut>)> {
     guard(|| {
         resource.with(|generation| {
-            let deltas = generation.next(max_steps.max(1))?;
+            let deltas = on_large_stack(|| generation.next(max_steps.max(1)))?;
             let rows = deltas
                 .into_iter()
                 .map(|d| RowOut {

@@ -46,6 +46,25 @@ pub struct ModelLoadOptions {
     quantize_group_size: Option<i32>,
 }
 
+mod option_atoms {
+    rustler::atoms! { strict }
+}
+
+/// The optional `strict` key (absent or `nil`: strict, unused checkpoint
+/// tensors are refused); a bad value raises as a bad field of
+/// `ModelLoadOptions` does.
+fn strict(options: rustler::Term) -> Result<bool, rustler::Error> {
+    match options.map_get(option_atoms::strict()) {
+        Ok(term) => term
+            .decode::<Option<bool>>()
+            .map(|s| s.unwrap_or(true))
+            .map_err(|_| {
+                rustler::Error::RaiseTerm(Box::new("Could not decode field :strict on %{}"))
+            }),
+        Err(_) => Ok(true),
+    }
+}
+
 fn parse_dtype(name: &str) -> NifResult<Dtype> {
     match name {
         "float32" => Ok(Dtype::Float32),
@@ -68,8 +87,13 @@ pub fn dtype_name(dtype: Dtype) -> &'static str {
 }
 
 #[rustler::nif(schedule = "DirtyIo")]
-fn model_load(path: String, options: ModelLoadOptions) -> NifResult<ResourceArc<ModelResource>> {
-    guard(|| {
+fn model_load(
+    path: String,
+    options: rustler::Term,
+) -> Result<NifResult<ResourceArc<ModelResource>>, rustler::Error> {
+    let strict = strict(options)?;
+    let options: ModelLoadOptions = options.decode()?;
+    Ok(guard(|| {
         let quantize = match (options.quantize_bits, options.quantize_group_size) {
             (None, None) => None,
             (Some(bits), Some(group)) => Some(QuantSpec::new(bits, group)?),
@@ -84,12 +108,28 @@ fn model_load(path: String, options: ModelLoadOptions) -> NifResult<ResourceArc<
             dtype: options.dtype.as_deref().map(parse_dtype).transpose()?,
             quantize,
             cpu_parallel: None,
+            strict,
         };
         let model = Model::load(Path::new(&path), &options)?;
         Ok(ResourceArc::new(ModelResource {
             model: Arc::new(model),
         }))
-    })
+    }))
+}
+
+#[derive(NifMap)]
+pub struct QuantSupport {
+    bits: Vec<i32>,
+    group_sizes: Vec<i32>,
+}
+
+/// The quantization settings the engine loads, for option checks in Elixir.
+#[rustler::nif]
+fn quantization_support() -> QuantSupport {
+    QuantSupport {
+        bits: QuantSpec::BITS.to_vec(),
+        group_sizes: QuantSpec::GROUP_SIZES.to_vec(),
+    }
 }
 
 #[derive(NifMap)]
