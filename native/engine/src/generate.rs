@@ -7,6 +7,8 @@
 //! sampler each step's graph is queued before the previous token is read
 //! back (`async_eval`), as mlx-lm does, so the host never stalls the device.
 
+mod rows;
+
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -20,7 +22,8 @@ use crate::device::{DeviceKind, Lease, MlxStream};
 use crate::error::{Error, Result};
 use crate::model::{AttentionMask, Model};
 use crate::sampler::{Sampler, SamplerConfig};
-use crate::tokenizer::{Detokenizer, Tokenizer};
+use crate::tokenizer::Tokenizer;
+use rows::Row;
 
 #[derive(Debug, Clone)]
 pub struct GenerateOptions {
@@ -103,15 +106,6 @@ pub struct Stats {
     pub decode_ms: f64,
     /// Decode steps after the first token, per second (per row).
     pub decode_tokens_per_s: f64,
-}
-
-struct Row {
-    prompt_len: usize,
-    generated: Vec<u32>,
-    detok: Detokenizer,
-    /// Text not yet returned, held back while it could start a stop string.
-    pending_text: String,
-    finish: Option<FinishReason>,
 }
 
 pub struct Generation {
@@ -199,16 +193,7 @@ impl Generation {
             workers,
             sampler,
             cache,
-            rows: prompts
-                .iter()
-                .map(|p| Row {
-                    prompt_len: p.len(),
-                    generated: vec![],
-                    detok: Detokenizer::default(),
-                    pending_text: String::new(),
-                    finish: None,
-                })
-                .collect(),
+            rows: prompts.iter().map(|p| Row::new(p.len())).collect(),
             padding,
             eos,
             pending: None,
@@ -335,8 +320,14 @@ impl Generation {
             }
             self.steps += 1;
             let tokens: Vec<u32> = current.as_slice::<u32>().to_vec();
-            for (i, &token) in tokens.iter().enumerate() {
-                self.accept(i, token, &mut deltas[i])?;
+            for ((row, &token), delta) in self.rows.iter_mut().zip(&tokens).zip(&mut deltas) {
+                row.accept(
+                    token,
+                    &self.options,
+                    &self.eos,
+                    self.tokenizer.as_deref(),
+                    delta,
+                )?;
             }
             if self.is_done() {
                 self.pending = None;
@@ -357,51 +348,6 @@ impl Generation {
             .model
             .forward(&ids, &mut self.cache, &mask, false, &self.workers)?;
         self.sample(&logits)
-    }
-
-    fn accept(&mut self, row: usize, token: u32, delta: &mut RowDelta) -> Result<()> {
-        let options = &self.options;
-        let r = &mut self.rows[row];
-        if r.finish.is_some() {
-            return Ok(());
-        }
-        r.generated.push(token);
-        delta.ids.push(token);
-        if !options.ignore_eos && self.eos.contains(&token) {
-            r.finish = Some(FinishReason::Eos);
-        } else if let Some(tokenizer) = &self.tokenizer {
-            r.pending_text.push_str(&r.detok.push(tokenizer, token)?);
-            if let Some(at) = options
-                .stop
-                .iter()
-                .filter_map(|s| r.pending_text.find(s.as_str()))
-                .min()
-            {
-                r.pending_text.truncate(at);
-                r.finish = Some(FinishReason::Stop);
-            }
-        }
-        if r.finish.is_none() {
-            if r.generated.len() >= options.max_new_tokens {
-                r.finish = Some(FinishReason::Length);
-            } else if r.prompt_len + r.generated.len() >= options.max_len {
-                r.finish = Some(FinishReason::MaxLen);
-            }
-        }
-        if let (Some(reason), Some(tokenizer)) = (r.finish, &self.tokenizer) {
-            if reason != FinishReason::Stop {
-                r.pending_text.push_str(&r.detok.flush(tokenizer)?);
-            }
-        }
-        let ready = if r.finish.is_some() {
-            r.pending_text.len()
-        } else {
-            r.pending_text.len() - held_back(&r.pending_text, &options.stop)
-        };
-        delta.text.push_str(&r.pending_text[..ready]);
-        r.pending_text.drain(..ready);
-        delta.finish = r.finish;
-        Ok(())
     }
 
     pub fn stats(&self) -> Stats {
@@ -429,20 +375,6 @@ impl Generation {
     pub fn generated(&self) -> Vec<Vec<u32>> {
         self.rows.iter().map(|r| r.generated.clone()).collect()
     }
-}
-
-/// Bytes at the end of `text` that could begin one of the stop strings, kept
-/// back so a stop string split across tokens is never partly returned.
-fn held_back(text: &str, stop: &[String]) -> usize {
-    stop.iter()
-        .map(|s| {
-            (1..s.len().min(text.len() + 1))
-                .rev()
-                .find(|&n| s.is_char_boundary(n) && text.ends_with(&s[..n]))
-                .unwrap_or(0)
-        })
-        .max()
-        .unwrap_or(0)
 }
 
 fn validate(
