@@ -23,8 +23,12 @@ inline void cpu_relax() {
 }
 
 // Waking a sleeping thread costs tens of microseconds, about the length of
-// one decode-step projection, so workers spin this long before sleeping.
-constexpr auto kSpin = std::chrono::microseconds(300);
+// one decode-step projection, so workers spin a while before sleeping.
+std::chrono::microseconds spin_time() {
+  long us = 300;
+  if (const char* env = std::getenv("EMLX_AXON_POOL_SPIN_US")) us = std::strtol(env, nullptr, 10);
+  return std::chrono::microseconds(us < 0 ? 0 : us);
+}
 
 }  // namespace
 
@@ -67,10 +71,11 @@ void Pool::drain() {
 
 void Pool::worker_loop() {
   unsigned long seen = 0;
+  const auto spin = spin_time();
   for (;;) {
     unsigned long e = epoch_.load(std::memory_order_acquire);
     if (e == seen) {
-      const auto until = std::chrono::steady_clock::now() + kSpin;
+      const auto until = std::chrono::steady_clock::now() + spin;
       int spins = 0;
       while ((e = epoch_.load(std::memory_order_acquire)) == seen) {
         cpu_relax();

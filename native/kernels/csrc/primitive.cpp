@@ -35,6 +35,8 @@ namespace emlx {
 namespace {
 
 // x [..., K] f32 @ dequantize(w [N, K * bits / 32], scales, biases)^T -> [..., N] f32.
+std::vector<uint32_t> packed(const mx::array& a);
+
 class AffineQuantizedLinear : public mx::UnaryPrimitive {
  public:
   AffineQuantizedLinear(mx::Stream stream, int group, int bits)
@@ -43,18 +45,22 @@ class AffineQuantizedLinear : public mx::UnaryPrimitive {
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const mx::array& x = inputs[0];
     const mx::array& w = inputs[1];
-    const mx::array& scales = inputs[2];
-    const mx::array& biases = inputs[3];
-    for (const auto& a : inputs)
-      if (!a.flags().row_contiguous)
-        throw std::runtime_error("affine-quantized linear: inputs must be row-contiguous");
     out.set_data(mx::allocator::malloc(out.nbytes()));
 
+    // Inputs are usually row-contiguous; a strided view (a lazily computed
+    // transpose, a slice) is packed here rather than by an extra graph node
+    // on every projection.
+    auto held = std::make_shared<std::vector<std::vector<uint32_t>>>();
+    auto pointer = [&](const mx::array& a) -> const void* {
+      if (a.flags().row_contiguous) return a.data<uint32_t>();
+      held->push_back(packed(a));
+      return held->back().data();
+    };
     QmmArgs args;
-    args.x = x.data<float>();
-    args.w = w.data<uint32_t>();
-    args.scales = scales.data<float>();
-    args.biases = biases.data<float>();
+    args.x = static_cast<const float*>(pointer(x));
+    args.w = static_cast<const uint32_t*>(pointer(w));
+    args.scales = static_cast<const float*>(pointer(inputs[2]));
+    args.biases = static_cast<const float*>(pointer(inputs[3]));
     args.y = out.data<float>();
     args.K = x.shape(-1);
     args.M = (int)(x.size() / args.K);
@@ -65,7 +71,7 @@ class AffineQuantizedLinear : public mx::UnaryPrimitive {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
-    encoder.dispatch([args] { qmm(args, selected_isa(), 0); });
+    encoder.dispatch([args, held] { qmm(args, selected_isa(), 0); });
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -91,10 +97,24 @@ class AffineQuantizedLinear : public mx::UnaryPrimitive {
   int bits_;
 };
 
-// An input as the kernel reads it: already row-contiguous, or made so lazily.
-mx::array dense(const mx::array& a, const mx::Stream& s) {
-  if (a.is_available() && a.flags().row_contiguous) return a;
-  return mx::contiguous(a, false, s);
+// A row-major copy of a strided array of 4-byte elements (all our inputs).
+std::vector<uint32_t> packed(const mx::array& a) {
+  std::vector<uint32_t> out(a.size());
+  const uint32_t* src = a.data<uint32_t>();
+  const auto& shape = a.shape();
+  const auto& strides = a.strides();
+  const int nd = (int)a.ndim();
+  std::vector<int> index(nd, 0);
+  for (size_t i = 0; i < out.size(); ++i) {
+    int64_t offset = 0;
+    for (int d = 0; d < nd; ++d) offset += index[d] * strides[d];
+    out[i] = src[offset];
+    for (int d = nd - 1; d >= 0; --d) {
+      if (++index[d] < shape[d]) break;
+      index[d] = 0;
+    }
+  }
+  return out;
 }
 
 void set_error(char* err, size_t len, const char* message) {
@@ -146,7 +166,7 @@ int emlx_kernels_quantized_linear(emlx_mlx_array* out, emlx_mlx_array x, emlx_ml
     shape.back() = (int)N;
     auto primitive = std::make_shared<emlx::AffineQuantizedLinear>(s, group, bits);
     mx::array y(std::move(shape), mx::float32, primitive,
-                {emlx::dense(X, s), emlx::dense(Wq, s), emlx::dense(S, s), emlx::dense(B, s)});
+                {X, Wq, S, B});
     if (out->ctx) {
       *static_cast<mx::array*>(out->ctx) = std::move(y);
     } else {
