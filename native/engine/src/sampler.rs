@@ -29,7 +29,7 @@ pub struct SamplerConfig {
     pub temperature: f32,
     /// 1 disables.
     pub top_p: f32,
-    /// 0 disables.
+    /// 0 (or the vocabulary size or more) disables.
     pub top_k: usize,
     /// 0 disables.
     pub min_p: f32,

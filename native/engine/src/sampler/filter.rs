@@ -91,9 +91,11 @@ pub fn filtered_logprobs_host(c: &SamplerConfig, logits: &[f32]) -> Vec<f32> {
     if c.min_p > 0.0 {
         let top = lp.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let floor = top + c.min_p.ln();
-        let protected = top_mask(&lp, c.min_tokens_to_keep.max(1));
-        for (x, protect) in lp.iter_mut().zip(protected) {
-            if *x < floor && !protect {
+        // The most likely token is never below the floor: only a larger
+        // `min_tokens_to_keep` needs the ranking.
+        let protected = (c.min_tokens_to_keep > 1).then(|| top_mask(&lp, c.min_tokens_to_keep));
+        for (i, x) in lp.iter_mut().enumerate() {
+            if *x < floor && !protected.as_ref().is_some_and(|p| p[i]) {
                 *x = f32::NEG_INFINITY;
             }
         }
