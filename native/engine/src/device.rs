@@ -1,14 +1,41 @@
 //! MLX devices and streams.
 
-use std::sync::{Arc, Mutex};
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::{mpsc, Arc, Mutex};
 
 use mlx_rs::{Device, Stream};
 use once_cell::sync::Lazy;
 
 use crate::error::Result;
 
+extern "C" {
+    /// mlx-rs's MLX error handler: it keeps the message for the failing call
+    /// to return as an error. mlx-rs installs it lazily, before its own ops.
+    fn default_mlx_error_handler(msg: *const std::os::raw::c_char, data: *mut std::ffi::c_void);
+}
+
+static ERROR_HANDLER: std::sync::Once = std::sync::Once::new();
+
+/// Installs MLX's error handler before any raw MLX-C call. Until one is
+/// installed, MLX-C's default handler prints the error and calls `exit`,
+/// which would end the whole process (for the NIF, the BEAM node) on the
+/// first failing call.
+pub fn install_error_handler() {
+    ERROR_HANDLER.call_once(|| {
+        // SAFETY: registers a handler that only copies the message it gets.
+        unsafe {
+            mlx_sys::mlx_set_error_handler(
+                Some(default_mlx_error_handler),
+                std::ptr::null_mut(),
+                None,
+            )
+        };
+    });
+}
+
 /// Whether libmlx was built with a GPU backend (CUDA or Metal) and has a device.
 pub fn gpu_available() -> bool {
+    install_error_handler();
     let mut available = false;
     // SAFETY: plain FFI calls on a device handle we create and free here.
     unsafe {
@@ -61,26 +88,38 @@ unsafe impl Sync for MlxStream {}
 
 impl MlxStream {
     pub fn new(kind: DeviceKind) -> Result<Self> {
-        if kind == DeviceKind::Gpu && !gpu_available() {
-            return Err(crate::error::Error::invalid(
-                "no GPU device: this libmlx was built for CPU only",
-            ));
-        }
+        install_error_handler();
         let device_type = match kind {
             DeviceKind::Cpu => mlx_sys::mlx_device_type__MLX_CPU,
             DeviceKind::Gpu => mlx_sys::mlx_device_type__MLX_GPU,
         };
+        // SAFETY: plain FFI on handles we own. A failed creation reports
+        // through MLX's error handler and leaves `fresh` empty, which
+        // `mlx_stream_get_index` then refuses.
+        let fresh = unsafe {
+            let device = mlx_sys::mlx_device_new_type(device_type, 0);
+            let fresh = mlx_sys::mlx_stream_new_thread_unsafe(device);
+            mlx_sys::mlx_device_free(device);
+            let mut index = -1;
+            if mlx_sys::mlx_stream_get_index(&mut index, fresh) != 0 {
+                mlx_sys::mlx_stream_free(fresh);
+                return Err(match kind {
+                    DeviceKind::Gpu if !gpu_available() => crate::error::Error::invalid(
+                        "no GPU device: this libmlx was built for CPU only",
+                    ),
+                    _ => crate::error::Error::Mlx("could not create a stream".into()),
+                });
+            }
+            fresh
+        };
         // mlx-rs cannot wrap a raw stream, so point a fresh handle's shared
         // state at the new stream.
         let stream = Stream::new_with_device(&kind.device());
-        // SAFETY: plain FFI on handles we own; `raw` shares `stream`'s state.
+        // SAFETY: `raw` shares `stream`'s state; `fresh` is ours to free.
         unsafe {
-            let device = mlx_sys::mlx_device_new_type(device_type, 0);
-            let fresh = mlx_sys::mlx_stream_new_thread_unsafe(device);
             let mut raw = stream.as_ptr();
             let status = mlx_sys::mlx_stream_set(&mut raw, fresh);
             mlx_sys::mlx_stream_free(fresh);
-            mlx_sys::mlx_device_free(device);
             if status != 0 {
                 return Err(crate::error::Error::Mlx("could not create a stream".into()));
             }
@@ -102,46 +141,141 @@ impl MlxStream {
         mlx_rs::with_stream(&self.stream, f)
     }
 
-    /// Runs `f` on this stream without the gate, for a caller that holds it
-    /// exclusively (a leased worker).
+    /// Runs `f` on a leased worker stream. Leases can share a stream once
+    /// the pool is full, so this holds the gate too (uncontended otherwise).
     pub(crate) fn run_leased<T>(&self, f: impl FnOnce() -> T) -> T {
-        mlx_rs::with_stream(&self.stream, f)
+        self.run(f)
     }
 }
 
-/// Streams are never destroyed by MLX (each CPU stream owns a thread), so
-/// generations lease them from this pool and give them back when dropped.
-static POOL: Lazy<Mutex<Vec<MlxStream>>> = Lazy::new(|| Mutex::new(Vec::new()));
+/// At most this many MLX streams exist per device. MLX never destroys a
+/// stream (and each CPU stream owns a scheduler thread), so streams are
+/// pooled: a released one is handed out again, and past this bound new
+/// holders share the least-used stream, which the gate keeps safe.
+pub const MAX_STREAMS_PER_DEVICE: usize = 32;
 
-/// A stream held exclusively until dropped.
-pub struct Lease(Option<MlxStream>);
+struct Pooled {
+    stream: MlxStream,
+    holders: usize,
+}
+
+static POOL: Lazy<Mutex<Vec<Pooled>>> = Lazy::new(|| Mutex::new(Vec::new()));
+
+fn pool() -> std::sync::MutexGuard<'static, Vec<Pooled>> {
+    POOL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// How many MLX streams of `kind` the pool has made, held or idle.
+pub fn pooled_streams(kind: DeviceKind) -> usize {
+    pool().iter().filter(|p| p.stream.kind == kind).count()
+}
+
+/// A stream from the pool, held until dropped: an idle one if any, else a
+/// new one, else (at `MAX_STREAMS_PER_DEVICE`) a shared one.
+pub struct Lease(MlxStream);
 
 impl Lease {
     pub fn new(kind: DeviceKind) -> Result<Self> {
-        let pooled = {
-            let mut pool = POOL.lock().unwrap_or_else(|p| p.into_inner());
-            pool.iter()
-                .position(|s| s.kind == kind)
-                .map(|i| pool.swap_remove(i))
+        let mut pool = pool();
+        let mine = || (0..pool.len()).filter(|&i| pool[i].stream.kind == kind);
+        let made = mine().count();
+        let least_used = mine().min_by_key(|&i| pool[i].holders);
+        let index = match least_used {
+            Some(i) if pool[i].holders == 0 || made >= MAX_STREAMS_PER_DEVICE => i,
+            _ => {
+                pool.push(Pooled {
+                    stream: MlxStream::new(kind)?,
+                    holders: 0,
+                });
+                pool.len() - 1
+            }
         };
-        Ok(Lease(Some(match pooled {
-            Some(s) => s,
-            None => MlxStream::new(kind)?,
-        })))
+        pool[index].holders += 1;
+        Ok(Lease(pool[index].stream.clone()))
     }
 
     pub fn stream(&self) -> &MlxStream {
-        self.0
-            .as_ref()
-            .expect("a lease holds its stream until dropped")
+        &self.0
     }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        if let Some(s) = self.0.take() {
-            POOL.lock().unwrap_or_else(|p| p.into_inner()).push(s);
+        let mut pool = pool();
+        if let Some(p) = pool
+            .iter_mut()
+            .find(|p| Arc::ptr_eq(&p.stream.gate, &self.0.gate))
+        {
+            p.holders = p.holders.saturating_sub(1);
         }
+    }
+}
+
+/// MLX's CUDA backend compiles a kernel (NVRTC) on the thread that first
+/// evaluates it. Compiling the CUTLASS-based ones takes more stack than a
+/// BEAM dirty scheduler thread has (320 KiB by default), and overflowing it
+/// kills the VM. `on_large_stack` runs work on a companion of the calling
+/// thread with this much stack (reserved, not committed).
+pub const LARGE_STACK_BYTES: usize = 64 << 20;
+
+type Job = Box<dyn FnOnce() + Send + 'static>;
+
+thread_local! {
+    /// The calling thread's companion; it ends when the caller does.
+    static COMPANION: std::cell::RefCell<Option<mpsc::Sender<Job>>> =
+        const { std::cell::RefCell::new(None) };
+    static IS_COMPANION: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+fn spawn_companion() -> Option<mpsc::Sender<Job>> {
+    let (tx, rx) = mpsc::channel::<Job>();
+    std::thread::Builder::new()
+        .name("emlx-axon-mlx".into())
+        .stack_size(LARGE_STACK_BYTES)
+        .spawn(move || {
+            IS_COMPANION.with(|c| c.set(true));
+            for job in rx {
+                job();
+            }
+        })
+        .ok()?;
+    Some(tx)
+}
+
+/// Runs `f` on a thread with `LARGE_STACK_BYTES` of stack and returns its
+/// result; a panic in `f` resumes on the caller. Each calling thread has its
+/// own companion, so work that relies on a thread's default MLX stream keeps
+/// one thread per caller.
+pub fn on_large_stack<T: Send>(f: impl FnOnce() -> T + Send) -> T {
+    if IS_COMPANION.with(|c| c.get()) {
+        return f();
+    }
+    let (reply, result) = mpsc::sync_channel::<std::thread::Result<T>>(1);
+    let job: Box<dyn FnOnce() + Send + '_> = Box::new(move || {
+        let _ = reply.send(catch_unwind(AssertUnwindSafe(f)));
+    });
+    // SAFETY: this function does not return before the job has run or been
+    // dropped (the reply channel disconnects only then), so whatever `f`
+    // borrows outlives its use on the companion.
+    let job: Job = unsafe { std::mem::transmute::<Box<dyn FnOnce() + Send + '_>, Job>(job) };
+    let sent = COMPANION.with(|slot| {
+        let mut slot = slot.borrow_mut();
+        if slot.is_none() {
+            *slot = spawn_companion();
+        }
+        match slot.as_ref() {
+            Some(tx) => tx.send(job).map_err(|e| e.0),
+            None => Err(job),
+        }
+    });
+    if let Err(job) = sent {
+        // No thread could be made: run here rather than fail.
+        job();
+    }
+    match result.recv() {
+        Ok(Ok(value)) => value,
+        Ok(Err(panic)) => resume_unwind(panic),
+        Err(_) => panic!("the MLX companion thread dropped a job"),
     }
 }
 
@@ -156,6 +290,7 @@ pub fn cpu_parallelism() -> usize {
 }
 
 pub fn mlx_version() -> String {
+    install_error_handler();
     let mut s = unsafe { mlx_sys::mlx_string_new() };
     // SAFETY: mlx_version fills the string, which we copy then free.
     unsafe {
@@ -165,5 +300,77 @@ pub fn mlx_version() -> String {
             .into_owned();
         mlx_sys::mlx_string_free(s);
         text
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Uses about `depth` * 64 KiB of stack.
+    fn deep(depth: usize) -> u64 {
+        let frame = std::hint::black_box([depth as u8; 64 << 10]);
+        if depth == 0 {
+            frame[0] as u64
+        } else {
+            frame[1] as u64 + deep(depth - 1)
+        }
+    }
+
+    #[test]
+    fn work_on_a_small_stack_thread_gets_a_large_stack() {
+        // A BEAM dirty scheduler thread's default stack: 40 kilowords.
+        let small = 320 << 10;
+        let value = std::thread::Builder::new()
+            .stack_size(small)
+            .spawn(|| on_large_stack(|| deep(64)))
+            .unwrap()
+            .join()
+            .unwrap();
+        assert_eq!(value, (1..=64).sum::<u64>());
+    }
+
+    #[test]
+    fn large_stack_work_borrows_nests_and_panics_like_a_call() {
+        let mut seen = vec![1, 2];
+        let sum = on_large_stack(|| {
+            seen.push(3);
+            on_large_stack(|| seen.iter().sum::<i32>())
+        });
+        assert_eq!(sum, 6);
+        assert_eq!(seen, [1, 2, 3]);
+        let panic = std::panic::catch_unwind(|| on_large_stack(|| panic!("inside"))).unwrap_err();
+        assert_eq!(panic.downcast_ref::<&str>(), Some(&"inside"));
+        // The companion survives a panic.
+        assert_eq!(on_large_stack(|| 7), 7);
+    }
+
+    #[test]
+    fn the_stream_pool_is_bounded_and_reuses_released_streams() {
+        let leases: Vec<Lease> = (0..MAX_STREAMS_PER_DEVICE + 8)
+            .map(|_| Lease::new(DeviceKind::Cpu).unwrap())
+            .collect();
+        let made = pooled_streams(DeviceKind::Cpu);
+        assert_eq!(made, MAX_STREAMS_PER_DEVICE);
+        // Past the bound, holders share streams; every one still runs work.
+        for lease in &leases {
+            let x = lease.stream().run(|| mlx_rs::Array::from_int(2) * 3);
+            assert_eq!(x.item_exact::<i32>(), 6);
+        }
+        drop(leases);
+        let again: Vec<Lease> = (0..4)
+            .map(|_| Lease::new(DeviceKind::Cpu).unwrap())
+            .collect();
+        assert_eq!(pooled_streams(DeviceKind::Cpu), made);
+        drop(again);
+    }
+
+    #[test]
+    fn a_failing_raw_stream_creation_is_an_error() {
+        if gpu_available() {
+            return;
+        }
+        let err = MlxStream::new(DeviceKind::Gpu).err().expect("no GPU here");
+        assert_eq!(err.kind(), "invalid_argument");
     }
 }

@@ -25,6 +25,7 @@ pub struct MemoryInfo {
 type Getter = unsafe extern "C" fn(*mut usize) -> std::os::raw::c_int;
 
 fn read(getter: Getter, what: &str) -> Result<usize> {
+    crate::device::install_error_handler();
     let mut value = 0usize;
     // SAFETY: the MLX-C getters only write the one usize they are given.
     match unsafe { getter(&mut value) } {
@@ -50,6 +51,7 @@ fn status(code: std::os::raw::c_int, what: &str) -> Result<()> {
 }
 
 pub fn reset_peak() -> Result<()> {
+    crate::device::install_error_handler();
     // SAFETY: a plain MLX-C call without arguments.
     status(
         unsafe { mlx_sys::mlx_reset_peak_memory() },
@@ -59,6 +61,7 @@ pub fn reset_peak() -> Result<()> {
 
 /// Returns the buffers MLX keeps for reuse to the system.
 pub fn clear_cache() -> Result<()> {
+    crate::device::install_error_handler();
     // SAFETY: a plain MLX-C call without arguments.
     status(
         unsafe { mlx_sys::mlx_clear_cache() },
@@ -69,6 +72,7 @@ pub fn clear_cache() -> Result<()> {
 /// Sets MLX's memory limit, which `ensure_fits` holds work to; returns the
 /// previous one.
 pub fn set_limit(bytes: usize) -> Result<usize> {
+    crate::device::install_error_handler();
     let mut previous = 0usize;
     // SAFETY: MLX-C writes the previous limit into `previous`.
     status(

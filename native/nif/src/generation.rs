@@ -2,6 +2,7 @@
 
 use std::sync::Mutex;
 
+use emlx_axon_engine::device::on_large_stack;
 use emlx_axon_engine::{GenerateOptions, Generation, RowOptions, SamplerConfig, SamplerKind};
 use rustler::{Atom, NifMap, ResourceArc, Term};
 
@@ -110,13 +111,15 @@ fn generation_start(
             ..GenerateOptions::default()
         };
         let stream = stream.map(|s| s.get()).transpose()?;
-        let generation = Generation::start(
-            model.model.clone(),
-            tokenizer.map(|t| t.tokenizer.clone()),
-            stream,
-            &prompts,
-            options,
-        )?;
+        let generation = on_large_stack(|| {
+            Generation::start(
+                model.model.clone(),
+                tokenizer.map(|t| t.tokenizer.clone()),
+                stream,
+                &prompts,
+                options,
+            )
+        })?;
         Ok(ResourceArc::new(GenerationResource {
             generation: Mutex::new(Some(generation)),
         }))

@@ -2,7 +2,9 @@
 //!
 //! Every NIF returns `{:ok, value}` or `{:error, {kind, message}}`; panics
 //! are caught here and returned as `{:error, {:panic, message}}` so that
-//! nothing unwinds into the VM. Long work runs on dirty schedulers.
+//! nothing unwinds into the VM. Every NIF that touches MLX or can block
+//! runs on a dirty scheduler; those that evaluate MLX graphs do so on a
+//! thread with a large stack (`device::on_large_stack`).
 
 mod error;
 mod generation;
@@ -11,4 +13,11 @@ mod model;
 mod stream;
 mod tokenizer;
 
-rustler::init!("Elixir.EMLXAxon.Native");
+/// Installs MLX's error handler before any NIF can make an MLX call, so
+/// that a failing call returns an error instead of exiting the VM.
+fn load(_env: rustler::Env, _info: rustler::Term) -> bool {
+    emlx_axon_engine::device::install_error_handler();
+    true
+}
+
+rustler::init!("Elixir.EMLXAxon.Native", load = load);

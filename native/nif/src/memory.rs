@@ -18,7 +18,7 @@ pub struct MemoryInfo {
     limit: usize,
 }
 
-#[rustler::nif]
+#[rustler::nif(schedule = "DirtyCpu")]
 fn memory_info() -> NifResult<MemoryInfo> {
     let m = memory::info()?;
     Ok(MemoryInfo {
@@ -29,19 +29,19 @@ fn memory_info() -> NifResult<MemoryInfo> {
     })
 }
 
-#[rustler::nif]
+#[rustler::nif(schedule = "DirtyCpu")]
 fn memory_reset_peak() -> NifResult<Atom> {
     memory::reset_peak()?;
     Ok(atoms::ok())
 }
 
-#[rustler::nif]
+#[rustler::nif(schedule = "DirtyCpu")]
 fn memory_clear_cache() -> NifResult<Atom> {
     memory::clear_cache()?;
     Ok(atoms::ok())
 }
 
-#[rustler::nif]
+#[rustler::nif(schedule = "DirtyCpu")]
 fn memory_set_limit(bytes: usize) -> NifResult<usize> {
     Ok(memory::set_limit(bytes)?)
 }

@@ -3,7 +3,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use emlx_axon_engine::device::{gpu_available, mlx_version, DeviceKind};
+use emlx_axon_engine::device::{gpu_available, mlx_version, on_large_stack, DeviceKind};
 use emlx_axon_engine::{Dtype, LoadOptions, Model, QuantSpec};
 use rustler::{NifMap, ResourceArc};
 
@@ -27,7 +27,7 @@ mod atoms {
     rustler::atoms! { cpu, gpu }
 }
 
-#[rustler::nif]
+#[rustler::nif(schedule = "DirtyCpu")]
 fn mlx_info() -> MlxInfo {
     MlxInfo {
         mlx_version: mlx_version(),
@@ -110,7 +110,7 @@ fn model_load(
             cpu_parallel: None,
             strict,
         };
-        let model = Model::load(Path::new(&path), &options)?;
+        let model = on_large_stack(|| Model::load(Path::new(&path), &options))?;
         Ok(ResourceArc::new(ModelResource {
             model: Arc::new(model),
         }))

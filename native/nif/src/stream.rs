@@ -1,8 +1,11 @@
-//! Per-process MLX streams sharing a model's weights.
+//! Per-process MLX streams sharing a model's weights. Each resource leases
+//! a stream from the engine's bounded pool and gives it back when it is
+//! closed or garbage-collected, so dropped streams leak neither MLX streams
+//! nor their threads.
 
 use std::sync::Mutex;
 
-use emlx_axon_engine::device::{DeviceKind, MlxStream};
+use emlx_axon_engine::device::{DeviceKind, Lease, MlxStream};
 use rustler::{Atom, NifMap, ResourceArc};
 
 use crate::error::{guard, NifError, NifResult};
@@ -12,7 +15,7 @@ mod atoms {
 }
 
 pub struct StreamResource {
-    stream: Mutex<Option<MlxStream>>,
+    stream: Mutex<Option<Lease>>,
     kind: DeviceKind,
     index: i32,
 }
@@ -26,12 +29,13 @@ impl StreamResource {
         self.stream
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .clone()
+            .as_ref()
+            .map(|lease| lease.stream().clone())
             .ok_or_else(|| NifError::new("closed_stream", "the stream was closed"))
     }
 }
 
-#[rustler::nif]
+#[rustler::nif(schedule = "DirtyCpu")]
 fn stream_new(device: Atom) -> NifResult<ResourceArc<StreamResource>> {
     guard(|| {
         let kind = if device == atoms::cpu() {
@@ -46,10 +50,10 @@ fn stream_new(device: Atom) -> NifResult<ResourceArc<StreamResource>> {
                 "device must be :cpu, :gpu or :default",
             ));
         };
-        let stream = MlxStream::new(kind)?;
+        let lease = Lease::new(kind)?;
         Ok(ResourceArc::new(StreamResource {
-            index: stream.index(),
-            stream: Mutex::new(Some(stream)),
+            index: lease.stream().index(),
+            stream: Mutex::new(Some(lease)),
             kind,
         }))
     })
