@@ -4,7 +4,7 @@ if Code.ensure_loaded?(Nx.Serving) do
   defmodule EMLXAxon.TextGeneration.ServingTest do
     use ExUnit.Case, async: false
 
-    alias EMLXAxon.{Error, TestFixtures, TextGeneration}
+    alias EMLXAxon.{Error, TestFixtures, TestForeignTokenizers, TextGeneration}
 
     @moduletag :fixtures
 
@@ -17,8 +17,15 @@ if Code.ensure_loaded?(Nx.Serving) do
       %{tokenizer: TestFixtures.tokenizer(name), state: TestFixtures.model(name)}
     end
 
-    defp results(outputs) when is_list(outputs), do: Enum.map(outputs, & &1.results)
-    defp results(output), do: output.results
+    # Results but for the left padding a row was given, which depends on
+    # what it was batched with.
+    defp results(outputs) when is_list(outputs), do: Enum.map(outputs, &results/1)
+
+    defp results(output) do
+      Enum.map(output.results, &update_in(&1.token_summary, fn s -> Map.delete(s, :padding) end))
+    end
+
+    defp ids(output), do: hd(output.results).token_ids
 
     test "Nx.Serving.run/2 gives run/4's results", %{tokenizer: tokenizer, state: state} do
       reference = TestFixtures.reference("qwen3-4bit-g64")["prompts"]
@@ -43,10 +50,111 @@ if Code.ensure_loaded?(Nx.Serving) do
     end
 
     test "from_mlx4bit/3", %{tokenizer: tokenizer, state: state} do
-      serving = TextGeneration.from_mlx4bit(TestFixtures.path("qwen3-4bit-g64"), nil, @opts)
+      path = TestFixtures.path("qwen3-4bit-g64")
+      native = TestForeignTokenizers.native(Path.join(path, "tokenizer.json"))
 
-      assert results(Nx.Serving.run(serving, @plain)) ==
-               results(TextGeneration.run(tokenizer, state, @plain, @opts))
+      for given <- [nil, tokenizer, native, TestForeignTokenizers.bumblebee(native)] do
+        serving = TextGeneration.from_mlx4bit(path, given, @opts)
+
+        for input <- [@plain, @chat] do
+          assert results(Nx.Serving.run(serving, input)) ==
+                   results(TextGeneration.run(tokenizer, state, input, @opts))
+        end
+      end
+    end
+
+    test "serving/3 takes Bumblebee's tokenizer, results have Bumblebee's keys", %{
+      tokenizer: tokenizer,
+      state: state
+    } do
+      path = Path.join(TestFixtures.path("qwen3-4bit-g64"), "tokenizer.json")
+      bumblebee = path |> TestForeignTokenizers.native() |> TestForeignTokenizers.bumblebee()
+      serving = TextGeneration.serving(bumblebee, state, @opts)
+      %{results: [expected]} = TextGeneration.run(tokenizer, state, @plain, @opts)
+
+      assert %{results: [%{text: text, token_summary: summary}]} =
+               Nx.Serving.run(serving, %{text: @plain})
+
+      assert text == expected.generated_text
+      assert summary == %{input: 10, output: 16, padding: 0}
+    end
+
+    test "each input's seed holds across callers merged into one batch", %{
+      tokenizer: tokenizer,
+      state: state
+    } do
+      opts = @opts ++ [sampler: :top_p_cpu, temperature: 1.5, top_p: 1.0]
+      alone = ids(TextGeneration.run(tokenizer, state, %{text: @plain, seed: 7}, opts))
+      serving = TextGeneration.serving(tokenizer, state, opts)
+      assert ids(Nx.Serving.run(serving, %{text: @plain, seed: 7})) == alone
+
+      name = :"serving_#{System.unique_integer([:positive])}"
+
+      start_supervised!(
+        {Nx.Serving, serving: serving, name: name, batch_size: 4, batch_timeout: 200}
+      )
+
+      inputs = [%{text: @plain, seed: 7}, %{text: "Hello", seed: 1}, %{text: @plain, seed: 9}]
+
+      [first, _, third] =
+        inputs
+        |> Enum.map(&Task.async(fn -> Nx.Serving.batched_run(name, &1) end))
+        |> Task.await_many(60_000)
+
+      assert first.metadata.batch_size == 3
+      assert ids(first) == alone
+      refute ids(third) == alone
+    end
+
+    test "inputs split over several executions report their own", %{
+      tokenizer: tokenizer,
+      state: state
+    } do
+      serving = TextGeneration.serving(tokenizer, state, @opts ++ [compile: [batch_size: 4]])
+      inputs = [@plain, "Hello", @chat, "1, 2, 3,", "Elixir is", "Hi"]
+      outputs = Nx.Serving.run(serving, inputs)
+
+      assert Enum.map(outputs, & &1.metadata.batch_size) == [4, 4, 4, 4, 2, 2]
+
+      assert results(outputs) ==
+               results(Enum.map(inputs, &TextGeneration.run(tokenizer, state, &1, @opts)))
+
+      [_, _, _, _, fifth, sixth] = outputs
+      assert fifth.metadata.prefill_ms == sixth.metadata.prefill_ms
+      refute hd(outputs).metadata.prefill_ms == fifth.metadata.prefill_ms
+    end
+
+    test "prompts of different length buckets are not batched together", %{
+      tokenizer: tokenizer,
+      state: state
+    } do
+      serving =
+        TextGeneration.serving(tokenizer, state, @opts ++ [compile: [sequence_length: [16, 64]]])
+
+      name = :"serving_#{System.unique_integer([:positive])}"
+
+      start_supervised!(
+        {Nx.Serving, serving: serving, name: name, batch_size: 4, batch_timeout: 200}
+      )
+
+      # @plain has 10 tokens, the chat prompt more than 16.
+      [short, long, short_too] =
+        [@plain, @chat, "Hello"]
+        |> Enum.map(&Task.async(fn -> Nx.Serving.batched_run(name, &1) end))
+        |> Task.await_many(60_000)
+
+      assert short.metadata.batch_size == 2
+      assert short_too.metadata.batch_size == 2
+      assert long.metadata.batch_size == 1
+      assert results(long) == results(TextGeneration.run(tokenizer, state, @chat, @opts))
+    end
+
+    test "EMLXAxon.Stream.new/1 inside with_stream/2", %{tokenizer: tokenizer, state: state} do
+      serving = TextGeneration.serving(tokenizer, state, @opts)
+
+      assert EMLXAxon.Stream.with_stream(EMLXAxon.Stream.new(:cpu), fn ->
+               results(Nx.Serving.run(serving, @plain))
+             end) == results(TextGeneration.run(tokenizer, state, @plain, @opts))
     end
 
     test "batched_run/2 batches concurrent callers", %{tokenizer: tokenizer, state: state} do
@@ -107,7 +215,8 @@ if Code.ensure_loaded?(Nx.Serving) do
           TextGeneration.serving(tokenizer, state, @opts ++ [stream: true, stream_done: true])
 
         events = serving |> Nx.Serving.run(input) |> Enum.to_list()
-        assert {:done, %{results: [^expected]}} = List.last(events)
+        summary = expected.token_summary
+        assert {:done, %{token_summary: ^summary, results: [^expected]}} = List.last(events)
         assert IO.iodata_to_binary(Enum.drop(events, -1)) == expected.generated_text
       end
     end

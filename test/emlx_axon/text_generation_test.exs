@@ -1,51 +1,8 @@
-unless Code.ensure_loaded?(Tokenizers.Tokenizer) do
-  defmodule Tokenizers.Tokenizer do
-    @moduledoc false
-    # Stand-in: the struct and save/3 of the `tokenizers` package.
-    defstruct [:resource]
-
-    def save(%__MODULE__{resource: {:stand_in, source}}, path, _opts \\ []) do
-      File.cp!(source, path)
-      {:ok, path}
-    end
-  end
-end
-
-unless Code.ensure_loaded?(Bumblebee.Text.PreTrainedTokenizer) do
-  defmodule Bumblebee.Text.PreTrainedTokenizer do
-    @moduledoc false
-    # Stand-in: the struct Bumblebee.load_tokenizer/1 returns.
-    defstruct [:native_tokenizer, :type, special_tokens: %{}]
-  end
-end
-
-defmodule EMLXAxon.TextGenerationTest.ForeignTokenizers do
-  @moduledoc false
-  # Tokenizers from the `tokenizers` package and Bumblebee, or stand-ins of
-  # the same shape where the packages are not installed.
-
-  @real? Code.ensure_loaded?(Tokenizers.Tokenizer) and
-           function_exported?(Tokenizers.Tokenizer, :from_file, 2)
-
-  def native(file) do
-    if @real? do
-      {:ok, tokenizer} = apply(Tokenizers.Tokenizer, :from_file, [file, []])
-      tokenizer
-    else
-      struct(Tokenizers.Tokenizer, resource: {:stand_in, file})
-    end
-  end
-
-  def bumblebee(native) do
-    struct(Bumblebee.Text.PreTrainedTokenizer, native_tokenizer: native, type: :qwen2)
-  end
-end
-
 defmodule EMLXAxon.TextGenerationTest do
   use ExUnit.Case, async: true
 
   alias EMLXAxon.{Error, TestFixtures, TextGeneration, Tokenizer}
-  alias EMLXAxon.TextGenerationTest.ForeignTokenizers
+  alias EMLXAxon.TestForeignTokenizers, as: ForeignTokenizers
 
   @moduletag :fixtures
 
@@ -488,11 +445,8 @@ defmodule EMLXAxon.TextGenerationTest do
   end
 
   describe "Bumblebee and Tokenizers tokenizers" do
-    # Bumblebee and `tokenizers` cannot be installed here: where they are
-    # missing, the stand-ins at the end of this file take their module names
-    # and struct shapes (a Bumblebee tokenizer's :native_tokenizer holds a
-    # %Tokenizers.Tokenizer{}; Tokenizers.Tokenizer.save/3 writes
-    # tokenizer.json). Where the real packages are loaded, they are used.
+    # Where Bumblebee and `tokenizers` are not installed, stand-ins of the
+    # same module names and struct shapes are used (test/support/foreign_tokenizers.ex).
     setup do
       file = Path.join(TestFixtures.path("qwen3-4bit-g64"), "tokenizer.json")
       native = ForeignTokenizers.native(file)
