@@ -32,4 +32,8 @@ else
   IO.puts(:stderr, "\e[33mLeft out of this run:\n#{Enum.join(left_out, "\n")}\e[0m")
 end
 
+# On a GPU, MLX compiles its kernels on first use: do it here, not in
+# whichever test comes first.
+if exclude == [], do: EMLXAxon.TestFixtures.warm_up()
+
 ExUnit.start(exclude: exclude)

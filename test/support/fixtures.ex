@@ -54,9 +54,66 @@ defmodule EMLXAxon.TestFixtures do
 
   def encodings, do: cached(:encodings, fn -> eval!(Path.join(@fixtures, "encodings.exs")) end)
 
-  @doc "A loaded model state, shared by all tests (loaded once)."
+  @doc """
+  A loaded model state, shared by all tests (loaded once). It computes in
+  float32 unless `opts` say otherwise: the references are mlx-lm's float32
+  outputs, and the default dtype is bfloat16 on a GPU, where greedy ids may
+  part from float32 ones after a few tokens.
+  """
   def model(name, opts \\ []) do
+    opts = Keyword.put_new(opts, :dtype, :float32)
     cached({:model, name, opts}, fn -> Loader.load!(path(name), opts) end)
+  end
+
+  @doc "The device MLX computes on by default here: `:cpu` or `:gpu`."
+  def device, do: cached(:device, fn -> EMLXAxon.mlx_info().default_device end)
+
+  def gpu?, do: device() == :gpu
+
+  @doc """
+  Whether `result` is MLX's CUDA backend failing to compile a kernel at run
+  time. It compiles float32 4-bit g128 kernels from the CUDA toolkit's
+  headers (`CUDA_HOME`, else /usr/local/cuda, else those of the nvidia pip
+  wheels, which lack `crt/mma.h`): where they are missing, such a model is a
+  clear error rather than output, and the test says so instead of failing.
+  """
+  def kernel_compile_error?(result) do
+    case result do
+      {:error, %EMLXAxon.Error{kind: :mlx, message: message}} ->
+        gpu?() and message =~ "Failed to compile kernel"
+
+      _ ->
+        false
+    end
+  end
+
+  @doc """
+  On a GPU, compiles MLX's CUDA kernels for every fixture before the tests:
+  MLX compiles each kernel on first use (about a minute on a fresh machine,
+  cached on disk after), which would otherwise land in whichever test comes
+  first and can pass ExUnit's 60 s timeout. Does nothing on the CPU.
+  """
+  def warm_up do
+    if available?() and gpu?() do
+      started = System.monotonic_time(:millisecond)
+      long = Enum.to_list(100..111)
+      short = Enum.take(long, 3)
+
+      for name <- @models, dtype <- [:float32, nil] do
+        with {:ok, state} <- Loader.load(path(name), dtype: dtype) do
+          # Prefill of fewer and of more than 8 rows (MLX switches quantized
+          # kernels there), decode, and batches.
+          for prompts <- [long, short, [long, short, long]] do
+            EMLXAxon.Qwen3.Generate.generate(state, prompts, max_new_tokens: 2, ignore_eos: true)
+          end
+        end
+      end
+
+      ms = System.monotonic_time(:millisecond) - started
+      IO.puts("Compiled MLX's GPU kernels for the fixtures in #{ms} ms.")
+    end
+
+    :ok
   end
 
   @doc "The tokenizer of a fixture, shared by all tests."
