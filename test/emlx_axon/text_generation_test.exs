@@ -543,6 +543,39 @@ defmodule EMLXAxon.TextGenerationTest do
       assert_raise ArgumentError, ~r/EMLXAxon.Tokenizer/, fn ->
         TextGeneration.serving(:tok, state)
       end
+
+      for bad <- [
+            [compile: [batch_size: 0]],
+            [compile: [sequence_length: [16, -1]]],
+            [compile: [batch_size: 2, jit: true]],
+            [compile: :yes]
+          ] do
+        assert_raise ArgumentError, ~r/expected :compile to be a keyword list/, fn ->
+          TextGeneration.serving(tokenizer, state, bad)
+        end
+      end
+
+      assert_raise ArgumentError, ~r/:preallocate_params to be a boolean/, fn ->
+        TextGeneration.serving(tokenizer, state, preallocate_params: "yes")
+      end
+    end
+
+    test "Bumblebee's serving options are accepted", %{tokenizer: tokenizer, state: state} do
+      opts = [
+        compile: [batch_size: 2, sequence_length: [32, 128]],
+        preallocate_params: true,
+        defn_options: [max_concurrency: 1]
+      ]
+
+      if Code.ensure_loaded?(Nx.Serving) do
+        assert %{__struct__: Nx.Serving, batch_size: 2} =
+                 TextGeneration.serving(tokenizer, state, opts)
+      else
+        # Accepted: what fails is only the missing Nx.
+        assert_raise RuntimeError, ~r/needs Nx/, fn ->
+          TextGeneration.serving(tokenizer, state, opts)
+        end
+      end
     end
   end
 
