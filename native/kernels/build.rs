@@ -23,12 +23,17 @@ fn main() {
             "csrc/qmm.cpp",
             "csrc/pool.cpp",
             "csrc/qmm_scalar.cpp",
+            "csrc/sgemm.cpp",
         ]);
     // The SIMD variants set their own targets per file and are chosen at run time.
     if env::var("CARGO_CFG_TARGET_ARCH").as_deref() == Ok("x86_64") {
         build.files(["csrc/qmm_avx2.cpp", "csrc/qmm_avx512.cpp"]);
     }
     build.compile("emlx_axon_kernels");
-    // Tests of this crate load libmlx at run time.
+    // Tests of this crate load libmlx at run time, and export our
+    // `cblas_sgemm` for libmlx to bind (see src/lib.rs).
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib_dir.display());
+    if env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("linux") {
+        println!("cargo:rustc-link-arg=-Wl,--export-dynamic-symbol=cblas_sgemm");
+    }
 }

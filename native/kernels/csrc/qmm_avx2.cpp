@@ -6,6 +6,7 @@
 #include <stdlib.h>
 
 #include "qmm.h"
+#include "sgemm.h"
 
 namespace emlx {
 namespace avx2 {
@@ -40,9 +41,15 @@ static inline F16 cvt16(__m128i b) {
 
 #include "qmm_simd.inc"
 
+// 6 x 2 accumulators + the B vectors + a broadcast fit the registers.
+#define SMR 6
+#define SNR 16
+#include "sgemm_simd.inc"
+
 }  // namespace avx2
 
 Kernels avx2_kernels() { return Kernels{avx2::gemv_any, avx2::gemm_any}; }
+GemmColsFn avx2_gemm() { return avx2::gemm_cols; }
 
 }  // namespace emlx
 #endif

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 
 #include "qmm.h"
+#include "sgemm.h"
 
 namespace emlx {
 namespace avx512 {
@@ -42,9 +43,15 @@ static inline F16 cvt16(__m128i b) {
 
 #include "qmm_simd.inc"
 
+// 6 x 2 accumulators + the B vectors + a broadcast fit the registers.
+#define SMR 6
+#define SNR 32
+#include "sgemm_simd.inc"
+
 }  // namespace avx512
 
 Kernels avx512_kernels() { return Kernels{avx512::gemv_any, avx512::gemm_any}; }
+GemmColsFn avx512_gemm() { return avx512::gemm_cols; }
 
 }  // namespace emlx
 #endif

@@ -25,7 +25,9 @@ fn main() {
         state ^= state << 17;
         state
     };
-    let w: Vec<u32> = (0..n * k * bits as usize / 32).map(|_| next() as u32).collect();
+    let w: Vec<u32> = (0..n * k * bits as usize / 32)
+        .map(|_| next() as u32)
+        .collect();
     let groups = n * k / group as usize;
     let scales: Vec<f32> = (0..groups).map(|i| 0.01 + (i % 7) as f32 * 1e-3).collect();
     let biases: Vec<f32> = (0..groups).map(|i| -0.05 + (i % 5) as f32 * 1e-3).collect();

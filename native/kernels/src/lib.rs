@@ -48,6 +48,40 @@ extern "C" {
         isa: c_int,
         threads: c_int,
     ) -> c_int;
+    fn emlx_kernels_cblas_sgemm(
+        order: c_int,
+        trans_a: c_int,
+        trans_b: c_int,
+        m: c_int,
+        n: c_int,
+        k: c_int,
+        alpha: f32,
+        a: *const f32,
+        lda: c_int,
+        b: *const f32,
+        ldb: c_int,
+        beta: f32,
+        c: *mut f32,
+        ldc: c_int,
+    );
+    #[allow(clippy::too_many_arguments)]
+    fn emlx_kernels_sgemm(
+        trans_a: c_int,
+        trans_b: c_int,
+        m: c_int,
+        n: c_int,
+        k: c_int,
+        alpha: f32,
+        a: *const f32,
+        lda: c_int,
+        b: *const f32,
+        ldb: c_int,
+        beta: f32,
+        c: *mut f32,
+        ldc: c_int,
+        isa: c_int,
+        threads: c_int,
+    ) -> c_int;
     fn emlx_kernels_selected_isa() -> c_int;
     fn emlx_kernels_isa_supported(isa: c_int) -> c_int;
     fn emlx_kernels_threads() -> c_int;
@@ -235,6 +269,98 @@ pub fn qmm_with(
     if status != 0 {
         return Err(KernelError(format!(
             "qmm: this CPU does not run the {} variant",
+            isa.name()
+        )));
+    }
+    Ok(())
+}
+
+/// The CBLAS `cblas_sgemm` entry point, exported so that libmlx, which
+/// resolves it at load time, runs its CPU float32 matmuls (attention
+/// included) on our kernels rather than the wheel's reference BLAS. A binary
+/// takes part when this symbol is in its dynamic symbol table: a `cdylib`
+/// (the NIF) exports it as is, an executable needs
+/// `-Wl,--export-dynamic-symbol=cblas_sgemm` (see the engine's build script).
+///
+/// # Safety
+/// The BLAS contract: the matrices are valid for the given sizes and strides.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn cblas_sgemm(
+    order: c_int,
+    trans_a: c_int,
+    trans_b: c_int,
+    m: c_int,
+    n: c_int,
+    k: c_int,
+    alpha: f32,
+    a: *const f32,
+    lda: c_int,
+    b: *const f32,
+    ldb: c_int,
+    beta: f32,
+    c: *mut f32,
+    ldc: c_int,
+) {
+    emlx_kernels_cblas_sgemm(
+        order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc,
+    )
+}
+
+/// A row-major operand of [`sgemm_with`]: `rows x cols` logical, stored with
+/// leading dimension `ld`, transposed in memory when `trans`.
+pub struct Operand<'a> {
+    pub data: &'a [f32],
+    pub trans: bool,
+    pub ld: usize,
+}
+
+/// Row-major `C = alpha * op(A) op(B) + beta * C` (`m x n`, inner size `k`,
+/// `C` with leading dimension `ldc`) with a chosen variant. For tests and
+/// benchmarks.
+#[allow(clippy::too_many_arguments)]
+pub fn sgemm_with(
+    isa: Isa,
+    max_threads: usize,
+    (m, n, k): (usize, usize, usize),
+    alpha: f32,
+    a: &Operand,
+    b: &Operand,
+    beta: f32,
+    c: &mut [f32],
+    ldc: usize,
+) -> Result<(), KernelError> {
+    let need = |rows: usize, cols: usize, o: &Operand| {
+        let (r, cl) = if o.trans { (cols, rows) } else { (rows, cols) };
+        o.ld >= cl && (r == 0 || o.data.len() >= (r - 1) * o.ld + cl)
+    };
+    if !need(m, k, a) || !need(k, n, b) || ldc < n || (m > 0 && c.len() < (m - 1) * ldc + n) {
+        return Err(KernelError("sgemm: buffers do not match the shapes".into()));
+    }
+    let int = |v: usize| i32::try_from(v).map_err(|_| KernelError("sgemm: too large".into()));
+    // SAFETY: every buffer was checked against the shapes above.
+    let status = unsafe {
+        emlx_kernels_sgemm(
+            a.trans as c_int,
+            b.trans as c_int,
+            int(m)?,
+            int(n)?,
+            int(k)?,
+            alpha,
+            a.data.as_ptr(),
+            int(a.ld)?,
+            b.data.as_ptr(),
+            int(b.ld)?,
+            beta,
+            c.as_mut_ptr(),
+            int(ldc)?,
+            isa as c_int,
+            int(max_threads)?,
+        )
+    };
+    if status != 0 {
+        return Err(KernelError(format!(
+            "sgemm: this CPU does not run the {} variant",
             isa.name()
         )));
     }

@@ -1,0 +1,142 @@
+// Dense f32 products for MLX's CPU matmul, which the wheel sends to a
+// reference BLAS (`cblas_sgemm` from its bundled libblas, one scalar loop).
+// libmlx resolves `cblas_sgemm` at load time, and the dynamic linker takes
+// the first definition in lookup order: our binary (or the NIF library,
+// first in its load group) exports one, so MLX's matmul, attention included,
+// runs here. EMLX_AXON_KERNELS=mlx hands every call to the next definition
+// (the wheel's BLAS) instead.
+#include "sgemm.h"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "pool.h"
+#include "qmm.h"
+
+namespace emlx {
+
+void gemm_reference(const GemmArgs& g, int n0, int n1) {
+  for (int i = 0; i < g.M; ++i)
+    for (int j = n0; j < n1; ++j) {
+      float acc = 0.0f;
+      for (int k = 0; k < g.K; ++k) acc += gemm_a(g, i, k) * gemm_b(g, k, j);
+      g.c[(long)i * g.ldc + j] += g.alpha * acc;
+    }
+}
+
+namespace {
+
+GemmColsFn gemm_for(int isa) {
+#if defined(__x86_64__)
+  if (isa == kAvx512) return avx512_gemm();
+  if (isa == kAvx2) return avx2_gemm();
+#endif
+  return gemm_reference;
+}
+
+// Columns per unit of the thread split (the widest register tile).
+constexpr int kColAlign = 32;
+// Below this many multiply-adds a product stays on one thread.
+constexpr long kMinParallelWork = 1L << 16;
+
+}  // namespace
+
+void sgemm(const GemmArgs& g, int isa, int max_threads) {
+  if (g.M <= 0 || g.N <= 0) return;
+  for (int i = 0; i < g.M; ++i) {
+    float* c = g.c + (long)i * g.ldc;
+    if (g.beta == 0.0f)
+      std::fill(c, c + g.N, 0.0f);  // BLAS: C is not read when beta is 0
+    else if (g.beta != 1.0f)
+      for (int j = 0; j < g.N; ++j) c[j] *= g.beta;
+  }
+  if (g.K <= 0 || g.alpha == 0.0f) return;
+  const GemmColsFn fn = gemm_for(isa);
+  Pool& pool = Pool::shared();
+  int threads = pool.size();
+  if (max_threads > 0) threads = std::min(threads, max_threads);
+  if ((long)g.M * g.N * g.K < kMinParallelWork) threads = 1;
+  const int units = (g.N + kColAlign - 1) / kColAlign;
+  threads = std::max(1, std::min(threads, units));
+  auto task = [&](int t) {
+    const int n0 = std::min(g.N, (int)((long)units * t / threads) * kColAlign);
+    const int n1 = std::min(g.N, (int)((long)units * (t + 1) / threads) * kColAlign);
+    if (n0 < n1) fn(g, n0, n1);
+  };
+  if (threads == 1)
+    task(0);
+  else
+    pool.run(threads, task);
+}
+
+}  // namespace emlx
+
+namespace {
+
+enum { kRowMajor = 101, kColMajor = 102, kNoTrans = 111, kTrans = 112, kConjTrans = 113 };
+
+using CblasSgemm = void (*)(int, int, int, int, int, int, float, const float*, int, const float*,
+                            int, float, float*, int);
+
+bool use_wheel_blas() {
+  static const bool wheel = [] {
+    const char* env = std::getenv("EMLX_AXON_KERNELS");
+    return env && std::strcmp(env, "mlx") == 0;
+  }();
+  return wheel;
+}
+
+CblasSgemm wheel_sgemm() {
+  static const CblasSgemm next = (CblasSgemm)dlsym(RTLD_NEXT, "cblas_sgemm");
+  return next;
+}
+
+}  // namespace
+
+extern "C" {
+
+// The CBLAS contract (column- or row-major, transposes as flags).
+void emlx_kernels_cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k,
+                              float alpha, const float* a, int lda, const float* b, int ldb,
+                              float beta, float* c, int ldc) {
+  const bool valid = (order == kRowMajor || order == kColMajor) &&
+                     (trans_a >= kNoTrans && trans_a <= kConjTrans) &&
+                     (trans_b >= kNoTrans && trans_b <= kConjTrans) && m >= 0 && n >= 0 && k >= 0;
+  if (!valid || use_wheel_blas()) {
+    if (CblasSgemm next = wheel_sgemm())
+      next(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+  emlx::GemmArgs g;
+  // Column-major C is row-major C^T = op(B)^T op(A)^T: swap the operands.
+  const bool col = order == kColMajor;
+  g.trans_a = (col ? trans_b : trans_a) != kNoTrans;
+  g.trans_b = (col ? trans_a : trans_b) != kNoTrans;
+  g.M = col ? n : m;
+  g.N = col ? m : n;
+  g.K = k;
+  g.alpha = alpha;
+  g.a = col ? b : a;
+  g.lda = col ? ldb : lda;
+  g.b = col ? a : b;
+  g.ldb = col ? lda : ldb;
+  g.beta = beta;
+  g.c = c;
+  g.ldc = ldc;
+  emlx::sgemm(g, emlx::selected_isa(), 0);
+}
+
+// Row-major product with a chosen variant, for tests and benchmarks.
+int emlx_kernels_sgemm(int trans_a, int trans_b, int m, int n, int k, float alpha, const float* a,
+                       int lda, const float* b, int ldb, float beta, float* c, int ldc, int isa,
+                       int threads) {
+  if (isa < emlx::kScalar || isa > emlx::kAvx512 || !emlx::isa_supported((emlx::Isa)isa))
+    return -1;
+  emlx::GemmArgs g{trans_a != 0, trans_b != 0, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc};
+  emlx::sgemm(g, isa, threads);
+  return 0;
+}
+}
