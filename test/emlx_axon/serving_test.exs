@@ -110,10 +110,14 @@ if Code.ensure_loaded?(Nx.Serving) do
       tokenizer: tokenizer,
       state: state
     } do
-      serving = TextGeneration.serving(tokenizer, state, @opts ++ [compile: [batch_size: 4]])
       inputs = [@plain, "Hello", @chat, "1, 2, 3,", "Elixir is", "Hi"]
-      outputs = Nx.Serving.run(serving, inputs)
+      split = tokenizer |> TextGeneration.serving(state, @opts) |> Nx.Serving.batch_size(4)
+      outputs = Nx.Serving.run(split, inputs)
+      assert Enum.map(outputs, & &1.metadata.batch_size) == [4, 4, 4, 4, 2, 2]
 
+      # Bumblebee's way of setting the batch size.
+      serving = TextGeneration.serving(tokenizer, state, @opts ++ [compile: [batch_size: 4]])
+      outputs = Nx.Serving.run(serving, inputs)
       assert Enum.map(outputs, & &1.metadata.batch_size) == [4, 4, 4, 4, 2, 2]
 
       assert results(outputs) ==
