@@ -1,5 +1,7 @@
 //! Preallocated KV cache: one `[B, kv_heads, capacity, head_dim]` buffer per
 //! layer for keys and for values, written in place at the current offset.
+//! [`KvStore`] is what the model needs of a cache, so a cache whose rows sit
+//! at different positions (the scheduler's slots) runs the same layers.
 
 use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
 use mlx_rs::ops::zeros_dtype;
@@ -7,6 +9,24 @@ use mlx_rs::Array;
 
 use crate::error::{Error, Result};
 use crate::model::Model;
+
+/// Where RoPE starts for the new positions of a forward pass.
+pub enum RopeOffset {
+    /// Every row at the same position.
+    Scalar(i32),
+    /// One position per row, `[B]` int32.
+    PerRow(Array),
+}
+
+/// A cache the model's layers write keys and values into.
+pub trait KvStore {
+    fn rope_offset(&self) -> RopeOffset;
+    /// Stores `k`, `v` (`[B, kv_heads, L, head_dim]`) of layer `layer` and
+    /// returns the keys and values attention reads.
+    fn update(&mut self, layer: usize, k: &Array, v: &Array) -> Result<(Array, Array)>;
+    /// Called once per forward pass with the number of new positions.
+    fn advance(&mut self, n: i32);
+}
 
 pub struct KvCache {
     layers: Vec<(Array, Array)>,
@@ -40,7 +60,42 @@ impl KvCache {
         self.capacity
     }
 
-    pub(crate) fn advance(&mut self, n: i32) {
+    /// Starts the cache with the keys and values of a prompt prefix: per
+    /// layer `[B, kv_heads, len, head_dim]` arrays.
+    pub fn load_prefix(&mut self, layers: &[(Array, Array)]) -> Result<()> {
+        if layers.len() != self.layers.len() {
+            return Err(Error::invalid(
+                "a cached prefix has the wrong number of layers",
+            ));
+        }
+        self.offset = 0;
+        for (layer, (k, v)) in layers.iter().enumerate() {
+            KvStore::update(self, layer, k, v)?;
+        }
+        self.offset = layers.first().map_or(0, |(k, _)| k.dim(2));
+        Ok(())
+    }
+
+    /// Keys and values of the first `len` positions of every layer.
+    pub fn prefix(&self, len: i32) -> Vec<(Array, Array)> {
+        self.layers
+            .iter()
+            .map(|(k, v)| (k.index((.., .., ..len, ..)), v.index((.., .., ..len, ..))))
+            .collect()
+    }
+
+    /// Every buffer, for evaluation alongside a step's output.
+    pub fn arrays(&self) -> impl Iterator<Item = &Array> {
+        self.layers.iter().flat_map(|(k, v)| [k, v])
+    }
+}
+
+impl KvStore for KvCache {
+    fn rope_offset(&self) -> RopeOffset {
+        RopeOffset::Scalar(self.offset)
+    }
+
+    fn advance(&mut self, n: i32) {
         self.offset += n;
     }
 
@@ -48,7 +103,7 @@ impl KvCache {
     /// the filled part of the buffers. Replacing our handle with the update's
     /// result leaves the graph as the buffer's only owner, so MLX donates it
     /// and the write happens in place.
-    pub(crate) fn update(&mut self, layer: usize, k: &Array, v: &Array) -> Result<(Array, Array)> {
+    fn update(&mut self, layer: usize, k: &Array, v: &Array) -> Result<(Array, Array)> {
         let (start, end) = (self.offset, self.offset + k.dim(2));
         if end > self.capacity {
             return Err(Error::invalid(format!(
@@ -66,10 +121,5 @@ impl KvCache {
             keys.index((.., .., ..end, ..)),
             values.index((.., .., ..end, ..)),
         ))
-    }
-
-    /// Every buffer, for evaluation alongside a step's output.
-    pub fn arrays(&self) -> impl Iterator<Item = &Array> {
-        self.layers.iter().flat_map(|(k, v)| [k, v])
     }
 }

@@ -7,7 +7,7 @@
 //! sampler each step's graph is queued before the previous token is read
 //! back (`async_eval`), as mlx-lm does, so the host never stalls the device.
 
-mod rows;
+pub(crate) mod rows;
 
 use std::sync::Arc;
 use std::time::Instant;

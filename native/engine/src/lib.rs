@@ -13,6 +13,7 @@ pub mod layers;
 pub mod memory;
 pub mod model;
 pub mod sampler;
+pub mod scheduler;
 pub mod tokenizer;
 pub mod weights;
 
@@ -24,4 +25,5 @@ pub use generate::{
 pub use mlx_rs::Dtype;
 pub use model::{LoadOptions, Model};
 pub use sampler::{SamplerConfig, SamplerKind};
+pub use scheduler::{Event, RequestId, RequestStats, Scheduler, SchedulerConfig};
 pub use tokenizer::{Detokenizer, Tokenizer};

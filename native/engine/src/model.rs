@@ -4,11 +4,13 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use mlx_rs::fast::{rms_norm, rope, scaled_dot_product_attention, ScaledDotProductAttentionMask};
+use mlx_rs::fast::{
+    rms_norm, rope, rope_dynamic, scaled_dot_product_attention, ScaledDotProductAttentionMask,
+};
 use mlx_rs::ops::{multiply, sigmoid};
 use mlx_rs::{Array, Dtype};
 
-use crate::cache::KvCache;
+use crate::cache::{KvStore, RopeOffset};
 use crate::config::{add_missing, generation_eos_ids, Arch, ModelConfig, QuantSpec};
 use crate::error::{Error, Result};
 use crate::layers::{Embedding, Linear, LoadPlan, Workers};
@@ -294,10 +296,10 @@ impl Model {
     /// Runs `ids` (`[B, L]` int32) through the model, writing keys and values
     /// into `cache` at its offset. Returns logits `[B, L, vocab]`, or
     /// `[B, 1, vocab]` for the last position only when `last_only`.
-    pub fn forward(
+    pub fn forward<C: KvStore>(
         &self,
         ids: &Array,
-        cache: &mut KvCache,
+        cache: &mut C,
         mask: &AttentionMask,
         last_only: bool,
         workers: Workers,
@@ -334,11 +336,11 @@ impl Model {
         }
     }
 
-    fn attention(
+    fn attention<C: KvStore>(
         &self,
         a: &Attention,
         x: &Array,
-        cache: &mut KvCache,
+        cache: &mut C,
         layer: usize,
         mask: &AttentionMask,
         workers: Workers,
@@ -353,17 +355,26 @@ impl Model {
             };
             Ok(y.transpose_axes(&[0, 2, 1, 3])?)
         };
-        let offset = cache.offset();
-        let rotate = |y: &Array| {
-            rope(
+        let offset = cache.rope_offset();
+        let rotate = |y: &Array| match &offset {
+            RopeOffset::Scalar(offset) => rope(
                 y,
                 c.head_dim,
                 c.rope_traditional,
                 c.rope_theta,
                 c.rope_scale,
-                offset,
+                *offset,
                 None,
-            )
+            ),
+            RopeOffset::PerRow(offsets) => rope_dynamic(
+                y,
+                c.head_dim,
+                c.rope_traditional,
+                c.rope_theta,
+                c.rope_scale,
+                offsets,
+                None,
+            ),
         };
         let q = rotate(&heads(a.q.forward(x, workers)?, c.num_heads, &a.q_norm)?)?;
         let k = rotate(&heads(a.k.forward(x, workers)?, c.num_kv_heads, &a.k_norm)?)?;

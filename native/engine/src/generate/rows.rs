@@ -5,7 +5,7 @@ use super::{FinishReason, GenerateOptions, RowDelta};
 use crate::error::Result;
 use crate::tokenizer::{Detokenizer, Tokenizer};
 
-pub(super) struct Row {
+pub(crate) struct Row {
     pub prompt_len: usize,
     pub generated: Vec<u32>,
     detok: Detokenizer,

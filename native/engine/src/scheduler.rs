@@ -1,0 +1,537 @@
+//! Continuous batching: a fixed set of slots decoded together, with rows
+//! joining and leaving between steps.
+//!
+//! A request waits in a queue until a slot is free, then its prompt is run
+//! through the model in bounded chunks (one chunk per [`Scheduler::step`], so
+//! running rows keep their pace) into a cache of its own; when the prompt is
+//! done its keys and values are copied into the slot and the row joins the
+//! batch. Each decode step feeds every slot's last token at that slot's own
+//! position ([`SlotCache`]); finished or cancelled rows leave at once and
+//! free their slot. Every request carries its own options and sampler, so a
+//! seeded request samples the same tokens whatever it is batched with, and a
+//! greedy row gives the ids of its solo run.
+
+mod prefix;
+mod slots;
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Instant;
+
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::{transforms, Array};
+
+use crate::cache::KvCache;
+use crate::config::add_missing;
+use crate::device::{DeviceKind, Lease};
+use crate::error::{Error, Result};
+use crate::generate::rows::Row;
+use crate::generate::{GenerateOptions, RowDelta};
+use crate::model::{AttentionMask, Model};
+use crate::sampler::Sampler;
+use crate::tokenizer::Tokenizer;
+pub use prefix::PrefixCache;
+pub use slots::{slot_cache_bytes, SlotCache};
+
+pub type RequestId = u64;
+
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// Rows decoded together.
+    pub slots: usize,
+    /// Positions (prompt plus generated tokens) a slot holds.
+    pub capacity: usize,
+    /// Most prompt tokens run per step.
+    pub prefill_chunk: usize,
+    /// Byte budget of the prefix cache; 0 turns it off.
+    pub prefix_cache_bytes: usize,
+    /// Shortest prompt prefix worth storing and reusing.
+    pub prefix_min_tokens: usize,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            slots: 8,
+            capacity: 2048,
+            prefill_chunk: 128,
+            prefix_cache_bytes: 256 << 20,
+            prefix_min_tokens: 16,
+        }
+    }
+}
+
+/// Timings of one request, reported when it finishes.
+#[derive(Debug, Clone, Default)]
+pub struct RequestStats {
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose keys and values came from the prefix cache.
+    pub cached_tokens: usize,
+    pub generated_tokens: usize,
+    /// From admission to the start of its prefill.
+    pub queue_ms: f64,
+    pub prefill_ms: f64,
+    /// From admission to the first token.
+    pub time_to_first_token_ms: f64,
+    /// Tokens after the first, per second.
+    pub decode_tokens_per_s: f64,
+}
+
+/// What a step produced for one request.
+#[derive(Debug, Clone)]
+pub struct Event {
+    pub id: RequestId,
+    pub delta: RowDelta,
+    /// Set with the last delta.
+    pub stats: Option<RequestStats>,
+}
+
+/// Slot use, for load reports.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Occupancy {
+    pub running: usize,
+    pub slots: usize,
+    /// Admitted requests not yet running (the one being prefilled included).
+    pub waiting: usize,
+    pub prefix_entries: usize,
+    pub prefix_bytes: usize,
+}
+
+struct Request {
+    id: RequestId,
+    prompt: Vec<u32>,
+    options: GenerateOptions,
+    eos: Vec<u32>,
+    sampler: Sampler,
+    row: Row,
+    admitted: Instant,
+    prefill_started: Option<Instant>,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+    cached_tokens: usize,
+}
+
+impl Request {
+    fn stats(&self) -> RequestStats {
+        let ms =
+            |from: Instant, to: Option<Instant>| to.map_or(0.0, |t| (t - from).as_secs_f64() * 1e3);
+        let generated = self.row.generated.len();
+        let decode_ms = match (self.first_token, self.last_token) {
+            (Some(a), Some(b)) => (b - a).as_secs_f64() * 1e3,
+            _ => 0.0,
+        };
+        RequestStats {
+            prompt_tokens: self.prompt.len(),
+            cached_tokens: self.cached_tokens,
+            generated_tokens: generated,
+            queue_ms: ms(self.admitted, self.prefill_started),
+            prefill_ms: self
+                .prefill_started
+                .map_or(0.0, |s| ms(s, self.first_token)),
+            time_to_first_token_ms: ms(self.admitted, self.first_token),
+            decode_tokens_per_s: if generated > 1 && decode_ms > 0.0 {
+                (generated - 1) as f64 / (decode_ms / 1e3)
+            } else {
+                0.0
+            },
+        }
+    }
+
+    /// Takes a sampled token; returns the delta.
+    fn accept(&mut self, token: u32, tokenizer: Option<&Tokenizer>) -> Result<RowDelta> {
+        let now = Instant::now();
+        self.first_token.get_or_insert(now);
+        self.last_token = Some(now);
+        let mut delta = RowDelta::default();
+        self.row
+            .accept(token, &self.options, &self.eos, tokenizer, &mut delta)?;
+        Ok(delta)
+    }
+}
+
+/// A request whose prompt is being run, with its own cache.
+struct Prefill {
+    request: Request,
+    cache: KvCache,
+    done: usize,
+}
+
+/// A row of the running batch.
+struct Running {
+    request: Request,
+    /// Where the next token's key and value go.
+    position: i32,
+    next: u32,
+}
+
+pub struct Scheduler {
+    model: Arc<Model>,
+    tokenizer: Option<Arc<Tokenizer>>,
+    config: SchedulerConfig,
+    workers: Vec<Lease>,
+    cache: SlotCache,
+    slots: Vec<Option<Running>>,
+    queue: VecDeque<Request>,
+    prefill: Option<Prefill>,
+    prefix: PrefixCache,
+    next_id: RequestId,
+}
+
+impl Scheduler {
+    pub fn new(
+        model: Arc<Model>,
+        tokenizer: Option<Arc<Tokenizer>>,
+        config: SchedulerConfig,
+    ) -> Result<Self> {
+        if config.slots == 0 || config.slots > 1024 {
+            return Err(Error::invalid("slots must be between 1 and 1024"));
+        }
+        if config.capacity < 2 || config.capacity > i32::MAX as usize {
+            return Err(Error::invalid(
+                "capacity must be at least 2 positions and fit an i32",
+            ));
+        }
+        if config.prefill_chunk == 0 {
+            return Err(Error::invalid("prefill_chunk must be at least 1"));
+        }
+        if let Some(t) = &tokenizer {
+            if t.vocab_size() > model.config.vocab_size as usize {
+                return Err(Error::invalid(format!(
+                    "the tokenizer has {} tokens but the model only {}: they belong to different models",
+                    t.vocab_size(),
+                    model.config.vocab_size
+                )));
+            }
+        }
+        crate::memory::ensure_fits(
+            slot_cache_bytes(&model, config.slots, config.capacity),
+            &format!(
+                "a KV cache of {} slots x {} positions",
+                config.slots, config.capacity
+            ),
+        )?;
+        let workers = if model.parallel_ways > 1 && DeviceKind::default_kind() == DeviceKind::Cpu {
+            (0..model.parallel_ways)
+                .map(|_| Lease::new(DeviceKind::Cpu))
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            vec![]
+        };
+        let cache = SlotCache::new(&model, config.slots as i32, config.capacity as i32)?;
+        Ok(Scheduler {
+            prefix: PrefixCache::new(config.prefix_cache_bytes, config.prefix_min_tokens),
+            slots: (0..config.slots).map(|_| None).collect(),
+            model,
+            tokenizer,
+            config,
+            workers,
+            cache,
+            queue: VecDeque::new(),
+            prefill: None,
+            next_id: 1,
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// Queues a request; its tokens come from later [`step`](Self::step)s.
+    /// `options.rows` is ignored: the sampler's seed is the request's own.
+    pub fn admit(&mut self, prompt: Vec<u32>, mut options: GenerateOptions) -> Result<RequestId> {
+        self.validate(&prompt, &options)?;
+        options.max_len = options.max_len.min(self.config.capacity);
+        if prompt.len() >= options.max_len {
+            return Err(Error::PromptTooLong {
+                len: prompt.len(),
+                max_len: options.max_len,
+            });
+        }
+        let eos = match &options.eos_token_ids {
+            Some(ids) => ids.clone(),
+            None => {
+                let mut ids = self.model.config.eos_token_ids.clone();
+                let from_tokenizer = self
+                    .tokenizer
+                    .iter()
+                    .flat_map(|t| t.eos_token_ids().iter().copied());
+                add_missing(&mut ids, from_tokenizer);
+                ids
+            }
+        };
+        let sampler = Sampler::new(options.sampler.clone(), &[options.sampler.seed])?;
+        let id = self.next_id;
+        self.next_id += 1;
+        self.queue.push_back(Request {
+            id,
+            row: Row::new(prompt.len()),
+            prompt,
+            options,
+            eos,
+            sampler,
+            admitted: Instant::now(),
+            prefill_started: None,
+            first_token: None,
+            last_token: None,
+            cached_tokens: 0,
+        });
+        Ok(id)
+    }
+
+    fn validate(&self, prompt: &[u32], o: &GenerateOptions) -> Result<()> {
+        if prompt.is_empty() {
+            return Err(Error::invalid("a prompt is empty: give at least one token"));
+        }
+        let vocab = self.model.config.vocab_size as u32;
+        if let Some(bad) = prompt.iter().find(|&&id| id >= vocab) {
+            return Err(Error::invalid(format!(
+                "token id {bad} is outside the model's vocabulary (size {vocab})"
+            )));
+        }
+        if o.max_new_tokens == 0 {
+            return Err(Error::invalid("max_new_tokens must be at least 1"));
+        }
+        if o.max_len == 0 {
+            return Err(Error::invalid("max_len must be at least 1"));
+        }
+        if !o.stop.is_empty() && self.tokenizer.is_none() {
+            return Err(Error::invalid("stop strings need a tokenizer"));
+        }
+        if o.stop.iter().any(String::is_empty) {
+            return Err(Error::invalid("stop strings must not be empty"));
+        }
+        o.sampler.validate()
+    }
+
+    /// Drops a request wherever it is (queued, mid-prefill, decoding) and
+    /// frees what it holds. Returns whether it was found.
+    pub fn cancel(&mut self, id: RequestId) -> bool {
+        if let Some(i) = self.queue.iter().position(|r| r.id == id) {
+            self.queue.remove(i);
+            return true;
+        }
+        if self.prefill.as_ref().is_some_and(|p| p.request.id == id) {
+            self.prefill = None;
+            return true;
+        }
+        for slot in &mut self.slots {
+            if slot.as_ref().is_some_and(|r| r.request.id == id) {
+                *slot = None;
+                return true;
+            }
+        }
+        false
+    }
+
+    pub fn occupancy(&self) -> Occupancy {
+        Occupancy {
+            running: self.slots.iter().filter(|s| s.is_some()).count(),
+            slots: self.slots.len(),
+            waiting: self.queue.len() + usize::from(self.prefill.is_some()),
+            prefix_entries: self.prefix.len(),
+            prefix_bytes: self.prefix.bytes(),
+        }
+    }
+
+    /// Whether nothing is queued, prefilling or running.
+    pub fn is_idle(&self) -> bool {
+        self.queue.is_empty() && self.prefill.is_none() && self.slots.iter().all(Option::is_none)
+    }
+
+    /// Drops every stored prompt prefix.
+    pub fn clear_prefix_cache(&mut self) {
+        self.prefix.clear();
+    }
+
+    /// Runs one prompt chunk (when a slot is free for it) and up to
+    /// `max_decode_steps` decode steps of the running batch. Returns the
+    /// requests' new tokens, one event per request that produced any.
+    pub fn step(&mut self, max_decode_steps: usize) -> Result<Vec<Event>> {
+        let mut events: Vec<Event> = vec![];
+        let result = self.step_into(max_decode_steps, &mut events);
+        // Nothing stays queued between calls: the next may come on another
+        // thread, whose default stream cannot schedule this one's arrays.
+        transforms::eval(self.cache.arrays())?;
+        result.map(|()| events)
+    }
+
+    fn step_into(&mut self, max_decode_steps: usize, events: &mut Vec<Event>) -> Result<()> {
+        if let Some(event) = self.prefill_chunk()? {
+            push(events, event);
+        }
+        for _ in 0..max_decode_steps {
+            if self.slots.iter().all(Option::is_none) {
+                break;
+            }
+            for event in self.decode_step()? {
+                push(events, event);
+            }
+        }
+        Ok(())
+    }
+
+    fn free_slot(&self) -> Option<usize> {
+        self.slots.iter().position(Option::is_none)
+    }
+
+    /// Starts the next queued prompt when a slot is free, runs one chunk of
+    /// the prompt being prefilled, and moves it into its slot when done.
+    fn prefill_chunk(&mut self) -> Result<Option<Event>> {
+        if self.prefill.is_none() {
+            if self.free_slot().is_none() {
+                return Ok(None);
+            }
+            let Some(mut request) = self.queue.pop_front() else {
+                return Ok(None);
+            };
+            request.prefill_started = Some(Instant::now());
+            let len = request.prompt.len() as i32;
+            let mut cache = KvCache::new(&self.model, 1, len)?;
+            let mut done = 0;
+            if self.config.prefix_cache_bytes > 0 {
+                if let Some(hit) = self.prefix.lookup(&request.prompt) {
+                    cache.load_prefix(&hit.layers)?;
+                    done = hit.len;
+                    request.cached_tokens = hit.len;
+                }
+            }
+            self.prefill = Some(Prefill {
+                request,
+                cache,
+                done,
+            });
+        }
+        let p = self.prefill.as_mut().expect("a prefill was just set");
+        let len = p.request.prompt.len();
+        let end = (p.done + self.config.prefill_chunk).min(len);
+        let ids = Array::from_slice(&p.request.prompt[p.done..end], &[1, (end - p.done) as i32]);
+        let mask = if end - p.done > 1 {
+            AttentionMask::Causal
+        } else {
+            AttentionMask::None
+        };
+        let last = end == len;
+        let logits = self
+            .model
+            .forward(&ids, &mut p.cache, &mask, last, &self.workers)?;
+        p.done = end;
+        if !last {
+            transforms::eval(p.cache.arrays())?;
+            return Ok(None);
+        }
+        let logits = logits.reshape(&[1, logits.dim(-1)])?;
+        let token = sample_one(&mut p.request.sampler, &logits)?;
+        transforms::eval(p.cache.arrays())?;
+        let Prefill {
+            mut request, cache, ..
+        } = self.prefill.take().expect("the prefill is running");
+        let prompt_kv = cache.prefix(len as i32);
+        let slot = self
+            .free_slot()
+            .expect("a slot was free when the prefill began");
+        self.cache.write_prompt(slot as i32, &prompt_kv)?;
+        if self.config.prefix_cache_bytes > 0 {
+            self.prefix.insert(&request.prompt, prompt_kv);
+        }
+        let delta = request.accept(token, self.tokenizer.as_deref())?;
+        let event = self.finish_or_keep(slot, request, len as i32, token, delta);
+        Ok(Some(event))
+    }
+
+    /// Puts a row into `slot` unless its last token finished it.
+    fn finish_or_keep(
+        &mut self,
+        slot: usize,
+        request: Request,
+        position: i32,
+        next: u32,
+        delta: RowDelta,
+    ) -> Event {
+        let id = request.id;
+        if delta.finish.is_some() {
+            return Event {
+                id,
+                stats: Some(request.stats()),
+                delta,
+            };
+        }
+        self.slots[slot] = Some(Running {
+            request,
+            position,
+            next,
+        });
+        Event {
+            id,
+            delta,
+            stats: None,
+        }
+    }
+
+    /// One token for every running row.
+    fn decode_step(&mut self) -> Result<Vec<Event>> {
+        let positions: Vec<i32> = self
+            .slots
+            .iter()
+            .map(|s| s.as_ref().map_or(0, |r| r.position))
+            .collect();
+        let tokens: Vec<u32> = self
+            .slots
+            .iter()
+            .map(|s| s.as_ref().map_or(0, |r| r.next))
+            .collect();
+        self.cache.set_positions(&positions)?;
+        let n = self.slots.len() as i32;
+        let ids = Array::from_slice(&tokens, &[n, 1]);
+        let mask = AttentionMask::Array(self.cache.mask()?);
+        let logits = self
+            .model
+            .forward(&ids, &mut self.cache, &mask, false, &self.workers)?;
+        let logits = logits.reshape(&[n, logits.dim(-1)])?;
+        let mut sampled: Vec<(usize, Array)> = vec![];
+        for (i, slot) in self.slots.iter_mut().enumerate() {
+            if let Some(r) = slot {
+                let row = logits.index((i as i32..i as i32 + 1, ..));
+                sampled.push((i, sample_one_lazy(&mut r.request.sampler, &row)?));
+            }
+        }
+        transforms::eval(sampled.iter().map(|(_, a)| a).chain(self.cache.arrays()))?;
+        let mut events = vec![];
+        for (i, token) in sampled {
+            let token = token.as_slice::<u32>()[0];
+            let mut running = self.slots[i].take().expect("sampled rows are running");
+            let delta = running.request.accept(token, self.tokenizer.as_deref())?;
+            let position = running.position + 1;
+            events.push(self.finish_or_keep(i, running.request, position, token, delta));
+        }
+        Ok(events)
+    }
+}
+
+/// `[1, V]` logits -> the sampled token, lazily where the sampler allows.
+fn sample_one_lazy(sampler: &mut Sampler, logits: &Array) -> Result<Array> {
+    if sampler.on_device() {
+        sampler.sample_device(logits)
+    } else {
+        let ids = sampler.sample_host(logits)?;
+        Ok(Array::from_slice(&ids, &[1]))
+    }
+}
+
+fn sample_one(sampler: &mut Sampler, logits: &Array) -> Result<u32> {
+    let token = sample_one_lazy(sampler, logits)?;
+    token.eval()?;
+    Ok(token.as_slice::<u32>()[0])
+}
+
+/// Adds `event` to the request's earlier one in this call, if any.
+fn push(events: &mut Vec<Event>, event: Event) {
+    match events.iter_mut().find(|e| e.id == event.id) {
+        Some(e) => {
+            e.delta.ids.extend(event.delta.ids);
+            e.delta.text.push_str(&event.delta.text);
+            e.delta.finish = event.delta.finish;
+            e.stats = event.stats;
+        }
+        None => events.push(event),
+    }
+}

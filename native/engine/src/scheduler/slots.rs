@@ -1,0 +1,147 @@
+//! The running batch's KV cache: `[slots, kv_heads, capacity, head_dim]` per
+//! layer, one slot per row. Every row sits at its own position, so a decode
+//! step writes each row's key and value at that row's position (a scatter
+//! along the position axis) and masks each row to its own length; shapes
+//! depend only on the slot count, whatever rows join or leave.
+
+use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
+use mlx_rs::ops::{arange, le, zeros_dtype};
+use mlx_rs::Array;
+
+use crate::cache::{KvStore, RopeOffset};
+use crate::error::{Error, Result};
+use crate::model::Model;
+
+pub struct SlotCache {
+    layers: Vec<(Array, Array)>,
+    slots: i32,
+    capacity: i32,
+    /// This step's position of every slot, `[slots]` int32.
+    positions: Array,
+    /// Keys read this step: one past the furthest position.
+    attend: i32,
+}
+
+/// Bytes of a slot cache (`None` on overflow).
+pub fn slot_cache_bytes(model: &Model, slots: usize, capacity: usize) -> Option<usize> {
+    let c = &model.config;
+    let element = if model.dtype == mlx_rs::Dtype::Float32 {
+        4
+    } else {
+        2
+    };
+    [
+        slots,
+        2 * c.num_layers,
+        c.num_kv_heads as usize,
+        capacity,
+        c.head_dim as usize,
+        element,
+    ]
+    .iter()
+    .try_fold(1usize, |a, &d| a.checked_mul(d))
+}
+
+impl SlotCache {
+    pub fn new(model: &Model, slots: i32, capacity: i32) -> Result<Self> {
+        let c = &model.config;
+        let shape = [slots, c.num_kv_heads, capacity, c.head_dim];
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for _ in 0..c.num_layers {
+            layers.push((
+                zeros_dtype(&shape, model.dtype)?,
+                zeros_dtype(&shape, model.dtype)?,
+            ));
+        }
+        let cache = SlotCache {
+            layers,
+            slots,
+            capacity,
+            positions: Array::from_slice(&vec![0i32; slots as usize], &[slots]),
+            attend: 1,
+        };
+        mlx_rs::transforms::eval(cache.arrays())?;
+        Ok(cache)
+    }
+
+    pub fn capacity(&self) -> i32 {
+        self.capacity
+    }
+
+    /// Sets where each slot's next token goes (a free slot may take any
+    /// position: what it writes is never read).
+    pub fn set_positions(&mut self, positions: &[i32]) -> Result<()> {
+        if positions.len() != self.slots as usize {
+            return Err(Error::invalid("one position per slot is needed"));
+        }
+        let furthest = positions.iter().copied().max().unwrap_or(0);
+        if furthest >= self.capacity {
+            return Err(Error::invalid(format!(
+                "KV cache is full ({} positions)",
+                self.capacity
+            )));
+        }
+        self.positions = Array::from_slice(positions, &[self.slots]);
+        self.attend = furthest + 1;
+        Ok(())
+    }
+
+    /// `[slots, 1, 1, attend]`: each row sees its own keys up to its position.
+    pub fn mask(&self) -> Result<Array> {
+        let keys = arange::<_, i32>(0, self.attend, 1)?.reshape(&[1, 1, 1, self.attend])?;
+        Ok(le(&keys, self.positions.reshape(&[self.slots, 1, 1, 1])?)?)
+    }
+
+    /// Copies a prompt's keys and values (per layer `[1, kv_heads, len,
+    /// head_dim]`) into positions `0..len` of `slot`.
+    pub fn write_prompt(&mut self, slot: i32, prompt: &[(Array, Array)]) -> Result<()> {
+        if prompt.len() != self.layers.len() {
+            return Err(Error::invalid(
+                "a prompt cache has the wrong number of layers",
+            ));
+        }
+        for ((keys, values), (k, v)) in self.layers.iter_mut().zip(prompt) {
+            let len = k.dim(2);
+            if len > self.capacity {
+                return Err(Error::invalid("a prompt is longer than a slot"));
+            }
+            keys.try_index_mut((slot..slot + 1, .., 0..len, ..), k)
+                .map_err(|e| Error::Mlx(e.to_string()))?;
+            values
+                .try_index_mut((slot..slot + 1, .., 0..len, ..), v)
+                .map_err(|e| Error::Mlx(e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    pub fn arrays(&self) -> impl Iterator<Item = &Array> {
+        self.layers.iter().flat_map(|(k, v)| [k, v])
+    }
+}
+
+impl KvStore for SlotCache {
+    fn rope_offset(&self) -> RopeOffset {
+        RopeOffset::PerRow(self.positions.clone())
+    }
+
+    /// One new position per row (`[slots, kv_heads, 1, head_dim]`), scattered
+    /// to each row's own position. Replacing our handle with the scatter's
+    /// result leaves the buffer to the graph alone, so MLX updates it in place.
+    fn update(&mut self, layer: usize, k: &Array, v: &Array) -> Result<(Array, Array)> {
+        if k.dim(2) != 1 || k.dim(0) != self.slots {
+            return Err(Error::invalid(
+                "the slot cache takes one new position for every slot",
+            ));
+        }
+        let at = self.positions.reshape(&[self.slots, 1, 1, 1])?;
+        let (keys, values) = &mut self.layers[layer];
+        *keys = keys.put_along_axis(&at, k, 2)?;
+        *values = values.put_along_axis(&at, v, 2)?;
+        Ok((
+            keys.index((.., .., ..self.attend, ..)),
+            values.index((.., .., ..self.attend, ..)),
+        ))
+    }
+
+    fn advance(&mut self, _n: i32) {}
+}

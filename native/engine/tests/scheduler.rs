@@ -1,0 +1,346 @@
+//! Continuous batching: rows joining and leaving a running batch, per-row
+//! options and seeds, cancellation, the prefix cache and memory release.
+
+mod common;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use common::*;
+use emlx_axon_engine::scheduler::Occupancy;
+use emlx_axon_engine::{
+    generate, Dtype, FinishReason, GenerateOptions, LoadOptions, Model, RequestId, SamplerConfig,
+    SamplerKind, Scheduler, SchedulerConfig,
+};
+
+const FIXTURE: &str = "qwen3-4bit-g64";
+
+/// MLX's memory counters are process-wide: one test at a time.
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn model() -> Arc<Model> {
+    load(
+        FIXTURE,
+        &LoadOptions {
+            dtype: Some(Dtype::Float32),
+            ..LoadOptions::default()
+        },
+    )
+}
+
+fn greedy(max_new_tokens: usize) -> GenerateOptions {
+    GenerateOptions {
+        max_new_tokens,
+        ignore_eos: true,
+        sampler: SamplerConfig::default(),
+        ..GenerateOptions::default()
+    }
+}
+
+fn config(slots: usize, prefill_chunk: usize, prefix_cache_bytes: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        slots,
+        capacity: 256,
+        prefill_chunk,
+        prefix_cache_bytes,
+        prefix_min_tokens: 4,
+    }
+}
+
+fn solo(model: &Arc<Model>, prompt: &[u32], options: GenerateOptions) -> Vec<u32> {
+    generate(model.clone(), None, prompt, options).unwrap().ids
+}
+
+/// Collected tokens and finish reasons of every request.
+#[derive(Default)]
+struct Collected {
+    ids: std::collections::HashMap<RequestId, Vec<u32>>,
+    finish: std::collections::HashMap<RequestId, FinishReason>,
+    cached: std::collections::HashMap<RequestId, usize>,
+}
+
+impl Collected {
+    fn step(&mut self, s: &mut Scheduler, steps: usize) {
+        for e in s.step(steps).unwrap() {
+            self.ids.entry(e.id).or_default().extend(&e.delta.ids);
+            if let Some(f) = e.delta.finish {
+                assert!(
+                    self.finish.insert(e.id, f).is_none(),
+                    "request {} finished twice",
+                    e.id
+                );
+                let stats = e.stats.expect("the last event carries stats");
+                assert_eq!(stats.generated_tokens, self.ids[&e.id].len());
+                self.cached.insert(e.id, stats.cached_tokens);
+            }
+        }
+    }
+
+    fn drain(&mut self, s: &mut Scheduler) {
+        for _ in 0..10_000 {
+            if s.is_idle() {
+                return;
+            }
+            self.step(s, 3);
+        }
+        panic!("the scheduler did not finish");
+    }
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    let refs = reference(FIXTURE, "");
+    let mut p: Vec<Vec<u32>> = refs.iter().map(|r| r.1.clone()).collect();
+    p.push(p[0][..3].to_vec());
+    p.push([p[1].clone(), p[0].clone()].concat());
+    p
+}
+
+#[test]
+fn rows_joining_at_different_times_equal_their_solo_runs() {
+    let _g = serial();
+    let model = model();
+    let refs = reference(FIXTURE, "");
+    let p = prompts();
+    let lens = [16, 10, 12, 9];
+    let mut s = Scheduler::new(model.clone(), None, config(3, 4, 0)).unwrap();
+    let mut c = Collected::default();
+    let a = s.admit(p[0].clone(), greedy(lens[0])).unwrap();
+    while !c.ids.contains_key(&a) {
+        c.step(&mut s, 1);
+    }
+    c.step(&mut s, 1);
+    assert!(c.ids[&a].len() >= 2, "the first row is decoding");
+    let b = s.admit(p[1].clone(), greedy(lens[1])).unwrap();
+    c.step(&mut s, 2);
+    let cc = s.admit(p[2].clone(), greedy(lens[2])).unwrap();
+    // A fourth request waits for a slot: it joins when the first row leaves
+    // and reuses that row's slot.
+    let d = s.admit(p[3].clone(), greedy(lens[3])).unwrap();
+    assert_eq!(s.occupancy().slots, 3);
+    c.drain(&mut s);
+    for (i, id) in [a, b, cc, d].into_iter().enumerate() {
+        assert_eq!(
+            c.ids[&id],
+            solo(&model, &p[i], greedy(lens[i])),
+            "request {i} differs from its solo run"
+        );
+        assert_eq!(c.finish[&id], FinishReason::Length);
+    }
+    assert_eq!(c.ids[&a], refs[0].2, "the mlx-lm reference");
+    assert_eq!(c.ids[&b], refs[1].2[..lens[1]]);
+    assert_eq!(
+        s.occupancy(),
+        Occupancy {
+            running: 0,
+            slots: 3,
+            waiting: 0,
+            prefix_entries: 0,
+            prefix_bytes: 0
+        }
+    );
+}
+
+#[test]
+fn each_row_keeps_its_own_sampler_seed_and_stop_conditions() {
+    let _g = serial();
+    let model = model();
+    let p = prompts();
+    let sampled = |kind, seed| GenerateOptions {
+        max_new_tokens: 12,
+        ignore_eos: true,
+        sampler: SamplerConfig {
+            kind,
+            temperature: 0.8,
+            top_p: 0.9,
+            top_k: 20,
+            min_p: 0.02,
+            seed: Some(seed),
+            ..SamplerConfig::default()
+        },
+        ..GenerateOptions::default()
+    };
+    let plain = solo(&model, &p[1], greedy(12));
+    // Stops at the first occurrence of the token it names as EOS.
+    let eos_row = GenerateOptions {
+        max_new_tokens: 12,
+        eos_token_ids: Some(vec![plain[4]]),
+        ..GenerateOptions::default()
+    };
+    let options = [
+        sampled(SamplerKind::TopPGpu, 7),
+        sampled(SamplerKind::TopPCpu, 11),
+        eos_row.clone(),
+        sampled(SamplerKind::TopPGpu, 99),
+    ];
+    let inputs = [&p[0], &p[0], &p[1], &p[2]];
+    let mut s = Scheduler::new(model.clone(), None, config(4, 8, 0)).unwrap();
+    let mut c = Collected::default();
+    let mut ids = vec![];
+    for (prompt, o) in inputs.iter().zip(&options) {
+        ids.push(s.admit((*prompt).clone(), o.clone()).unwrap());
+        c.step(&mut s, 1);
+    }
+    c.drain(&mut s);
+    for (i, id) in ids.iter().enumerate() {
+        assert_eq!(
+            c.ids[id],
+            solo(&model, inputs[i], options[i].clone()),
+            "request {i} differs from its solo run"
+        );
+    }
+    let stop_at = plain.iter().position(|&t| t == plain[4]).unwrap();
+    assert_eq!(c.ids[&ids[2]], plain[..=stop_at]);
+    assert_eq!(c.finish[&ids[2]], FinishReason::Eos);
+    // Same seed and prompt, different sampler paths: independent streams.
+    assert_ne!(c.ids[&ids[0]], c.ids[&ids[3]]);
+}
+
+#[test]
+fn stop_strings_end_a_row_and_hold_back_their_text() {
+    let _g = serial();
+    let model = model();
+    let tokenizer = tokenizer(FIXTURE);
+    let p = prompts();
+    let full = generate(model.clone(), Some(tokenizer.clone()), &p[0], greedy(16)).unwrap();
+    let words: Vec<&str> = full.text.split_whitespace().collect();
+    let stop = words
+        .get(2)
+        .copied()
+        .filter(|w| !w.is_empty())
+        .unwrap_or("the")
+        .to_string();
+    let o = GenerateOptions {
+        stop: vec![stop.clone()],
+        ..greedy(16)
+    };
+    let expected = generate(model.clone(), Some(tokenizer.clone()), &p[0], o.clone()).unwrap();
+    let mut s = Scheduler::new(model.clone(), Some(tokenizer), config(2, 8, 0)).unwrap();
+    let other = s.admit(p[1].clone(), greedy(16)).unwrap();
+    let id = s.admit(p[0].clone(), o).unwrap();
+    let mut text = String::new();
+    let mut finish = None;
+    let mut other_ids = vec![];
+    while !s.is_idle() {
+        for e in s.step(2).unwrap() {
+            if e.id == id {
+                text.push_str(&e.delta.text);
+                finish = e.delta.finish.or(finish);
+            } else {
+                assert_eq!(e.id, other);
+                other_ids.extend(e.delta.ids);
+            }
+        }
+    }
+    assert_eq!(text, expected.text);
+    assert_eq!(finish, Some(expected.finish));
+    assert!(!text.contains(&stop));
+    assert_eq!(other_ids, solo(&model, &p[1], greedy(16)));
+}
+
+#[test]
+fn cancelling_mid_prefill_and_mid_decode_frees_the_slot_and_memory() {
+    let _g = serial();
+    let model = model();
+    let p = prompts();
+    let mut s = Scheduler::new(model.clone(), None, config(2, 2, 0)).unwrap();
+    // Warm up the kernels and allocator with one full request.
+    let mut c = Collected::default();
+    s.admit(p[0].clone(), greedy(4)).unwrap();
+    c.drain(&mut s);
+    emlx_axon_engine::memory::clear_cache().unwrap();
+    let baseline = emlx_axon_engine::memory::info().unwrap().active;
+
+    // Mid-prefill: a 2-token chunk of a longer prompt has run.
+    let long = s.admit(p[3].clone(), greedy(8)).unwrap();
+    c.step(&mut s, 1);
+    assert_eq!(s.occupancy().waiting, 1);
+    assert!(!c.ids.contains_key(&long));
+    assert!(s.cancel(long));
+    assert!(s.is_idle());
+    assert!(!s.cancel(long), "a request is cancelled once");
+
+    // Mid-decode, while another row keeps going.
+    let a = s.admit(p[0].clone(), greedy(40)).unwrap();
+    let b = s.admit(p[1].clone(), greedy(12)).unwrap();
+    while !c.ids.contains_key(&b) {
+        c.step(&mut s, 1);
+    }
+    assert_eq!(s.occupancy().running, 2);
+    assert!(s.cancel(a));
+    assert_eq!(s.occupancy().running, 1);
+    // The freed slot takes a new request, whose tokens equal its solo run.
+    let d = s.admit(p[2].clone(), greedy(10)).unwrap();
+    c.drain(&mut s);
+    assert!(!c.finish.contains_key(&a));
+    assert_eq!(c.ids[&b], solo(&model, &p[1], greedy(12)));
+    assert_eq!(c.ids[&d], solo(&model, &p[2], greedy(10)));
+
+    emlx_axon_engine::memory::clear_cache().unwrap();
+    let after = emlx_axon_engine::memory::info().unwrap().active;
+    assert_eq!(after, baseline, "MLX active memory back to its baseline");
+    drop(s);
+}
+
+#[test]
+fn prefix_cache_hits_give_the_cold_run_tokens() {
+    let _g = serial();
+    let model = model();
+    let p = prompts();
+    // Two prompts sharing a system-prompt-like prefix.
+    let shared = p[3].clone();
+    let first = [shared.clone(), p[2].clone()].concat();
+    let second = [shared.clone(), p[0][..5].to_vec()].concat();
+    let mut s = Scheduler::new(model.clone(), None, config(2, 8, 64 << 20)).unwrap();
+    let mut c = Collected::default();
+    let a = s.admit(first.clone(), greedy(8)).unwrap();
+    c.drain(&mut s);
+    assert_eq!(c.cached[&a], 0);
+    assert_eq!(s.occupancy().prefix_entries, 1);
+    let b = s.admit(second.clone(), greedy(8)).unwrap();
+    // The same prompt again reuses all but its last token.
+    let again = s.admit(first.clone(), greedy(8)).unwrap();
+    c.drain(&mut s);
+    // The longest common prefix: the shared part and `second`'s first
+    // three tokens, which `first` also has.
+    assert_eq!(c.cached[&b], shared.len() + 3);
+    assert_eq!(c.cached[&again], first.len() - 1);
+    assert_eq!(c.ids[&b], solo(&model, &second, greedy(8)));
+    assert_eq!(c.ids[&again], c.ids[&a]);
+
+    // Budget: room for one prompt evicts the least recently used.
+    let one = s.occupancy().prefix_bytes / 2 + 1;
+    let mut small = Scheduler::new(model.clone(), None, config(1, 64, one * 2)).unwrap();
+    let mut c = Collected::default();
+    small.admit(first.clone(), greedy(1)).unwrap();
+    c.drain(&mut small);
+    small.admit(p[1].clone(), greedy(1)).unwrap();
+    c.drain(&mut small);
+    assert!(small.occupancy().prefix_bytes <= one * 2);
+    assert!(small.occupancy().prefix_entries >= 1);
+}
+
+#[test]
+fn bad_requests_are_refused() {
+    let _g = serial();
+    let model = model();
+    let mut s = Scheduler::new(model.clone(), None, config(1, 8, 0)).unwrap();
+    assert!(s.admit(vec![], greedy(4)).is_err());
+    assert!(s.admit(vec![u32::MAX], greedy(4)).is_err());
+    assert!(s.admit(vec![1], greedy(0)).is_err());
+    assert!(
+        s.admit(vec![1; 300], greedy(4)).is_err(),
+        "longer than a slot"
+    );
+    let stop = GenerateOptions {
+        stop: vec!["x".into()],
+        ..greedy(4)
+    };
+    assert!(
+        s.admit(vec![1], stop).is_err(),
+        "stop strings need a tokenizer"
+    );
+    assert!(Scheduler::new(model.clone(), None, config(0, 8, 0)).is_err());
+    assert!(s.is_idle());
+}
