@@ -18,14 +18,16 @@ import re
 import statistics
 from pathlib import Path
 
-PEER_ORDER = ["rust", "elixir", "elixir-textgen", "mlx-lm"]
+PEER_ORDER = ["rust", "rust-1t", "elixir", "elixir-textgen", "mlx-lm", "llama.cpp"]
 PEER_NAMES = {
     "rust": "Rust engine",
+    "rust-1t": "Rust engine, 1 thread",
+    "llama.cpp": "llama.cpp (Q4_0 GGUF)",
     "elixir": "Elixir (Generate.generate)",
     "elixir-textgen": "Elixir (TextGeneration.run)",
     "mlx-lm": "mlx-lm",
 }
-OURS = ["rust", "elixir", "elixir-textgen"]
+OURS = ["rust", "rust-1t", "elixir", "elixir-textgen"]
 
 
 def median(values):
@@ -226,6 +228,8 @@ def model_section(name, folder, settings):
         ratio_pairs += [(p, "mlx-lm") for p in peers if p in OURS]
     if "rust" in peers:
         ratio_pairs += [(p, "rust") for p in peers if p in ("elixir", "elixir-textgen")]
+    if "llama.cpp" in peers and "rust" in peers:
+        ratio_pairs.append(("rust", "llama.cpp"))
     header += [f"{p} / {q}" for p, q in ratio_pairs]
     rows = []
     for metric in order:
@@ -278,6 +282,27 @@ def model_section(name, folder, settings):
 def goals_section(s, settings):
     m = s["metrics"]
     out = ["### Goals", ""]
+    per_core = ratio(m.med("decode, batch 1", "rust-1t"), m.med("decode, batch 1", "mlx-lm"))
+    if per_core is not None:
+        prefill_core = ratio(m.med("prefill", "rust-1t"), m.med("prefill", "mlx-lm"))
+        out.append(f"- Per core (engine on 1 thread vs mlx-lm, whose CPU kernels use one): decode "
+                   f"{fmt_ratio(per_core)}, prefill {fmt_ratio(prefill_core)}.")
+    threads = settings.get("threads")
+    for metric, goal, what in (("decode, batch 1", 0.8, "decode"), ("prefill", 0.5, "prefill")):
+        lr = ratio(m.med(metric, "rust"), m.med(metric, "llama.cpp"))
+        if lr is None:
+            continue
+        verdict = "met" if lr >= goal else f"**not met** ({m.med(metric, 'rust'):.1f} vs " \
+            f"{m.med(metric, 'llama.cpp'):.1f} tok/s)"
+        out.append(f"- Engine {what} >= {goal}x llama.cpp, both on {threads} threads "
+                   f"({settings.get('prefill_len') if what == 'prefill' else settings.get('tokens')} tokens): "
+                   f"{fmt_ratio(lr)}: {verdict}.")
+    peak = m.med("peak RSS during decode", "rust")
+    ckpt = settings.get("checkpoint_bytes")
+    if peak and ckpt and "llama.cpp" in s["peers"]:
+        r = peak * 2**20 / ckpt
+        out.append(f"- Engine peak RSS while decoding <= 1.3x the checkpoint's bytes: {r:.2f}x "
+                   f"({fmt(peak)} MB for {fmt(ckpt / 2**20, 1)} MiB): {'met' if r <= 1.3 else '**not met**'}.")
     rust = m.med("decode, batch 1", "rust")
     mlx = m.med("decode, batch 1", "mlx-lm")
     elixir = m.med("decode, batch 1", "elixir")
@@ -483,7 +508,8 @@ def plot(summaries, path):
 
     n = len(summaries)
     fig, axes = plt.subplots(n, 2, figsize=(12, 4.2 * n), squeeze=False, gridspec_kw={"width_ratios": [3, 1]})
-    colors = {"rust": "#c0392b", "elixir": "#8e44ad", "elixir-textgen": "#bb8fce", "mlx-lm": "#2e86c1"}
+    colors = {"rust": "#c0392b", "rust-1t": "#e59866", "elixir": "#8e44ad", "elixir-textgen": "#bb8fce",
+              "mlx-lm": "#2e86c1", "llama.cpp": "#229954"}
     for row, s in enumerate(summaries):
         m, peers, sizes = s["metrics"], s["peers"], s["sizes"] or [1]
         ax = axes[row][0]
@@ -506,7 +532,11 @@ def plot(summaries, path):
         ax.set_xticks(range(len(sizes)))
         ax.set_xticklabels([f"batch {b}" for b in sizes])
         ax.set_ylabel("decode tokens/s (all rows)")
-        ax.set_title(f"{s['name']}: aggregate decode speed (median, min-max bars)")
+        title = f"{s['name']}: aggregate decode speed (median, min-max bars)"
+        vs_llama = [ratio(m.med(k, "rust"), m.med(k, "llama.cpp")) for k in ("decode, batch 1", "prefill")]
+        if vs_llama[0] is not None:
+            title += f"\nengine / llama.cpp: decode {fmt_ratio(vs_llama[0])}, prefill {fmt_ratio(vs_llama[1])}"
+        ax.set_title(title, fontsize=10)
         ax.legend(fontsize=8)
         ax2 = axes[row][1]
         pre = [(p, m.med("prefill", p)) for p in peers if m.med("prefill", p) is not None]

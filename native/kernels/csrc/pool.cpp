@@ -77,8 +77,12 @@ void Pool::worker_loop() {
     if (e == seen) {
       const auto until = std::chrono::steady_clock::now() + spin;
       int spins = 0;
+      // Yielding while spinning: on a machine with as many cores as pool
+      // threads, MLX's own threads (the one building and dispatching the
+      // graph) need the core more than a waiting worker (~15% faster decode
+      // on 2 cores than pausing).
       while ((e = epoch_.load(std::memory_order_acquire)) == seen) {
-        cpu_relax();
+        std::this_thread::yield();
         if (++spins % 64 == 0 && std::chrono::steady_clock::now() > until) break;
       }
     }
@@ -108,7 +112,12 @@ void Pool::run(int tasks, const std::function<void(int)>& fn) {
   }
   cv_.notify_all();
   drain();
-  while (active_.load(std::memory_order_acquire) != 0) cpu_relax();
+  for (int spins = 0; active_.load(std::memory_order_acquire) != 0; ++spins) {
+    if (spins < 64)
+      cpu_relax();
+    else
+      std::this_thread::yield();
+  }
   submit_.unlock();
 }
 

@@ -58,6 +58,9 @@ Kernels kernels_for(Isa isa) {
 constexpr long kMinParallelWork = 1L << 17;
 // Rows per unit of the split: the SIMD products dequantize 4 rows at a time.
 constexpr int kRowAlign = 4;
+constexpr int kChunksPerThread = 8;
+// Matrix-vector chunks stream weights from memory: fewer, longer ones.
+constexpr int kGemvChunksPerThread = 2;
 
 }  // namespace
 
@@ -87,10 +90,15 @@ void qmm(const QmmArgs& a, Isa isa, int max_threads) {
   const int units = (a.N + kRowAlign - 1) / kRowAlign;
   threads = std::max(1, std::min(threads, units));
 
+  // Several chunks per thread, taken in turn by whichever thread is free:
+  // on a machine this small, MLX's own threads preempt ours, and a fixed
+  // half per thread would leave one waiting for the other.
+  const int tasks =
+      threads == 1 ? 1 : std::min(units, threads * (gemv ? kGemvChunksPerThread : kChunksPerThread));
   const float* xs = xsum.data();
   auto task = [&](int t) {
-    const int n0 = std::min(a.N, (int)((long)units * t / threads) * kRowAlign);
-    const int n1 = std::min(a.N, (int)((long)units * (t + 1) / threads) * kRowAlign);
+    const int n0 = std::min(a.N, (int)((long)units * t / tasks) * kRowAlign);
+    const int n1 = std::min(a.N, (int)((long)units * (t + 1) / tasks) * kRowAlign);
     if (n0 >= n1) return;
     if (gemv)
       k.gemv(a, xs, n0, n1);
@@ -100,7 +108,7 @@ void qmm(const QmmArgs& a, Isa isa, int max_threads) {
   if (threads == 1) {
     task(0);
   } else {
-    pool.run(threads, task);
+    pool.run(tasks, task);
   }
 }
 

@@ -61,15 +61,17 @@ void sgemm(const GemmArgs& g, int isa, int max_threads) {
   if ((long)g.M * g.N * g.K < kMinParallelWork) threads = 1;
   const int units = (g.N + kColAlign - 1) / kColAlign;
   threads = std::max(1, std::min(threads, units));
+  // Chunks taken in turn by whichever thread is free (see qmm).
+  const int tasks = threads == 1 ? 1 : std::min(units, threads * 4);
   auto task = [&](int t) {
-    const int n0 = std::min(g.N, (int)((long)units * t / threads) * kColAlign);
-    const int n1 = std::min(g.N, (int)((long)units * (t + 1) / threads) * kColAlign);
+    const int n0 = std::min(g.N, (int)((long)units * t / tasks) * kColAlign);
+    const int n1 = std::min(g.N, (int)((long)units * (t + 1) / tasks) * kColAlign);
     if (n0 < n1) fn(g, n0, n1);
   };
-  if (threads == 1)
+  if (tasks == 1)
     task(0);
   else
-    pool.run(threads, task);
+    pool.run(tasks, task);
 }
 
 }  // namespace emlx
