@@ -455,9 +455,7 @@ impl Bench {
         // when the model splits its projections.
         let own = Lease::new(DeviceKind::default_kind())?;
         let workers = if self.model.parallel_ways > 1 && !gpu_available() {
-            (0..self.model.parallel_ways)
-                .map(|_| Lease::new(DeviceKind::Cpu))
-                .collect::<emlx_axon_engine::Result<Vec<_>>>()?
+            Lease::workers(DeviceKind::Cpu, self.model.parallel_ways)?
         } else {
             vec![]
         };

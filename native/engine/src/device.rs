@@ -141,22 +141,35 @@ impl MlxStream {
         mlx_rs::with_stream(&self.stream, f)
     }
 
-    /// Runs `f` on a leased worker stream. Leases can share a stream once
-    /// the pool is full, so this holds the gate too (uncontended otherwise).
+    /// Runs `f` on this stream without the gate, for a caller that holds it
+    /// exclusively (a worker lease).
     pub(crate) fn run_leased<T>(&self, f: impl FnOnce() -> T) -> T {
-        self.run(f)
+        mlx_rs::with_stream(&self.stream, f)
     }
 }
 
-/// At most this many MLX streams exist per device. MLX never destroys a
-/// stream (and each CPU stream owns a scheduler thread), so streams are
-/// pooled: a released one is handed out again, and past this bound new
-/// holders share the least-used stream, which the gate keeps safe.
+/// At most this many MLX streams of each use (see `Use`) exist per device.
+/// MLX never destroys a stream (and each CPU stream owns a scheduler
+/// thread), so streams are pooled and a released one is handed out again.
 pub const MAX_STREAMS_PER_DEVICE: usize = 32;
+
+/// What a pooled stream is for; the two never mix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Use {
+    /// A caller's stream (`EMLXAxon.Stream`): all of a generation's work on
+    /// it, evaluation included, runs inside `MlxStream::run`, so past the
+    /// bound holders can share one.
+    Caller,
+    /// A worker stream for split projections: its graph is evaluated from
+    /// the generation's own stream, outside this stream's gate, so it is
+    /// never shared.
+    Worker,
+}
 
 struct Pooled {
     stream: MlxStream,
     holders: usize,
+    usage: Use,
 }
 
 static POOL: Lazy<Mutex<Vec<Pooled>>> = Lazy::new(|| Mutex::new(Vec::new()));
@@ -170,28 +183,52 @@ pub fn pooled_streams(kind: DeviceKind) -> usize {
     pool().iter().filter(|p| p.stream.kind == kind).count()
 }
 
-/// A stream from the pool, held until dropped: an idle one if any, else a
-/// new one, else (at `MAX_STREAMS_PER_DEVICE`) a shared one.
+/// A stream from the pool, held until dropped.
 pub struct Lease(MlxStream);
 
 impl Lease {
+    /// A caller's stream: an idle one if any, else a new one, else (at
+    /// `MAX_STREAMS_PER_DEVICE`) the least-held one, shared.
     pub fn new(kind: DeviceKind) -> Result<Self> {
+        Self::take(kind, Use::Caller).map(|lease| lease.expect("caller streams are shared"))
+    }
+
+    /// A worker stream held alone: an idle one if any, else a new one, else
+    /// (at `MAX_STREAMS_PER_DEVICE`) none.
+    pub fn worker(kind: DeviceKind) -> Result<Option<Self>> {
+        Self::take(kind, Use::Worker)
+    }
+
+    /// `count` worker streams, or none when the pool cannot spare them all
+    /// (a projection split needs one per part; without, it runs whole).
+    pub fn workers(kind: DeviceKind, count: usize) -> Result<Vec<Self>> {
+        Ok((0..count)
+            .map(|_| Self::worker(kind))
+            .collect::<Result<Option<Vec<_>>>>()?
+            .unwrap_or_default())
+    }
+
+    fn take(kind: DeviceKind, usage: Use) -> Result<Option<Self>> {
         let mut pool = pool();
-        let mine = || (0..pool.len()).filter(|&i| pool[i].stream.kind == kind);
+        let mine =
+            || (0..pool.len()).filter(|&i| pool[i].stream.kind == kind && pool[i].usage == usage);
         let made = mine().count();
-        let least_used = mine().min_by_key(|&i| pool[i].holders);
-        let index = match least_used {
-            Some(i) if pool[i].holders == 0 || made >= MAX_STREAMS_PER_DEVICE => i,
+        let least_held = mine().min_by_key(|&i| pool[i].holders);
+        let index = match least_held {
+            Some(i) if pool[i].holders == 0 => i,
+            Some(i) if made >= MAX_STREAMS_PER_DEVICE && usage == Use::Caller => i,
+            _ if made >= MAX_STREAMS_PER_DEVICE => return Ok(None),
             _ => {
                 pool.push(Pooled {
                     stream: MlxStream::new(kind)?,
                     holders: 0,
+                    usage,
                 });
                 pool.len() - 1
             }
         };
         pool[index].holders += 1;
-        Ok(Lease(pool[index].stream.clone()))
+        Ok(Some(Lease(pool[index].stream.clone())))
     }
 
     pub fn stream(&self) -> &MlxStream {
@@ -347,22 +384,32 @@ mod tests {
 
     #[test]
     fn the_stream_pool_is_bounded_and_reuses_released_streams() {
-        let leases: Vec<Lease> = (0..MAX_STREAMS_PER_DEVICE + 8)
+        let callers: Vec<Lease> = (0..MAX_STREAMS_PER_DEVICE + 8)
             .map(|_| Lease::new(DeviceKind::Cpu).unwrap())
             .collect();
-        let made = pooled_streams(DeviceKind::Cpu);
-        assert_eq!(made, MAX_STREAMS_PER_DEVICE);
-        // Past the bound, holders share streams; every one still runs work.
-        for lease in &leases {
+        // Past the bound, callers share streams; every one still runs work.
+        for lease in &callers {
             let x = lease.stream().run(|| mlx_rs::Array::from_int(2) * 3);
             assert_eq!(x.item_exact::<i32>(), 6);
         }
-        drop(leases);
+        // Workers never share: past the bound there is none to be had.
+        let workers: Vec<Lease> = (0..MAX_STREAMS_PER_DEVICE + 8)
+            .map_while(|_| Lease::worker(DeviceKind::Cpu).unwrap())
+            .collect();
+        assert_eq!(workers.len(), MAX_STREAMS_PER_DEVICE);
+        let made = pooled_streams(DeviceKind::Cpu);
+        assert_eq!(made, 2 * MAX_STREAMS_PER_DEVICE);
+        // Released streams are handed out again, of either use.
+        drop(workers);
+        drop(callers);
         let again: Vec<Lease> = (0..4)
             .map(|_| Lease::new(DeviceKind::Cpu).unwrap())
             .collect();
+        let worker = Lease::worker(DeviceKind::Cpu)
+            .unwrap()
+            .expect("an idle worker");
         assert_eq!(pooled_streams(DeviceKind::Cpu), made);
-        drop(again);
+        drop((again, worker));
     }
 
     #[test]

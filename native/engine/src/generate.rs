@@ -177,9 +177,7 @@ impl Generation {
             .as_ref()
             .map_or_else(DeviceKind::default_kind, |s| s.kind);
         let workers = if model.parallel_ways > 1 && kind == DeviceKind::Cpu {
-            (0..model.parallel_ways)
-                .map(|_| Lease::new(DeviceKind::Cpu))
-                .collect::<Result<Vec<_>>>()?
+            Lease::workers(DeviceKind::Cpu, model.parallel_ways)?
         } else {
             vec![]
         };

@@ -211,9 +211,7 @@ impl Scheduler {
             ),
         )?;
         let workers = if model.parallel_ways > 1 && DeviceKind::default_kind() == DeviceKind::Cpu {
-            (0..model.parallel_ways)
-                .map(|_| Lease::new(DeviceKind::Cpu))
-                .collect::<Result<Vec<_>>>()?
+            Lease::workers(DeviceKind::Cpu, model.parallel_ways)?
         } else {
             vec![]
         };

@@ -137,9 +137,8 @@ fn splitting_projections_across_cpu_streams_changes_no_logit() {
         let prompt = &reference("qwen2-4bit-g64", "")[0].1;
         let mut cache = KvCache::new(&model, 1, prompt.len() as i32).unwrap();
         let ids = Array::from_slice(prompt, &[1, prompt.len() as i32]);
-        let workers: Vec<Lease> = (0..model.parallel_ways)
-            .map(|_| Lease::new(DeviceKind::Cpu).unwrap())
-            .collect();
+        let workers = Lease::workers(DeviceKind::Cpu, model.parallel_ways).unwrap();
+        assert_eq!(workers.len(), model.parallel_ways);
         let cores = emlx_axon_engine::device::cpu_parallelism();
         assert_eq!(model.parallel_ways > 1, parallel && cores > 1);
         let logits = model
