@@ -35,7 +35,7 @@ namespace emlx {
 namespace {
 
 // x [..., K] f32 @ dequantize(w [N, K * bits / 32], scales, biases)^T -> [..., N] f32.
-std::vector<uint32_t> packed(const mx::array& a);
+std::vector<uint8_t> packed(const mx::array& a);
 
 class AffineQuantizedLinear : public mx::UnaryPrimitive {
  public:
@@ -50,17 +50,18 @@ class AffineQuantizedLinear : public mx::UnaryPrimitive {
     // Inputs are usually row-contiguous; a strided view (a lazily computed
     // transpose, a slice) is packed here rather than by an extra graph node
     // on every projection.
-    auto held = std::make_shared<std::vector<std::vector<uint32_t>>>();
+    auto held = std::make_shared<std::vector<std::vector<uint8_t>>>();
     auto pointer = [&](const mx::array& a) -> const void* {
-      if (a.flags().row_contiguous) return a.data<uint32_t>();
+      if (a.flags().row_contiguous) return a.data<uint8_t>();
       held->push_back(packed(a));
       return held->back().data();
     };
     QmmArgs args;
     args.x = static_cast<const float*>(pointer(x));
     args.w = static_cast<const uint32_t*>(pointer(w));
-    args.scales = static_cast<const float*>(pointer(inputs[2]));
-    args.biases = static_cast<const float*>(pointer(inputs[3]));
+    args.scales = pointer(inputs[2]);
+    args.biases = pointer(inputs[3]);
+    args.bf16_params = inputs[2].dtype() == mx::bfloat16;
     args.y = out.data<float>();
     args.K = x.shape(-1);
     args.M = (int)(x.size() / args.K);
@@ -97,18 +98,19 @@ class AffineQuantizedLinear : public mx::UnaryPrimitive {
   int bits_;
 };
 
-// A row-major copy of a strided array of 4-byte elements (all our inputs).
-std::vector<uint32_t> packed(const mx::array& a) {
-  std::vector<uint32_t> out(a.size());
-  const uint32_t* src = a.data<uint32_t>();
+// A row-major copy of a strided array (elements of 2 or 4 bytes).
+std::vector<uint8_t> packed(const mx::array& a) {
+  const size_t item = a.itemsize();
+  std::vector<uint8_t> out(a.size() * item);
+  const uint8_t* src = a.data<uint8_t>();
   const auto& shape = a.shape();
   const auto& strides = a.strides();
   const int nd = (int)a.ndim();
   std::vector<int> index(nd, 0);
-  for (size_t i = 0; i < out.size(); ++i) {
+  for (size_t i = 0; i < a.size(); ++i) {
     int64_t offset = 0;
     for (int d = 0; d < nd; ++d) offset += index[d] * strides[d];
-    out[i] = src[offset];
+    std::memcpy(out.data() + i * item, src + offset * item, item);
     for (int d = nd - 1; d >= 0; --d) {
       if (++index[d] < shape[d]) break;
       index[d] = 0;
@@ -150,8 +152,8 @@ int emlx_kernels_quantized_linear(emlx_mlx_array* out, emlx_mlx_array x, emlx_ml
     if (s.device.type != mx::Device::DeviceType::cpu) return 0;
     if (bits != 4 && bits != 8) return 0;
     if (group != 32 && group != 64 && group != 128) return 0;
-    if (X.dtype() != mx::float32 || Wq.dtype() != mx::uint32 || S.dtype() != mx::float32 ||
-        B.dtype() != mx::float32)
+    if (X.dtype() != mx::float32 || Wq.dtype() != mx::uint32 ||
+        (S.dtype() != mx::float32 && S.dtype() != mx::bfloat16) || B.dtype() != S.dtype())
       return 0;
     if (X.ndim() < 1 || Wq.ndim() != 2 || S.ndim() != 2 || B.ndim() != 2) return 0;
     const long K = X.shape(-1);

@@ -14,11 +14,26 @@ enum Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 struct QmmArgs {
   const float* x;  // [M, K]
   const uint32_t* w;  // [N, K * bits / 32]
-  const float* scales;  // [N, K / group]
-  const float* biases;  // [N, K / group]
+  const void* scales;  // [N, K / group], float32 or bfloat16
+  const void* biases;  // [N, K / group], same dtype
   float* y;  // [M, N]
   int M, N, K, bits, group;
+  // Checkpoints store scales and biases in bfloat16; reading them as such
+  // (widening is exact) saves memory and bandwidth over a float32 copy.
+  bool bf16_params = false;
 };
+
+// Scale or bias i as float32. Static: this header is compiled under several
+// targets and must not give the linker one copy to share.
+static inline float qmm_param(const void* p, long i, bool bf16) {
+  if (bf16) {
+    const uint32_t bits = (uint32_t)((const uint16_t*)p)[i] << 16;
+    float f;
+    __builtin_memcpy(&f, &bits, sizeof f);
+    return f;
+  }
+  return ((const float*)p)[i];
+}
 
 // Rows n0..n1 of y, for every m. Each variant computes every output with a
 // fixed summation order that does not depend on n0/n1, so splitting rows

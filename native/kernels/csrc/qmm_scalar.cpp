@@ -24,8 +24,9 @@ void gemv(const QmmArgs& a, const float* xsum, int n0, int n1) {
       for (int g = 0; g < groups; ++g) {
         float dot = 0.0f;
         for (int k = g * a.group; k < (g + 1) * a.group; ++k) dot += qval(row, k, a.bits) * x[k];
-        total += a.scales[(long)n * groups + g] * dot;
-        bias_term += a.biases[(long)n * groups + g] * xsum[(long)m * groups + g];
+        const long p = (long)n * groups + g;
+        total += qmm_param(a.scales, p, a.bf16_params) * dot;
+        bias_term += qmm_param(a.biases, p, a.bf16_params) * xsum[(long)m * groups + g];
       }
       a.y[(long)m * a.N + n] = total + bias_term;
     }
@@ -42,7 +43,8 @@ void gemm(const QmmArgs& a, int n0, int n1) {
       float acc = 0.0f;
       for (int k = 0; k < a.K; ++k) {
         const long g = (long)n * groups + k / a.group;
-        acc += x[k] * fmaf(a.scales[g], qval(row, k, a.bits), a.biases[g]);
+        const float s = qmm_param(a.scales, g, a.bf16_params);
+        acc += x[k] * fmaf(s, qval(row, k, a.bits), qmm_param(a.biases, g, a.bf16_params));
       }
       a.y[(long)m * a.N + n] = acc;
     }

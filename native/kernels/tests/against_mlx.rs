@@ -186,3 +186,32 @@ fn cases_that_are_not_ours_are_declined() {
     assert!(qmm_with(Isa::Scalar, 1, &[0.0; 63], &matrix, &mut y).is_err());
     assert!(qmm_with(Isa::Scalar, 1, &[0.0; 64], &matrix, &mut y).is_ok());
 }
+
+/// Scales and biases as checkpoints store them (bfloat16) give what MLX gives
+/// with the same values widened to float32.
+#[test]
+fn bfloat16_scales_and_biases_are_read_as_stored() {
+    use mlx_rs::Dtype;
+    for bits in [4, 8] {
+        for &m in &[1, 6] {
+            let c = case(40 + m as u64, m, 301, 1024, bits, 64);
+            let s16 = c.scales.as_dtype(Dtype::Bfloat16).unwrap();
+            let b16 = c.biases.as_dtype(Dtype::Bfloat16).unwrap();
+            let expected = quantized_matmul(
+                &c.x,
+                &c.w,
+                s16.as_dtype(Dtype::Float32).unwrap(),
+                &b16.as_dtype(Dtype::Float32).unwrap(),
+                true,
+                64,
+                bits,
+            )
+            .unwrap();
+            let y = quantized_linear(&c.x, &c.w, &s16, &b16, 64, bits)
+                .unwrap()
+                .expect("bfloat16 scales are ours");
+            let err = rel_err(y.as_slice::<f32>(), expected.as_slice::<f32>());
+            assert!(err < 1e-5, "bits={bits} m={m}: relative error {err}");
+        }
+    }
+}
