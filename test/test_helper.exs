@@ -36,4 +36,8 @@ end
 # whichever test comes first.
 if exclude == [], do: EMLXAxon.TestFixtures.warm_up()
 
-ExUnit.start(exclude: exclude)
+# Shapes the warm-up did not cover still compile in their test, a minute at
+# worst while other tests compile too.
+timeout = if EMLXAxon.TestFixtures.gpu?(), do: 180_000, else: 60_000
+
+ExUnit.start(exclude: exclude, timeout: timeout)
