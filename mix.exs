@@ -53,7 +53,8 @@ defmodule EMLXAxon.MixProject do
   defp package do
     [
       licenses: ["Apache-2.0"],
-      files: ~w(lib native mix.exs .formatter.exs Cargo.toml Cargo.lock README* scripts)
+      files:
+        ~w(lib native mix.exs .formatter.exs Cargo.toml Cargo.lock README* scripts checksum-emlx_axon.exs)
     ]
   end
 end

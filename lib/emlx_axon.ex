@@ -29,21 +29,38 @@ defmodule EMLXAxon do
 
   @doc """
   Returns information about the MLX runtime: its version, the default
-  device and whether a GPU is available.
+  device, whether a GPU is available and the MLX backend the native part
+  was built for (`:cpu`, `:cuda` or `:metal`; chosen with `config
+  :emlx_axon, backend: ...` or `EMLX_AXON_BACKEND`, see the README).
+
+  Raises a `RuntimeError` saying why and what to do when the native part
+  could not be loaded, for example when it was built for another backend
+  than the one asked for at run time.
 
   ## Examples
 
-      iex> %{mlx_version: version, default_device: device} = EMLXAxon.mlx_info()
-      iex> is_binary(version) and device in [:cpu, :gpu]
+      iex> %{mlx_version: version, default_device: device, backend: backend} = EMLXAxon.mlx_info()
+      iex> is_binary(version) and device in [:cpu, :gpu] and backend in [:cpu, :cuda, :metal]
       true
 
   """
   @spec mlx_info() :: %{
           mlx_version: String.t(),
           default_device: :cpu | :gpu,
-          gpu_available: boolean()
+          gpu_available: boolean(),
+          backend: :cpu | :cuda | :metal | nil
         }
-  def mlx_info, do: EMLXAxon.Native.mlx_info()
+  def mlx_info do
+    if message = EMLXAxon.Native.load_error(), do: raise(message)
+
+    backend =
+      case EMLXAxon.Native.build_info() do
+        %{backend: backend} -> backend
+        nil -> nil
+      end
+
+    Map.put(EMLXAxon.Native.mlx_info(), :backend, backend)
+  end
 
   @doc """
   Returns MLX's memory figures, in bytes, for the whole VM:

@@ -11,43 +11,68 @@ defmodule EMLXAxon.Native do
   # modules validate arguments before calling in.
 
   require Logger
+  # on_load runs as soon as this module is compiled: make sure the module it
+  # calls is compiled first.
+  require EMLXAxon.NativeBuild
 
   @on_load :load_nif
   @nif_path "native/libemlx_axon_nif"
   @error_key {__MODULE__, :load_error}
+  @build_key {__MODULE__, :build}
 
   @doc false
   def load_nif do
-    case nif_path() do
-      {:ok, path} ->
-        case :erlang.load_nif(String.to_charlist(path), 0) do
-          :ok ->
-            :persistent_term.erase(@error_key)
-            :ok
+    with {:ok, path} <- nif_path(),
+         {:ok, info} <- check_build(path) do
+      case :erlang.load_nif(String.to_charlist(path), 0) do
+        :ok ->
+          :persistent_term.erase(@error_key)
+          :ok
 
-          {:error, {reason, text}} ->
-            report_load_error(path, "#{reason}: #{text}")
+        {:error, {reason, text}} ->
+          report_load_error(path, "#{reason}: #{text}" <> EMLXAxon.NativeBuild.load_hint(info))
 
-          {:error, other} ->
-            report_load_error(path, inspect(other))
-        end
-
-      {:error, reason} ->
-        report_load_error(@nif_path, reason)
+        {:error, other} ->
+          report_load_error(path, inspect(other))
+      end
+    else
+      {:error, path, why} -> report_load_error(path, why, "")
+      {:error, reason} -> report_load_error(@nif_path, reason)
     end
   end
 
+  # The backend and target recorded beside the library must suit this
+  # machine and what is asked for; a library without that record (built by
+  # an older compiler) is loaded as it is.
+  defp check_build(path) do
+    case EMLXAxon.NativeBuild.read(Path.dirname(path)) do
+      {:ok, info} ->
+        :persistent_term.put(@build_key, info)
+
+        case EMLXAxon.NativeBuild.check(info) do
+          :ok -> {:ok, info}
+          {:error, why} -> {:error, path, why}
+        end
+
+      :error ->
+        :persistent_term.erase(@build_key)
+        {:ok, nil}
+    end
+  end
+
+  @fix """
+
+  To fix it, build the NIF with `mix compile` (it runs cargo; run scripts/setup \
+  first on a fresh machine to install MLX) or install a precompiled one \
+  (EMLX_AXON_PRECOMPILED), or unset EMLX_AXON_SKIP_NATIVE if it is set. \
+  If the library exists but cannot be loaded, check that the MLX shared library it \
+  links against is installed (MLX_PREFIX / scripts/setup).\
+  """
+
   # The module stays loaded even when the library does not: every function
   # then raises :nif_not_loaded, and `load_error/0` says why.
-  defp report_load_error(path, why) do
-    message = """
-    could not load the emlx_axon NIF from #{path}.so: #{why}
-
-    To fix it, build the NIF with `mix compile` (it runs cargo; run scripts/setup \
-    first on a fresh machine to install MLX), or unset EMLX_AXON_SKIP_NATIVE if it is set. \
-    If the library exists but cannot be loaded, check that the MLX shared library it \
-    links against is installed (MLX_PREFIX / scripts/setup).\
-    """
+  defp report_load_error(path, why, fix \\ @fix) do
+    message = "could not load the emlx_axon NIF from #{path}.so: #{why}\n" <> fix
 
     :persistent_term.put(@error_key, message)
     Logger.warning(message)
@@ -63,6 +88,11 @@ defmodule EMLXAxon.Native do
         {:ok, Path.join(List.to_string(priv), @nif_path)}
     end
   end
+
+  @doc false
+  # What the Mix compiler recorded about the library (its backend...), or nil.
+  @spec build_info() :: map() | nil
+  def build_info, do: :persistent_term.get(@build_key, nil)
 
   @doc false
   # nil when the NIF is loaded, otherwise a message saying why it is not.

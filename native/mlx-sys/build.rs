@@ -9,6 +9,11 @@
 //!   found from `MLX_PREFIX`, the project's `.venv`, or `python3`;
 //! - links libmlx dynamically and publishes its directory as `DEP_MLX_LIBDIR`
 //!   so that final artifacts can embed an rpath to it.
+//!
+//! CMake records absolute paths (its own build folder, MLX's) in its cache.
+//! A checkout that moved, or a different MLX, would make it fail or link the
+//! old libmlx, so the CMake build folder is started afresh when its cache
+//! names another place or another libmlx.
 
 use std::{
     env, fs,
@@ -134,7 +139,37 @@ fn mlx_prefix(manifest_dir: &Path) -> PathBuf {
     )
 }
 
+/// Removes the CMake build folder when its cache was made in another place
+/// (CMake refuses it) or found libmlx outside `prefix` (it would link that).
+fn reset_stale_cmake_build(out_dir: &Path, prefix: &Path) {
+    let build_dir = out_dir.join("build");
+    let Ok(cache) = fs::read_to_string(build_dir.join("CMakeCache.txt")) else {
+        return;
+    };
+    let value = |key: &str| {
+        cache
+            .lines()
+            .find_map(|line| line.strip_prefix(key))
+            .map(|v| PathBuf::from(v.trim()))
+    };
+    let moved = value("CMAKE_CACHEFILE_DIR:INTERNAL=").is_some_and(|dir| dir != build_dir);
+    let other_mlx = value("MLX_LIBRARY:FILEPATH=").is_some_and(|lib| !lib.starts_with(prefix));
+    if moved || other_mlx {
+        println!(
+            "cargo:warning=mlx-sys: rebuilding MLX-C from scratch ({})",
+            if moved {
+                "the build folder moved"
+            } else {
+                "MLX changed"
+            }
+        );
+        fs::remove_dir_all(&build_dir)
+            .unwrap_or_else(|e| fail(format!("could not remove {}: {e}", build_dir.display())));
+    }
+}
+
 fn build_mlx_c(mlx_c: &Path, prefix: &Path, compat: &Path) {
+    reset_stale_cmake_build(&PathBuf::from(env::var("OUT_DIR").unwrap()), prefix);
     let dst = cmake::Config::new(mlx_c)
         .profile("Release")
         .define("MLX_C_USE_SYSTEM_MLX", "ON")
@@ -178,6 +213,7 @@ fn link_mlx(prefix: &Path) {
     // Link args of a dependency never reach the final binary; dependents read
     // this as DEP_MLX_LIBDIR and set their own rpath.
     println!("cargo:libdir={}", lib_dir.display());
+    println!("cargo:prefix={}", prefix.display());
 }
 
 fn generate_bindings(mlx_c: &Path, out_dir: &Path) {

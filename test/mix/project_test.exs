@@ -35,6 +35,28 @@ defmodule EMLXAxon.MixProjectTest do
     assert File.regular?(Path.join(:code.priv_dir(:emlx_axon), "native/libemlx_axon_nif.so"))
   end
 
+  test "priv/native is self-contained: libmlx beside the NIF, found through $ORIGIN" do
+    native = Path.join(@root, "priv/native")
+    nif = Path.join(native, "libemlx_axon_nif.so")
+
+    {dynamic, 0} = System.cmd("readelf", ["-d", nif])
+    paths = Regex.scan(~r/\((RUNPATH|RPATH)\)\s+Library r\w*path: \[(.*)\]/, dynamic)
+    assert [[_, "RUNPATH", "$ORIGIN/mlx/lib"]] = paths
+
+    # Every library the NIF loads from outside the system is under priv/native.
+    {ldd, 0} = System.cmd("ldd", [nif])
+    refute ldd =~ "not found"
+    assert ldd =~ "libmlx.so => #{native}/mlx/lib/libmlx.so"
+    refute ldd =~ ".venv"
+
+    assert {:ok, %{backend: :cpu, target: target, version: version}} =
+             EMLXAxon.NativeBuild.read(native)
+
+    assert target =~ ~r/-linux-gnu$/
+    assert version == Mix.Project.config()[:version]
+    assert EMLXAxon.mlx_info().backend == :cpu
+  end
+
   test "a second native compile is a no-op and does not run cargo" do
     Mix.Task.reenable("compile.emlx_axon_native")
     {time, result} = :timer.tc(fn -> Mix.Tasks.Compile.EmlxAxonNative.run([]) end)
@@ -69,10 +91,17 @@ defmodule EMLXAxon.MixProjectTest do
     File.cp_r!(Path.join(@root, "lib"), Path.join(dir, "lib"))
     File.cp!(Path.join(@root, "mix.exs"), Path.join(dir, "mix.exs"))
     File.cp!(Path.join(@root, "native/mix_compiler.ex"), Path.join(dir, "native/mix_compiler.ex"))
+    File.cp_r!(Path.join(@root, "native/mix"), Path.join(dir, "native/mix"))
 
     # A stand-in for cargo (the CARGO variable is honoured) that "builds" the
-    # real library, or fails like cargo does.
+    # real library and reports the MLX it linked as cargo does, or fails
+    # like cargo does.
     cargo = Path.join(dir, "fake-cargo")
+    [mlx_lib] = Path.wildcard(Path.join(@root, ".venv/lib/*/site-packages/mlx/lib"))
+
+    cargo_message =
+      ~s({"reason":"build-script-executed","package_id":"path+file:///x/native/mlx-sys#0.7.0",) <>
+        ~s("linked_paths":["native=/x/out/build","native=#{mlx_lib}"]})
 
     File.write!(cargo, """
     #!/bin/sh
@@ -80,6 +109,7 @@ defmodule EMLXAxon.MixProjectTest do
     if [ -n "$FAKE_CARGO_FAIL" ]; then echo "error: could not find MLX"; exit 101; fi
     mkdir -p target/release
     cp #{Path.join(@root, "priv/native/libemlx_axon_nif.so")} target/release/libemlx_axon_nif.so
+    echo '#{cargo_message}'
     """)
 
     File.chmod!(cargo, 0o755)
@@ -111,6 +141,7 @@ defmodule EMLXAxon.MixProjectTest do
            )
 
     assert Path.wildcard(Path.join(dir, "priv/native/.*.tmp")) == []
+    assert File.regular?(Path.join(dir, "priv/native/mlx/lib/libmlx.so"))
 
     # Nothing changed: cargo is not run again.
     {output, 0} = mix.(["compile"], [])
