@@ -137,6 +137,16 @@ defmodule EMLXAxon.Native do
   def generation_stats(_generation), do: err()
   def generation_free(_generation), do: err()
 
+  ## Scheduler (continuous batching)
+
+  def scheduler_new(_model, _tokenizer, _opts), do: err()
+  def scheduler_admit(_scheduler, _prompt, _opts), do: err()
+  def scheduler_cancel(_scheduler, _ids), do: err()
+  def scheduler_step(_scheduler, _max_steps), do: err()
+  def scheduler_occupancy(_scheduler), do: err()
+  def scheduler_clear_prefix_cache(_scheduler), do: err()
+  def scheduler_free(_scheduler), do: err()
+
   defp err do
     case load_error() do
       nil -> :erlang.nif_error(:nif_not_loaded)

@@ -10,6 +10,7 @@ mod error;
 mod generation;
 mod memory;
 mod model;
+mod scheduler;
 mod stream;
 mod tokenizer;
 

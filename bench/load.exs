@@ -1,0 +1,199 @@
+# Load benchmark: continuous batching (EMLXAxon.Scheduler) against static
+# batches (each batch of waiting requests decoded to its end with
+# EMLXAxon.Qwen3.Generate, as a plain batching server does), in one run, on
+# the same model and the same arrivals.
+#
+#   mix run bench/load.exs -- [--model DIR] [--requests N] [--gap-ms MS]
+#       [--slots S] [--seed SEED] [--dtype float32|bfloat16]
+#
+# Scenario 1: N requests with Poisson arrivals (mean gap MS), mixed prompt
+# lengths (8, 32, 96 tokens) and answer lengths (16, 32, 64 tokens), EOS
+# ignored. Reported per mode: aggregate throughput (requested tokens over
+# the time from the first arrival to the last answer), time to first token
+# p50/p95, and total time.
+#
+# Scenario 2: S - 1 requests of 64 tokens start together; one more arrives
+# 300 ms later. Reported: its time to first token against the busy batch's
+# total time.
+
+defmodule EMLXAxon.LoadBench do
+  alias EMLXAxon.Scheduler
+  alias EMLXAxon.Qwen3.{Generate, Loader}
+
+  @switches [
+    model: :string,
+    requests: :integer,
+    gap_ms: :integer,
+    slots: :integer,
+    seed: :integer,
+    dtype: :string
+  ]
+
+  def main(argv) do
+    {opts, _, _} = OptionParser.parse(argv, strict: @switches)
+    model = opts[:model] || Path.expand("../.cache/fixtures/qwen3-4bit-g64", __DIR__)
+    n = opts[:requests] || 24
+    gap = opts[:gap_ms] || 40
+    slots = opts[:slots] || 8
+    :rand.seed(:exsss, {opts[:seed] || 1, 2, 3})
+
+    load_opts = if opts[:dtype], do: [dtype: String.to_atom(opts[:dtype])], else: []
+    state = Loader.load!(model, load_opts)
+    vocab = min(state.config.vocab_size, 150_000)
+
+    IO.puts(
+      "model #{model} (#{state.config.dtype}), #{EMLXAxon.mlx_info().default_device}, " <>
+        "#{n} requests, mean gap #{gap} ms, #{slots} slots"
+    )
+
+    requests =
+      for _ <- 1..n do
+        len = Enum.random([8, 32, 96])
+
+        %{
+          prompt: Enum.map(1..len, fn _ -> :rand.uniform(vocab - 1) end),
+          tokens: Enum.random([16, 32, 64])
+        }
+      end
+
+    arrivals =
+      Enum.map_reduce(requests, 0.0, fn r, t ->
+        t = t - gap * :math.log(1.0 - :rand.uniform())
+        {Map.put(r, :at, round(t)), t}
+      end)
+      |> elem(0)
+
+    {:ok, server} = Scheduler.start_link(model: state, slots: slots, max_queue: n)
+
+    # Warm-up of both paths.
+    warm = hd(requests)
+    Generate.generate(state, [warm.prompt], max_new_tokens: 4, ignore_eos: true)
+    Scheduler.generate(server, warm.prompt, max_new_tokens: 4, ignore_eos: true)
+
+    IO.puts("\nScenario 1: Poisson arrivals")
+    static = run_static(state, arrivals, slots)
+    continuous = run_continuous(server, arrivals)
+    report("static batches", static)
+    report("scheduler", continuous)
+
+    IO.puts(
+      "throughput ratio (scheduler / static): " <>
+        "#{Float.round(throughput(continuous) / throughput(static), 2)}x"
+    )
+
+    IO.puts("\nScenario 2: one request arriving 300 ms into a busy batch")
+    busy = for r <- Enum.take(requests, slots - 1), do: %{r | tokens: 64} |> Map.put(:at, 0)
+    late = %{prompt: hd(requests).prompt, tokens: 16, at: 300}
+
+    for {name, results} <- [
+          {"static batches", run_static(state, busy ++ [late], slots)},
+          {"scheduler", run_continuous(server, busy ++ [late])}
+        ] do
+      last = List.last(results)
+      batch_ms = results |> Enum.take(slots - 1) |> Enum.map(& &1.done) |> Enum.max()
+
+      IO.puts(
+        "  #{String.pad_trailing(name, 16)} late request's first token after " <>
+          "#{round(last.first - last.at)} ms; the busy batch took #{round(batch_ms)} ms"
+      )
+    end
+
+    Scheduler.stop(server)
+  end
+
+  # Each request in its own process, submitted at its arrival time.
+  defp run_continuous(server, arrivals) do
+    t0 = now()
+
+    arrivals
+    |> Enum.map(fn r ->
+      Task.async(fn ->
+        wait_until(t0 + r.at)
+
+        {:ok, ref} =
+          Scheduler.submit(server, r.prompt, max_new_tokens: r.tokens, ignore_eos: true)
+
+        first = receive_first(ref)
+        done = receive_done(ref)
+        %{at: r.at, first: first - t0, done: done - t0, tokens: r.tokens}
+      end)
+    end)
+    |> Task.await_many(:infinity)
+  end
+
+  defp receive_first(ref) do
+    receive do
+      {Scheduler, ^ref, {:tokens, _, _}} -> now()
+    end
+  end
+
+  defp receive_done(ref) do
+    receive do
+      {Scheduler, ^ref, {:tokens, _, _}} -> receive_done(ref)
+      {Scheduler, ^ref, {:done, _, _}} -> now()
+    end
+  end
+
+  # One batch at a time: whatever arrived while the previous batch ran (up to
+  # `slots`), decoded until its longest answer is done.
+  defp run_static(state, arrivals, slots) do
+    t0 = now()
+    indexed = arrivals |> Enum.with_index() |> Enum.map(fn {r, i} -> Map.put(r, :index, i) end)
+    loop_static(state, indexed, slots, t0, [])
+  end
+
+  defp loop_static(_state, [], _slots, _t0, done), do: Enum.sort_by(done, & &1.index)
+
+  defp loop_static(state, pending, slots, t0, done) do
+    elapsed = now() - t0
+    first_at = hd(pending).at
+    if first_at > elapsed, do: wait_until(t0 + first_at)
+    elapsed = now() - t0
+    {ready, rest} = Enum.split_with(pending, &(&1.at <= elapsed))
+    {batch, later} = Enum.split(ready, slots)
+    started = now() - t0
+    max_tokens = batch |> Enum.map(& &1.tokens) |> Enum.max()
+
+    {:ok, results} =
+      Generate.generate(state, Enum.map(batch, & &1.prompt),
+        max_new_tokens: max_tokens,
+        ignore_eos: true,
+        profile_timing: true
+      )
+
+    finished = now() - t0
+    ttft = hd(results).timings.time_to_first_token_ms
+
+    rows =
+      for r <- batch,
+          do: %{index: r.index, at: r.at, first: started + ttft, done: finished, tokens: r.tokens}
+
+    loop_static(state, later ++ rest, slots, t0, done ++ rows)
+  end
+
+  defp report(name, results) do
+    ttft = results |> Enum.map(&(&1.first - &1.at)) |> Enum.sort()
+
+    IO.puts(
+      "  #{String.pad_trailing(name, 16)} #{Float.round(throughput(results), 1)} tok/s aggregate, " <>
+        "TTFT p50 #{round(pct(ttft, 50))} ms, p95 #{round(pct(ttft, 95))} ms, " <>
+        "total #{round(Enum.max(Enum.map(results, & &1.done)))} ms"
+    )
+  end
+
+  defp throughput(results) do
+    span = Enum.max(Enum.map(results, & &1.done)) - Enum.min(Enum.map(results, & &1.at))
+    Enum.sum(Enum.map(results, & &1.tokens)) / (span / 1000)
+  end
+
+  defp pct(sorted, p), do: Enum.at(sorted, min(length(sorted) - 1, div(length(sorted) * p, 100)))
+
+  defp now, do: System.monotonic_time(:microsecond) / 1000
+
+  defp wait_until(t) do
+    ms = round(t - now())
+    if ms > 0, do: Process.sleep(ms)
+  end
+end
+
+EMLXAxon.LoadBench.main(System.argv())

@@ -1,0 +1,249 @@
+//! Continuous batching: a scheduler resource holding the running batch; each
+//! `scheduler_step` is a short dirty call (one prompt chunk and a few decode
+//! steps) returning what every request produced.
+
+use std::sync::Mutex;
+
+use emlx_axon_engine::device::on_large_stack;
+use emlx_axon_engine::{
+    FinishReason, GenerateOptions, RequestStats, SamplerConfig, SamplerKind, Scheduler,
+    SchedulerConfig,
+};
+use rustler::{Atom, NifMap, ResourceArc};
+
+use crate::error::{guard, NifError, NifResult};
+use crate::model::ModelResource;
+use crate::tokenizer::TokenizerResource;
+
+mod atoms {
+    rustler::atoms! { ok, greedy, top_p_cpu, top_p_gpu, eos, stop, length, max_len }
+}
+
+pub struct SchedulerResource {
+    scheduler: Mutex<Option<Scheduler>>,
+}
+
+#[rustler::resource_impl]
+impl rustler::Resource for SchedulerResource {}
+
+impl SchedulerResource {
+    fn with<T>(&self, f: impl FnOnce(&mut Scheduler) -> NifResult<T>) -> NifResult<T> {
+        let mut slot = self.scheduler.lock().unwrap_or_else(|p| p.into_inner());
+        match slot.as_mut() {
+            Some(scheduler) => f(scheduler),
+            None => Err(NifError::new("released", "the scheduler was freed")),
+        }
+    }
+}
+
+#[derive(NifMap)]
+pub struct NewOptions {
+    slots: usize,
+    capacity: usize,
+    prefill_chunk: usize,
+    prefix_cache_bytes: usize,
+    prefix_min_tokens: usize,
+}
+
+#[derive(NifMap)]
+pub struct RequestOptions {
+    max_new_tokens: usize,
+    max_len: usize,
+    sampler: Atom,
+    temperature: f64,
+    top_p: f64,
+    top_k: usize,
+    min_p: f64,
+    seed: Option<u64>,
+    stop: Vec<String>,
+    eos_token_ids: Option<Vec<u32>>,
+    ignore_eos: bool,
+}
+
+fn sampler_kind(atom: Atom) -> NifResult<SamplerKind> {
+    if atom == atoms::greedy() {
+        Ok(SamplerKind::Greedy)
+    } else if atom == atoms::top_p_cpu() {
+        Ok(SamplerKind::TopPCpu)
+    } else if atom == atoms::top_p_gpu() {
+        Ok(SamplerKind::TopPGpu)
+    } else {
+        Err(NifError::new(
+            "invalid_argument",
+            "sampler must be :greedy, :top_p_cpu or :top_p_gpu",
+        ))
+    }
+}
+
+#[rustler::nif(schedule = "DirtyCpu")]
+fn scheduler_new(
+    model: ResourceArc<ModelResource>,
+    tokenizer: Option<ResourceArc<TokenizerResource>>,
+    o: NewOptions,
+) -> NifResult<ResourceArc<SchedulerResource>> {
+    guard(|| {
+        let config = SchedulerConfig {
+            slots: o.slots,
+            capacity: o.capacity,
+            prefill_chunk: o.prefill_chunk,
+            prefix_cache_bytes: o.prefix_cache_bytes,
+            prefix_min_tokens: o.prefix_min_tokens,
+        };
+        let scheduler = on_large_stack(|| {
+            Scheduler::new(
+                model.model.clone(),
+                tokenizer.map(|t| t.tokenizer.clone()),
+                config,
+            )
+        })?;
+        Ok(ResourceArc::new(SchedulerResource {
+            scheduler: Mutex::new(Some(scheduler)),
+        }))
+    })
+}
+
+#[rustler::nif(schedule = "DirtyCpu")]
+fn scheduler_admit(
+    resource: ResourceArc<SchedulerResource>,
+    prompt: Vec<u32>,
+    o: RequestOptions,
+) -> NifResult<u64> {
+    guard(|| {
+        let options = GenerateOptions {
+            max_new_tokens: o.max_new_tokens,
+            max_len: o.max_len,
+            sampler: SamplerConfig {
+                kind: sampler_kind(o.sampler)?,
+                temperature: o.temperature as f32,
+                top_p: o.top_p as f32,
+                top_k: o.top_k,
+                min_p: o.min_p as f32,
+                seed: o.seed,
+                ..SamplerConfig::default()
+            },
+            eos_token_ids: o.eos_token_ids,
+            ignore_eos: o.ignore_eos,
+            stop: o.stop,
+            ..GenerateOptions::default()
+        };
+        resource.with(|s| Ok(s.admit(prompt, options)?))
+    })
+}
+
+/// Whether the request was still there.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn scheduler_cancel(resource: ResourceArc<SchedulerResource>, ids: Vec<u64>) -> NifResult<usize> {
+    guard(|| resource.with(|s| Ok(ids.into_iter().filter(|&id| s.cancel(id)).count())))
+}
+
+#[derive(NifMap)]
+pub struct StatsOut {
+    prompt_tokens: usize,
+    cached_tokens: usize,
+    generated_tokens: usize,
+    queue_ms: f64,
+    prefill_ms: f64,
+    time_to_first_token_ms: f64,
+    decode_tokens_per_s: f64,
+}
+
+impl From<RequestStats> for StatsOut {
+    fn from(s: RequestStats) -> Self {
+        StatsOut {
+            prompt_tokens: s.prompt_tokens,
+            cached_tokens: s.cached_tokens,
+            generated_tokens: s.generated_tokens,
+            queue_ms: s.queue_ms,
+            prefill_ms: s.prefill_ms,
+            time_to_first_token_ms: s.time_to_first_token_ms,
+            decode_tokens_per_s: s.decode_tokens_per_s,
+        }
+    }
+}
+
+#[derive(NifMap)]
+pub struct EventOut {
+    id: u64,
+    ids: Vec<u32>,
+    text: String,
+    finish_reason: Option<Atom>,
+    stats: Option<StatsOut>,
+}
+
+fn finish_atom(f: FinishReason) -> Atom {
+    match f {
+        FinishReason::Eos => atoms::eos(),
+        FinishReason::Stop => atoms::stop(),
+        FinishReason::Length => atoms::length(),
+        FinishReason::MaxLen => atoms::max_len(),
+    }
+}
+
+#[derive(NifMap)]
+pub struct OccupancyOut {
+    running: usize,
+    slots: usize,
+    waiting: usize,
+    prefix_entries: usize,
+    prefix_bytes: usize,
+}
+
+/// One prompt chunk and up to `max_steps` decode steps; returns the events
+/// and the occupancy after them.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn scheduler_step(
+    resource: ResourceArc<SchedulerResource>,
+    max_steps: usize,
+) -> NifResult<(Vec<EventOut>, OccupancyOut)> {
+    guard(|| {
+        resource.with(|s| {
+            let events = on_large_stack(|| s.step(max_steps))?;
+            let events = events
+                .into_iter()
+                .map(|e| EventOut {
+                    id: e.id,
+                    ids: e.delta.ids,
+                    text: e.delta.text,
+                    finish_reason: e.delta.finish.map(finish_atom),
+                    stats: e.stats.map(StatsOut::from),
+                })
+                .collect();
+            Ok((events, occupancy(s)))
+        })
+    })
+}
+
+fn occupancy(s: &Scheduler) -> OccupancyOut {
+    let o = s.occupancy();
+    OccupancyOut {
+        running: o.running,
+        slots: o.slots,
+        waiting: o.waiting,
+        prefix_entries: o.prefix_entries,
+        prefix_bytes: o.prefix_bytes,
+    }
+}
+
+#[rustler::nif(schedule = "DirtyCpu")]
+fn scheduler_occupancy(resource: ResourceArc<SchedulerResource>) -> NifResult<OccupancyOut> {
+    resource.with(|s| Ok(occupancy(s)))
+}
+
+#[rustler::nif(schedule = "DirtyCpu")]
+fn scheduler_clear_prefix_cache(resource: ResourceArc<SchedulerResource>) -> NifResult<Atom> {
+    resource.with(|s| {
+        s.clear_prefix_cache();
+        Ok(atoms::ok())
+    })
+}
+
+/// Frees the slots' KV cache now rather than when the resource is collected.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn scheduler_free(resource: ResourceArc<SchedulerResource>) -> Atom {
+    resource
+        .scheduler
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take();
+    atoms::ok()
+}
