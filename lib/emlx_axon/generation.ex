@@ -134,6 +134,11 @@ defmodule EMLXAxon.Generation do
           Native.generation_free(generation)
         end
 
+      # A schema, regex or grammar the engine refuses is the caller's
+      # argument error, found before any generation work.
+      {:error, %Error{kind: :invalid_constraint, message: message}} ->
+        raise ArgumentError, message
+
       {:error, _} = error ->
         error
     end

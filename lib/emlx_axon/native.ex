@@ -119,8 +119,14 @@ defmodule EMLXAxon.Native do
   def tokenizer_encode(_tokenizer, _text, _add_special_tokens), do: err()
   def tokenizer_decode(_tokenizer, _ids, _skip_special_tokens), do: err()
 
-  def tokenizer_apply_chat_template(_tokenizer, _messages, _add_generation_prompt, _thinking),
-    do: err()
+  def tokenizer_apply_chat_template(
+        _tokenizer,
+        _messages_json,
+        _tools_json,
+        _add_generation_prompt,
+        _thinking
+      ),
+      do: err()
 
   def tokenizer_info(_tokenizer), do: err()
 

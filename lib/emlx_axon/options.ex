@@ -28,6 +28,56 @@ defmodule EMLXAxon.Options do
   @doc false
   def generation_defaults, do: @generation_defaults
 
+  # Constrained decoding: at most one of them, for every input.
+  @constraint_keys [:json_schema, :regex, :grammar]
+
+  @doc false
+  def constraint_defaults, do: Enum.map(@constraint_keys, &{&1, nil})
+
+  @doc false
+  def constraint_keys, do: @constraint_keys
+
+  @doc """
+  The constraint `opts` (a map or keyword list with any of `:json_schema`,
+  `:regex` and `:grammar`) asks for: `nil` or `{kind, text}`, a JSON
+  Schema given as a map encoded to JSON. Raises `ArgumentError` when more
+  than one is given or a value has the wrong type; the engine checks the
+  schema, regex or grammar itself before generating.
+  """
+  @spec constraint!(map() | keyword(), String.t()) :: nil | {atom(), String.t()}
+  def constraint!(opts, where) do
+    given = for key <- @constraint_keys, (value = opts[key]) != nil, do: {key, value}
+
+    case given do
+      [] ->
+        nil
+
+      [{:json_schema, schema}] when is_map(schema) or is_boolean(schema) ->
+        {:json_schema, EMLXAxon.JSON.encode!(schema)}
+
+      [{key, text}] when is_binary(text) ->
+        if String.valid?(text) do
+          {key, text}
+        else
+          raise ArgumentError, "expected #{inspect(key)} in #{where} to be valid UTF-8"
+        end
+
+      [{:json_schema, other}] ->
+        raise ArgumentError,
+              "expected :json_schema in #{where} to be a map or a JSON string, " <>
+                "got: #{inspect(other)}"
+
+      [{key, other}] ->
+        raise ArgumentError,
+              "expected #{inspect(key)} in #{where} to be a string, got: #{inspect(other)}"
+
+      [_, _ | _] ->
+        raise ArgumentError,
+              ":json_schema, :regex and :grammar are mutually exclusive, but #{where} " <>
+                "gives #{Enum.map_join(given, " and ", &inspect(elem(&1, 0)))}"
+    end
+  end
+
   @doc """
   Validates the keyword list `opts` against `defaults` (a keyword list of
   every accepted option and its default) and returns a map with all of
@@ -265,7 +315,8 @@ defmodule EMLXAxon.Options do
   @doc """
   The map of generation options the NIF's `generation_start/5` expects (all
   keys present). `:row_seeds` (one seed or `nil` per prompt, giving each
-  row its own random numbers) is taken from `opts` when there.
+  row its own random numbers) is taken from `opts` when there, and so is
+  `:row_constraints` (one `nil` or `{kind, text}` per prompt).
   """
   @spec native(map()) :: map()
   def native(opts) do
@@ -284,5 +335,12 @@ defmodule EMLXAxon.Options do
       profile_timing: opts.profile_timing,
       row_seeds: Map.get(opts, :row_seeds)
     }
+    |> put_constraints(Map.get(opts, :row_constraints))
   end
+
+  # One `nil` or `{kind, text}` per prompt, or `nil` when no row has one.
+  defp put_constraints(native, nil), do: native
+
+  defp put_constraints(native, constraints),
+    do: Map.put(native, :row_constraints, constraints)
 end

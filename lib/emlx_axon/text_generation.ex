@@ -83,7 +83,8 @@ defmodule EMLXAxon.TextGeneration do
 
   `finish_reason` says why generation ended: `:eos` (the model's end of
   sequence; `token_ids` include it, the text does not), `:stop` (a `:stop`
-  string; the text ends just before it), `:length` (`:max_new_tokens`),
+  string, the text ending just before it, or a constrained output that is
+  complete), `:length` (`:max_new_tokens`),
   `:max_len` (the `:max_len` KV budget) or `:timeout`. `metadata` holds the
   token counts and timings described in `EMLXAxon.Qwen3.Generate` (its
   `t:EMLXAxon.Qwen3.Generate.timings/0`), of the batch the input was
@@ -91,6 +92,39 @@ defmodule EMLXAxon.TextGeneration do
   executions, each output describes its own. With `profile_timing: false`
   only the token counts, `batch_size` and `total_ms` are measured; the
   other timings are 0.0.
+
+  ## Structured output
+
+  `:json_schema` (a map, or JSON text), `:regex` or `:grammar` (Lark syntax,
+  as llguidance reads it) constrain what is generated: at every step the
+  tokens that cannot continue a valid output are masked out before
+  sampling, whatever the sampler. Give at most one. As options they apply
+  to every input; `run/4` and `stream/5` also take them per input
+  (`%{text: t, json_schema: schema}`), so constrained and free inputs can
+  share a batch (a free row samples exactly as it would alone).
+
+  A constrained row ends with `finish_reason: :stop` once its output is
+  complete (nothing but the end of the text may follow), or `:eos` when the
+  model ends an output that could also go on. A schema's JSON is written
+  without optional whitespace, with `", "` and `": "` separators. A bad
+  schema, regex or grammar raises `ArgumentError` before anything is
+  generated; schema keywords the grammar engine does not support are named.
+
+      %{results: [%{text: json}]} =
+        EMLXAxon.TextGeneration.run(tokenizer, state, "A person as JSON:",
+          json_schema: %{type: "object", properties: %{name: %{type: "string"}},
+                         required: ["name"]}
+        )
+
+  ## Tool calls
+
+  With `tools:` (a list of tool definitions, as transformers takes them),
+  chat inputs are rendered with the tools offered (see
+  `EMLXAxon.Tokenizer.apply_chat_template/3`), and each result gets
+  `tool_calls: [%{name: name, arguments: map}]` (the answer's
+  `<tool_call>` blocks) and `tool_call_errors` (the malformed ones). To
+  make the model answer with valid calls only, add
+  `grammar: EMLXAxon.ToolCalls.grammar(tools)`.
 
   ## Options
 
@@ -111,6 +145,9 @@ defmodule EMLXAxon.TextGeneration do
       message (default `false`)
     * `:enable_thinking` - Qwen3's thinking switch for the chat template
       (default `nil`: the template's default)
+    * `:json_schema`, `:regex`, `:grammar` - constrain the output (see
+      "Structured output"; not per input in `serving/3`)
+    * `:tools` - tools offered to chat inputs (see "Tool calls")
     * `:profile_timing` - measure the prefill and decode timings (default
       `true`)
     * `:timeout` - milliseconds after which generation stops with
@@ -384,7 +421,11 @@ defmodule EMLXAxon.TextGeneration do
   defp generate!(tokenizer, state, requests, opts, multi?, on_chunk) do
     stream_ref = EMLXAxon.Stream.resolve(opts.mlx_stream)
     prompts = Enum.map(requests, & &1.ids)
-    opts = Map.put(opts, :row_seeds, Input.row_seeds(requests, opts.seed))
+
+    opts =
+      opts
+      |> Map.put(:row_seeds, Input.row_seeds(requests, opts.seed))
+      |> Map.put(:row_constraints, Input.row_constraints(requests, opts.constraint))
 
     case Generation.run(state, tokenizer, stream_ref, prompts, opts, on_chunk) do
       {:ok, %{rows: rows, stats: stats}} ->
@@ -396,7 +437,10 @@ defmodule EMLXAxon.TextGeneration do
           |> Enum.with_index()
           |> Enum.map(fn {{row, {prompt_tokens, padding}}, index} ->
             row = Map.merge(row, %{prompt_tokens: prompt_tokens, padding: padding})
-            Output.build(row, Generation.row_timings(stats, index))
+
+            row
+            |> Output.build(Generation.row_timings(stats, index))
+            |> put_tool_calls(opts)
           end)
 
         if multi?, do: outputs, else: hd(outputs)
@@ -404,6 +448,14 @@ defmodule EMLXAxon.TextGeneration do
       {:error, error} ->
         raise error
     end
+  end
+
+  # With tools offered, the answer's <tool_call> blocks, parsed.
+  defp put_tool_calls(output, %{tools: nil}), do: output
+
+  defp put_tool_calls(%{results: [result]} = output, _opts) do
+    {:ok, calls, errors} = EMLXAxon.ToolCalls.parse(result.generated_text)
+    %{output | results: [Map.merge(result, %{tool_calls: calls, tool_call_errors: errors})]}
   end
 
   defp state!(%State{}), do: :ok

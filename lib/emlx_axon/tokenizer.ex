@@ -148,7 +148,10 @@ defmodule EMLXAxon.Tokenizer do
   `tokenizer_config.json`), giving the prompt text to encode.
 
   Messages are maps with `:role` and `:content` (atom or string keys) or
-  `{role, content}` tuples.
+  `{role, content}` tuples. An assistant message may carry `:tool_calls`
+  (`[%{name: name, arguments: %{...}}]`, as `EMLXAxon.ToolCalls.parse/1`
+  gives them) instead of content, and a `"tool"` message gives a call's
+  result as its content.
 
   ## Options
 
@@ -157,6 +160,10 @@ defmodule EMLXAxon.Tokenizer do
     * `:enable_thinking` - Qwen3's switch for the thinking block: `false`
       renders an empty `<think></think>` so the model answers directly;
       `nil` (default) leaves the template's own default
+    * `:tools` - functions the model may call, as transformers takes them:
+      a list of `%{type: "function", function: %{name: ..., description:
+      ..., parameters: json_schema}}` maps, rendered by the template (Qwen's
+      lists them in the system turn and asks for `<tool_call>` answers)
 
   ## Examples
 
@@ -176,16 +183,23 @@ defmodule EMLXAxon.Tokenizer do
     opts =
       Options.validate!(
         opts,
-        [add_generation_prompt: true, enable_thinking: nil],
+        [add_generation_prompt: true, enable_thinking: nil, tools: nil],
         "EMLXAxon.Tokenizer.apply_chat_template/3"
       )
 
-    messages = normalize_messages!(messages)
+    messages =
+      messages
+      |> normalize_messages!()
+      |> Enum.map(fn
+        {role, content} -> %{"role" => role, "content" => content}
+        message -> message
+      end)
 
     Error.wrap(
       Native.tokenizer_apply_chat_template(
         ref,
-        messages,
+        EMLXAxon.JSON.encode!(messages),
+        tools!(opts[:tools]),
         opts[:add_generation_prompt],
         opts[:enable_thinking]
       )
@@ -213,9 +227,23 @@ defmodule EMLXAxon.Tokenizer do
           | {:error, Error.t()}
   def info(%__MODULE__{ref: ref}), do: Error.wrap(Native.tokenizer_info(ref))
 
+  defp tools!(nil), do: nil
+
+  defp tools!(tools) when is_list(tools) do
+    unless Enum.all?(tools, &(is_map(&1) and not is_struct(&1))) do
+      raise ArgumentError, "expected :tools to be a list of maps, got: #{inspect(tools)}"
+    end
+
+    EMLXAxon.JSON.encode!(tools)
+  end
+
+  defp tools!(other),
+    do: raise(ArgumentError, "expected :tools to be a list of maps, got: #{inspect(other)}")
+
   @doc false
-  # Validates and normalizes chat messages into `[{role, content}]`.
-  @spec normalize_messages!(term()) :: [{String.t(), String.t()}]
+  # Validates and normalizes chat messages into `[{role, content}]`, or
+  # string-keyed maps for messages with tool calls.
+  @spec normalize_messages!(term()) :: [{String.t(), String.t()} | map()]
   def normalize_messages!([_ | _] = messages), do: Enum.map(messages, &normalize_message!/1)
 
   def normalize_messages!(other) do
@@ -228,12 +256,16 @@ defmodule EMLXAxon.Tokenizer do
   @spec message?(term()) :: boolean()
   def message?(%{role: _, content: _}), do: true
   def message?(%{"role" => _, "content" => _}), do: true
+  def message?(%{role: _, tool_calls: _}), do: true
+  def message?(%{"role" => _, "tool_calls" => _}), do: true
 
   def message?({role, content}) when (is_binary(role) or is_atom(role)) and is_binary(content),
     do: true
 
   def message?(_), do: false
 
+  defp normalize_message!(%{role: _, tool_calls: _} = m), do: tool_call_message!(m)
+  defp normalize_message!(%{"role" => _, "tool_calls" => _} = m), do: tool_call_message!(m)
   defp normalize_message!(%{role: role, content: content}), do: message!(role, content)
   defp normalize_message!(%{"role" => role, "content" => content}), do: message!(role, content)
   defp normalize_message!({role, content}), do: message!(role, content)
@@ -242,6 +274,22 @@ defmodule EMLXAxon.Tokenizer do
     raise ArgumentError,
           "expected a chat message as %{role: role, content: content} or {role, content}, " <>
             "got: #{inspect(other)}"
+  end
+
+  defp tool_call_message!(message) do
+    message = Map.new(message, fn {key, value} -> {to_string(key), value} end)
+    content = message["content"]
+
+    {role, _} = message!(message["role"], if(is_binary(content), do: content, else: ""))
+
+    unless is_list(message["tool_calls"]) and Enum.all?(message["tool_calls"], &is_map/1) and
+             (content == nil or is_binary(content)) do
+      raise ArgumentError,
+            "expected a message's :tool_calls to be a list of maps (and its content a " <>
+              "string or nil), got: #{inspect(message)}"
+    end
+
+    Map.put(message, "role", role)
   end
 
   defp message!(role, content) when is_atom(role) and not is_nil(role) and not is_boolean(role),

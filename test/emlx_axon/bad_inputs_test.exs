@@ -552,7 +552,7 @@ defmodule EMLXAxon.BadInputsTest do
   # {function, valid arguments, argument types}; a resource type is
   # {:resource, name}.
   defp calls(refs) do
-    messages = [{"user", "Hi"}]
+    messages = ~s([{"role": "user", "content": "Hi"}])
     model = {:resource, :model}
     tokenizer = {:resource, :tokenizer}
     stream = {:resource, :stream}
@@ -566,8 +566,8 @@ defmodule EMLXAxon.BadInputsTest do
       {:tokenizer_load, ["/no/such/tokenizer"], [:string]},
       {:tokenizer_encode, [refs.tokenizer, "Hi", false], [tokenizer, :string, :boolean]},
       {:tokenizer_decode, [refs.tokenizer, [1, 2], true], [tokenizer, :ids, :boolean]},
-      {:tokenizer_apply_chat_template, [refs.tokenizer, messages, true, nil],
-       [tokenizer, :messages, :boolean, :optional_boolean]},
+      {:tokenizer_apply_chat_template, [refs.tokenizer, messages, nil, true, nil],
+       [tokenizer, :json, :optional_json, :boolean, :optional_boolean]},
       {:tokenizer_info, [refs.tokenizer], [tokenizer]},
       {:stream_new, [:cpu], [:atom]},
       {:stream_close, [refs.stream], [stream]},

@@ -28,6 +28,7 @@ defmodule EMLXAxon.Qwen3.Generate do
   alias EMLXAxon.Qwen3.Model.State
 
   @defaults Options.generation_defaults() ++
+              Options.constraint_defaults() ++
               [
                 tokenizer: nil,
                 profile_timing: false,
@@ -110,6 +111,9 @@ defmodule EMLXAxon.Qwen3.Generate do
     * `:timeout` - milliseconds after which unfinished rows stop with
       `finish_reason: :timeout`, checked between chunks (default `:infinity`)
     * `:chunk_size` - tokens decoded per native call (default 16)
+    * `:json_schema`, `:regex`, `:grammar` - constrain every row's output
+      (needs `:tokenizer`); see "Structured output" in
+      `EMLXAxon.TextGeneration`
 
   ## Examples
 
@@ -144,6 +148,7 @@ defmodule EMLXAxon.Qwen3.Generate do
 
     {prompts, multi?} = prompts!(input_ids)
     prompts = Generation.validate_prompts!(prompts, state)
+    opts = put_constraints(opts, length(prompts))
 
     with {:ok, %{rows: rows, stats: stats}} <-
            Generation.run(state, opts.tokenizer, EMLXAxon.Stream.resolve(stream), prompts, opts) do
@@ -167,6 +172,22 @@ defmodule EMLXAxon.Qwen3.Generate do
     raise ArgumentError,
           "expected an EMLXAxon.Qwen3.Model.State (from EMLXAxon.Qwen3.Loader.load/2), " <>
             "got: #{inspect(state)}"
+  end
+
+  defp put_constraints(opts, rows) do
+    case Options.constraint!(opts, "EMLXAxon.Qwen3.Generate.generate/3") do
+      nil ->
+        opts
+
+      constraint ->
+        if opts.tokenizer == nil do
+          raise ArgumentError,
+                "constrained decoding works on the tokens' text, so " <>
+                  "EMLXAxon.Qwen3.Generate.generate/3 needs the :tokenizer option with it"
+        end
+
+        Map.put(opts, :row_constraints, List.duplicate(constraint, rows))
+    end
   end
 
   defp stream_option!(nil), do: nil

@@ -8,9 +8,11 @@ defmodule EMLXAxon.TextGeneration.Config do
   alias EMLXAxon.Options
 
   @common_defaults Options.generation_defaults() ++
+                     Options.constraint_defaults() ++
                      [
                        chat: false,
                        enable_thinking: nil,
+                       tools: nil,
                        profile_timing: true,
                        timeout: :infinity,
                        chunk_size: nil,
@@ -42,6 +44,7 @@ defmodule EMLXAxon.TextGeneration.Config do
   @spec serving!(term()) :: map()
   def serving!(opts) do
     opts = Options.validate!(opts, @serving_defaults, "EMLXAxon.TextGeneration.serving/3")
+    opts = Map.put(opts, :constraint, Options.constraint!(opts, "the options"))
 
     {streaming?, mlx_stream} =
       case {opts.stream, opts.mlx_stream} do
@@ -59,6 +62,7 @@ defmodule EMLXAxon.TextGeneration.Config do
   @spec run!(term(), boolean(), String.t()) :: map()
   def run!(opts, streaming?, where) do
     opts = Options.validate!(opts, @common_defaults, where)
+    opts = Map.put(opts, :constraint, Options.constraint!(opts, "the options"))
     default_chunk_size = if streaming?, do: @stream_chunk_size, else: @run_chunk_size
 
     mlx_stream =

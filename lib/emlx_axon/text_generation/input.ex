@@ -4,14 +4,18 @@ defmodule EMLXAxon.TextGeneration.Input do
   # chat messages, token ids, or lists of them) into requests: the prompt's
   # token ids and the input's own options.
 
-  alias EMLXAxon.{Generation, Tokenizer}
+  alias EMLXAxon.{Generation, Options, Tokenizer}
   alias EMLXAxon.Qwen3.Model.State
 
   @typedoc "One prompt to generate from, with the options its input map gave."
-  @type request :: %{ids: [non_neg_integer()], seed: nil | non_neg_integer()}
+  @type request :: %{
+          required(:ids) => [non_neg_integer()],
+          required(:seed) => nil | non_neg_integer(),
+          optional(:constraint) => nil | {atom(), String.t()}
+        }
 
   # Keys an input map may have besides the one holding the prompt.
-  @input_options [:seed]
+  @input_options [:seed | Options.constraint_keys()]
   @prompt_keys [:text, :messages, :input_ids]
 
   @doc """
@@ -43,7 +47,7 @@ defmodule EMLXAxon.TextGeneration.Input do
 
   def normalize!(input) when is_list(input) do
     if Enum.all?(input, &Tokenizer.message?/1) do
-      {[{{:chat, input}, %{seed: nil}}], false}
+      {[{{:chat, input}, %{seed: nil, constraint: nil}}], false}
     else
       {Enum.map(input, &item!/1), true}
     end
@@ -63,7 +67,18 @@ defmodule EMLXAxon.TextGeneration.Input do
     end
   end
 
-  defp item!(text) when is_binary(text), do: {{:text, text}, %{seed: nil}}
+  @doc """
+  The row constraints for the native generation: `nil` when no request is
+  constrained, else one `nil` or `{kind, text}` per request, a request
+  without its own constraint taking `default` (the options' constraint).
+  """
+  @spec row_constraints([request()], nil | {atom(), String.t()}) :: nil | [nil | tuple()]
+  def row_constraints(requests, default) do
+    rows = Enum.map(requests, &(Map.get(&1, :constraint) || default))
+    if Enum.any?(rows), do: rows
+  end
+
+  defp item!(text) when is_binary(text), do: {{:text, text}, %{seed: nil, constraint: nil}}
 
   defp item!(%{} = input) when not is_struct(input) do
     case Enum.filter(@prompt_keys, &Map.has_key?(input, &1)) do
@@ -74,10 +89,11 @@ defmodule EMLXAxon.TextGeneration.Input do
           raise ArgumentError,
                 "unknown key(s) #{Enum.map_join(unknown, ", ", &inspect/1)} in input " <>
                   "#{inspect(input)}: an input map has one of :text, :messages or " <>
-                  ":input_ids, and optionally :seed"
+                  ":input_ids, and optionally :seed and one of :json_schema, :regex or :grammar"
         end
 
-        {prompt!(key, Map.fetch!(input, key), input), %{seed: seed!(Map.get(input, :seed))}}
+        {prompt!(key, Map.fetch!(input, key), input),
+         %{seed: seed!(Map.get(input, :seed)), constraint: Options.constraint!(input, "an input")}}
 
       _ ->
         raise ArgumentError, input_error(input)
@@ -86,7 +102,7 @@ defmodule EMLXAxon.TextGeneration.Input do
 
   defp item!([_ | _] = messages) do
     if Enum.all?(messages, &Tokenizer.message?/1) do
-      {{:chat, messages}, %{seed: nil}}
+      {{:chat, messages}, %{seed: nil, constraint: nil}}
     else
       raise ArgumentError, input_error(messages)
     end
@@ -126,7 +142,8 @@ defmodule EMLXAxon.TextGeneration.Input do
       ok!(
         Tokenizer.apply_chat_template(tokenizer, messages,
           add_generation_prompt: true,
-          enable_thinking: opts.enable_thinking
+          enable_thinking: opts.enable_thinking,
+          tools: Map.get(opts, :tools)
         )
       )
 

@@ -99,6 +99,13 @@ if Code.ensure_loaded?(Nx.Serving) do
     defp preprocess(input, tokenizer, state, opts) do
       {requests, multi?} = Input.requests!(tokenizer, state, input, opts)
 
+      # Requests reach the execution as tensors of ids and seeds only.
+      if Enum.any?(requests, & &1.constraint) do
+        raise ArgumentError,
+              "a serving takes :json_schema, :regex and :grammar as serving options, " <>
+                "not per input; use EMLXAxon.TextGeneration.run/4 for per-input constraints"
+      end
+
       if opts.stream and multi? do
         raise ArgumentError,
               "a streaming serving takes one input at a time, " <>

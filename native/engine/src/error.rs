@@ -39,6 +39,12 @@ pub enum Error {
     /// The work cannot fit in MLX's memory limit.
     #[error("out of memory: {0}")]
     OutOfMemory(String),
+    /// A JSON Schema, regex or grammar the grammar engine refuses.
+    #[error("{0}")]
+    InvalidConstraint(String),
+    /// The grammar engine failed while constraining a row's output.
+    #[error("constraint: {0}")]
+    Constraint(String),
     #[error("prompt has {len} tokens but max_len is {max_len}: it must leave room for at least one generated token")]
     PromptTooLong { len: usize, max_len: usize },
 }
@@ -63,6 +69,8 @@ impl Error {
             Error::InvalidArgument(_) => "invalid_argument",
             Error::PromptTooLong { .. } => "prompt_too_long",
             Error::OutOfMemory(_) => "out_of_memory",
+            Error::Constraint(_) => "constraint",
+            Error::InvalidConstraint(_) => "invalid_constraint",
         }
     }
 

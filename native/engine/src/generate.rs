@@ -18,6 +18,7 @@ use mlx_rs::{transforms, Array};
 
 use crate::cache::KvCache;
 use crate::config::add_missing;
+use crate::constraint::{ConstraintSpec, RowConstraint};
 use crate::device::{DeviceKind, Lease, MlxStream};
 use crate::error::{Error, Result};
 use crate::model::{AttentionMask, Model};
@@ -50,6 +51,10 @@ pub struct RowOptions {
     /// single-prompt generation with `seed` would, whatever it is batched
     /// with. Without it, the row's stream derives from the sampler's seed.
     pub seed: Option<u64>,
+    /// What the row's output must match (needs a tokenizer). The row ends
+    /// with [`FinishReason::Stop`] once nothing but the end of the output
+    /// can follow, or with `Eos` when the model ends a complete output.
+    pub constraint: Option<ConstraintSpec>,
 }
 
 impl Default for GenerateOptions {
@@ -71,7 +76,7 @@ impl Default for GenerateOptions {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
     Eos,
-    /// A stop string matched.
+    /// A stop string matched, or a constrained output is complete.
     Stop,
     /// `max_new_tokens` reached.
     Length,
@@ -106,6 +111,8 @@ pub struct Stats {
     pub decode_ms: f64,
     /// Decode steps after the first token, per second (per row).
     pub decode_tokens_per_s: f64,
+    /// Host time spent computing constrained rows' token masks, in total.
+    pub constraint_ms: f64,
 }
 
 pub struct Generation {
@@ -121,6 +128,11 @@ pub struct Generation {
     sampler: Sampler,
     cache: KvCache,
     rows: Vec<Row>,
+    /// Each row's constraint, if it has one.
+    constraints: Vec<Option<RowConstraint>>,
+    /// Reused host buffer for the constrained rows' logit bias.
+    bias: Vec<f32>,
+    constraint_ms: f64,
     /// Left padding of each row, when rows differ in length.
     padding: Option<Vec<i32>>,
     eos: Vec<u32>,
@@ -173,6 +185,22 @@ impl Generation {
             options.rows.iter().map(|r| r.seed).collect()
         };
         let sampler = Sampler::new(options.sampler.clone(), &row_seeds)?;
+        // Compiled before any model work, so a bad grammar fails fast.
+        let constraints = (0..prompts.len())
+            .map(
+                |i| match options.rows.get(i).and_then(|r| r.constraint.as_ref()) {
+                    Some(spec) => {
+                        let tokenizer = tokenizer.as_deref().ok_or_else(|| {
+                            Error::InvalidConstraint(
+                                "constrained decoding needs a tokenizer".into(),
+                            )
+                        })?;
+                        RowConstraint::new(tokenizer, spec).map(Some)
+                    }
+                    None => Ok(None),
+                },
+            )
+            .collect::<Result<Vec<_>>>()?;
         let kind = stream
             .as_ref()
             .map_or_else(DeviceKind::default_kind, |s| s.kind);
@@ -192,6 +220,9 @@ impl Generation {
             sampler,
             cache,
             rows: prompts.iter().map(|p| Row::new(p.len())).collect(),
+            constraints,
+            bias: vec![],
+            constraint_ms: 0.0,
             padding,
             eos,
             pending: None,
@@ -264,7 +295,13 @@ impl Generation {
 
     /// Logits `[B, 1, V]` -> next tokens `[B]` (uint32), queued on the device.
     fn sample(&mut self, logits: &Array) -> Result<Array> {
-        let logits = logits.reshape(&[logits.dim(0), logits.dim(-1)])?;
+        let mut logits = logits.reshape(&[logits.dim(0), logits.dim(-1)])?;
+        if self.constrained() {
+            // The device computes the logits while the host computes masks.
+            transforms::async_eval([&logits])?;
+            let bias = self.constraint_bias(logits.dim(-1) as usize)?;
+            logits = logits.add(&bias)?;
+        }
         let next = if self.sampler.on_device() {
             self.sampler.sample_device(&logits)?
         } else {
@@ -273,6 +310,35 @@ impl Generation {
         };
         transforms::async_eval([&next])?;
         Ok(next)
+    }
+
+    /// Whether some unfinished row is constrained.
+    fn constrained(&self) -> bool {
+        self.constraints
+            .iter()
+            .zip(&self.rows)
+            .any(|(c, r)| c.is_some() && r.finish.is_none())
+    }
+
+    /// `[B, V]` float32 additive bias: each constrained row's mask (0 or
+    /// -inf), zeros for the other rows so their logits keep their values.
+    fn constraint_bias(&mut self, vocab: usize) -> Result<Array> {
+        let started = Instant::now();
+        let batch = self.rows.len();
+        self.bias.clear();
+        self.bias.resize(batch * vocab, 0.0);
+        for (i, (c, row)) in self.constraints.iter_mut().zip(&self.rows).enumerate() {
+            if let (Some(c), None) = (c, row.finish) {
+                let out = &mut self.bias[i * vocab..(i + 1) * vocab];
+                if !c.write_bias(&self.eos, self.options.ignore_eos, out)? {
+                    // The row ends before taking this step's token.
+                    out.fill(0.0);
+                }
+            }
+        }
+        let bias = Array::from_slice(&self.bias, &[batch as i32, vocab as i32]);
+        self.constraint_ms += started.elapsed().as_secs_f64() * 1e3;
+        Ok(bias)
     }
 
     pub fn is_done(&self) -> bool {
@@ -307,8 +373,18 @@ impl Generation {
             // Queue the following step before reading this one back.
             let more = self.steps + 1 < self.options.max_new_tokens
                 && self.cache.offset() < self.cache.capacity();
+            // A constrained step's mask needs this step's tokens: queue only
+            // the forward pass now and sample once they are known.
+            let constrained = self.constrained();
+            let mut queued_logits = None;
             if more && self.sampler.on_device() {
-                self.pending = Some(self.step(&current)?);
+                if constrained {
+                    let logits = self.forward(&current)?;
+                    transforms::async_eval([&logits])?;
+                    queued_logits = Some(logits);
+                } else {
+                    self.pending = Some(self.step(&current)?);
+                }
             }
             current.eval()?;
             if self.options.profile_timing {
@@ -318,20 +394,32 @@ impl Generation {
             }
             self.steps += 1;
             let tokens: Vec<u32> = current.as_slice::<u32>().to_vec();
-            for ((row, &token), delta) in self.rows.iter_mut().zip(&tokens).zip(&mut deltas) {
-                row.accept(
-                    token,
-                    &self.options,
-                    &self.eos,
-                    self.tokenizer.as_deref(),
-                    delta,
-                )?;
+            for (((row, &token), delta), constraint) in self
+                .rows
+                .iter_mut()
+                .zip(&tokens)
+                .zip(&mut deltas)
+                .zip(&mut self.constraints)
+            {
+                let tokenizer = self.tokenizer.as_deref();
+                if constraint.as_ref().is_some_and(RowConstraint::is_complete) {
+                    row.end(FinishReason::Stop, tokenizer, delta)?;
+                    continue;
+                }
+                row.accept(token, &self.options, &self.eos, tokenizer, delta)?;
+                if let (Some(c), None) = (constraint.as_mut(), row.finish) {
+                    if c.consume(token)? {
+                        row.end(FinishReason::Stop, tokenizer, delta)?;
+                    }
+                }
             }
             if self.is_done() {
                 self.pending = None;
                 break;
             }
-            if more && !self.sampler.on_device() {
+            if let Some(logits) = queued_logits {
+                self.pending = Some(self.sample(&logits)?);
+            } else if more && !self.sampler.on_device() {
                 self.pending = Some(self.step(&current)?);
             }
         }
@@ -340,12 +428,16 @@ impl Generation {
 
     /// Feeds `tokens` `[B]` through the model and samples the next ones.
     fn step(&mut self, tokens: &Array) -> Result<Array> {
+        let logits = self.forward(tokens)?;
+        self.sample(&logits)
+    }
+
+    /// Feeds `tokens` `[B]` through the model: the next logits (lazy).
+    fn forward(&mut self, tokens: &Array) -> Result<Array> {
         let mask = self.mask(1)?;
         let ids = tokens.reshape(&[tokens.dim(0), 1])?;
-        let logits = self
-            .model
-            .forward(&ids, &mut self.cache, &mask, false, &self.workers)?;
-        self.sample(&logits)
+        self.model
+            .forward(&ids, &mut self.cache, &mask, false, &self.workers)
     }
 
     pub fn stats(&self) -> Stats {
@@ -353,6 +445,7 @@ impl Generation {
             prompt_tokens: self.rows.iter().map(|r| r.prompt_len).collect(),
             generated_tokens: self.rows.iter().map(|r| r.generated.len()).collect(),
             prefill_ms: self.prefill_ms,
+            constraint_ms: self.constraint_ms,
             ..Stats::default()
         };
         if let (true, Some(first), Some(last)) = (

@@ -6,6 +6,7 @@
 
 pub mod cache;
 pub mod config;
+pub mod constraint;
 pub mod device;
 pub mod error;
 pub mod generate;
@@ -18,6 +19,7 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use config::{Arch, ModelConfig, QuantSpec};
+pub use constraint::ConstraintSpec;
 pub use error::{Error, Result};
 pub use generate::{
     generate, FinishReason, GenerateOptions, Generation, Output, RowDelta, RowOptions, Stats,

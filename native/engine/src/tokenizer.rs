@@ -2,10 +2,12 @@
 //! tokenizer_config.json, rendered with minijinja the way transformers does.
 
 use std::path::Path;
+use std::sync::{Arc, OnceLock};
 
 use serde_json::Value;
 
 use crate::config::{add_missing, generation_eos_ids};
+use crate::constraint::ConstraintFactory;
 use crate::error::{read_json, Error, Result};
 
 pub struct Tokenizer {
@@ -16,6 +18,8 @@ pub struct Tokenizer {
     eos_token_ids: Vec<u32>,
     /// Cached: the tokenizers crate rebuilds its whole vocabulary map to count it.
     vocab_size: usize,
+    /// Built on first use by a constrained generation.
+    constraints: OnceLock<std::result::Result<Arc<ConstraintFactory>, String>>,
 }
 
 /// `bos_token` / `eos_token` are strings or `{"content": ...}` objects.
@@ -77,7 +81,20 @@ impl Tokenizer {
             bos_token: special_token(&config, "bos_token"),
             eos_token,
             eos_token_ids,
+            constraints: OnceLock::new(),
         })
+    }
+
+    /// The grammar machinery for this tokenizer's vocabulary.
+    pub fn constraint_factory(&self) -> Result<Arc<ConstraintFactory>> {
+        self.constraints
+            .get_or_init(|| {
+                ConstraintFactory::new(&self.inner, &self.eos_token_ids)
+                    .map(Arc::new)
+                    .map_err(|e| e.to_string())
+            })
+            .clone()
+            .map_err(Error::Unsupported)
     }
 
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
@@ -116,6 +133,19 @@ impl Tokenizer {
         add_generation_prompt: bool,
         enable_thinking: Option<bool>,
     ) -> Result<String> {
+        self.apply_chat_template_with_tools(messages, None, add_generation_prompt, enable_thinking)
+    }
+
+    /// Renders `messages` with the functions in `tools` (a JSON list of
+    /// tool definitions, as transformers takes them) offered to the model.
+    /// An assistant message may carry `tool_calls` instead of content.
+    pub fn apply_chat_template_with_tools(
+        &self,
+        messages: &Value,
+        tools: Option<&Value>,
+        add_generation_prompt: bool,
+        enable_thinking: Option<bool>,
+    ) -> Result<String> {
         let template = self
             .chat_template
             .as_deref()
@@ -123,14 +153,21 @@ impl Tokenizer {
         let valid = messages.as_array().is_some_and(|list| {
             !list.is_empty()
                 && list.iter().all(|m| {
+                    let content = m.get("content");
                     m.get("role").is_some_and(Value::is_string)
-                        && m.get("content").is_some_and(Value::is_string)
+                        && (content.is_some_and(Value::is_string)
+                            || (m.get("tool_calls").is_some_and(Value::is_array)
+                                && content.is_none_or(Value::is_null)))
                 })
         });
         if !valid {
             return Err(Error::invalid(
-                "messages must be a non-empty list of maps with string `role` and `content`",
+                "messages must be a non-empty list of maps with string `role` and `content` \
+                 (or, for an assistant, a `tool_calls` list)",
             ));
+        }
+        if tools.is_some_and(|t| !t.as_array().is_some_and(|l| l.iter().all(Value::is_object))) {
+            return Err(Error::invalid("tools must be a list of maps"));
         }
         let mut env = minijinja::Environment::new();
         // transformers renders chat templates with these settings and helpers.
@@ -146,6 +183,7 @@ impl Tokenizer {
                 ))
             },
         );
+        env.add_filter("tojson", py_tojson);
         env.add_template("chat", template)
             .map_err(|e| Error::Template(e.to_string()))?;
         let mut context = serde_json::json!({
@@ -157,10 +195,94 @@ impl Tokenizer {
         if let Some(thinking) = enable_thinking {
             context["enable_thinking"] = Value::Bool(thinking);
         }
+        if let Some(tools) = tools {
+            context["tools"] = tools.clone();
+        }
         env.get_template("chat")
             .and_then(|t| t.render(minijinja::Value::from_serialize(&context)))
             .map_err(|e| Error::Template(e.to_string()))
     }
+}
+
+/// transformers' `tojson` filter: Python's `json.dumps` with non-ASCII kept
+/// and, without `indent`, `", "` and `": "` separators (minijinja's own
+/// writes compact, HTML-escaped JSON, which changes the prompt).
+fn py_tojson(
+    value: minijinja::Value,
+    kwargs: minijinja::value::Kwargs,
+) -> std::result::Result<minijinja::Value, minijinja::Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    kwargs.assert_all_used()?;
+    let json = serde_json::to_value(&value).map_err(|e| {
+        minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string())
+    })?;
+    let mut out = String::new();
+    write_py_json(&json, indent, 0, &mut out);
+    Ok(minijinja::Value::from_safe_string(out))
+}
+
+fn write_py_json(v: &Value, indent: Option<usize>, level: usize, out: &mut String) {
+    let (item_sep, newline) = match indent {
+        Some(n) => (",", Some(n)),
+        None => (", ", None),
+    };
+    let open = |out: &mut String, level: usize| {
+        if let Some(n) = newline {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * level));
+        }
+    };
+    match v {
+        Value::Array(items) if !items.is_empty() => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                open(out, level + 1);
+                write_py_json(item, indent, level + 1, out);
+            }
+            open(out, level);
+            out.push(']');
+        }
+        Value::Object(map) if !map.is_empty() => {
+            out.push('{');
+            for (i, (key, item)) in map.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                open(out, level + 1);
+                write_py_string(key, out);
+                out.push_str(": ");
+                write_py_json(item, indent, level + 1, out);
+            }
+            open(out, level);
+            out.push('}');
+        }
+        Value::Array(_) => out.push_str("[]"),
+        Value::Object(_) => out.push_str("{}"),
+        Value::String(s) => write_py_string(s, out),
+        Value::Null => out.push_str("null"),
+        other => out.push_str(&other.to_string()),
+    }
+}
+
+fn write_py_string(s: &str, out: &mut String) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{8}' => out.push_str("\\b"),
+            '\u{c}' => out.push_str("\\f"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
 }
 
 /// Turns a growing list of token ids into text pieces, never emitting half

@@ -123,7 +123,13 @@ fn seeded_rows_equal_their_single_runs() {
             .ids;
         let batch = |prompts: &[&Vec<u32>], seeds: &[Option<u64>], seed| {
             let prompts: Vec<Vec<u32>> = prompts.iter().map(|p| (*p).clone()).collect();
-            let rows = seeds.iter().map(|&seed| RowOptions { seed }).collect();
+            let rows = seeds
+                .iter()
+                .map(|&seed| RowOptions {
+                    seed,
+                    ..RowOptions::default()
+                })
+                .collect();
             run_batch(
                 &prompts,
                 GenerateOptions {

@@ -3,7 +3,9 @@
 use std::sync::Mutex;
 
 use emlx_axon_engine::device::on_large_stack;
-use emlx_axon_engine::{GenerateOptions, Generation, RowOptions, SamplerConfig, SamplerKind};
+use emlx_axon_engine::{
+    ConstraintSpec, GenerateOptions, Generation, RowOptions, SamplerConfig, SamplerKind,
+};
 use rustler::{Atom, NifMap, ResourceArc, Term};
 
 use crate::error::{guard, NifError, NifResult};
@@ -12,7 +14,7 @@ use crate::stream::StreamResource;
 use crate::tokenizer::TokenizerResource;
 
 mod atoms {
-    rustler::atoms! { row_seeds, greedy, top_p_cpu, top_p_gpu, cont, done, ok, eos, stop, length, max_len }
+    rustler::atoms! { row_seeds, row_constraints, json_schema, regex, grammar, greedy, top_p_cpu, top_p_gpu, cont, done, ok, eos, stop, length, max_len }
 }
 
 pub struct GenerationResource {
@@ -63,21 +65,60 @@ fn sampler_kind(atom: Atom) -> NifResult<SamplerKind> {
     }
 }
 
-/// The optional `row_seeds` key: one entry per prompt (`nil`: derived from
-/// `seed`), or `nil`. Read apart from `StartOptions` so that a map without
-/// it still decodes; a bad value raises as a bad field of `StartOptions` does.
-fn row_seeds(opts: Term) -> Result<Vec<RowOptions>, rustler::Error> {
-    let seeds: Option<Vec<Option<u64>>> = match opts.map_get(atoms::row_seeds()) {
-        Ok(term) => term.decode().map_err(|_| {
-            rustler::Error::RaiseTerm(Box::new("Could not decode field :row_seeds on %{}"))
-        })?,
-        Err(_) => None,
-    };
-    Ok(seeds
-        .unwrap_or_default()
-        .into_iter()
-        .map(|seed| RowOptions { seed })
-        .collect())
+/// An optional key of the options map, or `None`. Read apart from
+/// `StartOptions` so that a map without it still decodes; a bad value
+/// raises as a bad field of `StartOptions` does.
+fn optional<'a, T: rustler::Decoder<'a>>(
+    opts: Term<'a>,
+    key: Atom,
+    message: &'static str,
+) -> Result<Option<T>, rustler::Error> {
+    match opts.map_get(key) {
+        Ok(term) => term
+            .decode()
+            .map_err(|_| rustler::Error::RaiseTerm(Box::new(message))),
+        Err(_) => Ok(None),
+    }
+}
+
+/// The optional `row_seeds` key (one entry per prompt, `nil`: derived from
+/// `seed`) and `row_constraints` key (one `nil` or `{:json_schema | :regex
+/// | :grammar, text}` per prompt).
+fn row_options(opts: Term) -> Result<Vec<RowOptions>, rustler::Error> {
+    let seeds: Vec<Option<u64>> = optional(
+        opts,
+        atoms::row_seeds(),
+        "Could not decode field :row_seeds on %{}",
+    )?
+    .unwrap_or_default();
+    let constraints: Vec<Option<(Atom, String)>> = optional(
+        opts,
+        atoms::row_constraints(),
+        "Could not decode field :row_constraints on %{}",
+    )?
+    .unwrap_or_default();
+    let rows = seeds.len().max(constraints.len());
+    (0..rows)
+        .map(|i| {
+            let constraint = match constraints.get(i).cloned().flatten() {
+                None => None,
+                Some((kind, text)) if kind == atoms::json_schema() => {
+                    Some(ConstraintSpec::JsonSchema(text))
+                }
+                Some((kind, text)) if kind == atoms::regex() => Some(ConstraintSpec::Regex(text)),
+                Some((kind, text)) if kind == atoms::grammar() => Some(ConstraintSpec::Lark(text)),
+                Some(_) => {
+                    return Err(rustler::Error::RaiseTerm(Box::new(
+                        "a row constraint must be {:json_schema | :regex | :grammar, text}",
+                    )))
+                }
+            };
+            Ok(RowOptions {
+                seed: seeds.get(i).copied().flatten(),
+                constraint,
+            })
+        })
+        .collect()
 }
 
 #[rustler::nif(schedule = "DirtyCpu")]
@@ -89,7 +130,7 @@ fn generation_start(
     opts: Term,
 ) -> Result<NifResult<ResourceArc<GenerationResource>>, rustler::Error> {
     let o: StartOptions = opts.decode()?;
-    let rows = row_seeds(opts)?;
+    let rows = row_options(opts)?;
     Ok(guard(|| {
         let options = GenerateOptions {
             max_new_tokens: o.max_new_tokens,
@@ -172,6 +213,7 @@ pub struct StatsOut {
     decode_ms: f64,
     decode_tokens_per_s: f64,
     time_to_first_token_ms: f64,
+    constraint_ms: f64,
 }
 
 #[rustler::nif]
@@ -185,6 +227,7 @@ fn generation_stats(resource: ResourceArc<GenerationResource>) -> NifResult<Stat
             decode_ms: s.decode_ms,
             decode_tokens_per_s: s.decode_tokens_per_s,
             time_to_first_token_ms: s.time_to_first_token_ms,
+            constraint_ms: s.constraint_ms,
         })
     })
 }

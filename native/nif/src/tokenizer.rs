@@ -5,9 +5,8 @@ use std::sync::Arc;
 
 use emlx_axon_engine::Tokenizer;
 use rustler::{NifMap, ResourceArc};
-use serde_json::json;
 
-use crate::error::{guard, NifResult};
+use crate::error::{guard, NifError, NifResult};
 
 pub struct TokenizerResource {
     pub tokenizer: Arc<Tokenizer>,
@@ -44,20 +43,30 @@ fn tokenizer_decode(
     guard(|| Ok(tok.tokenizer.decode(&ids, skip_special_tokens)?))
 }
 
+/// `messages` and `tools` come as JSON text: messages with tool calls and
+/// tool definitions are nested maps of any shape.
 #[rustler::nif(schedule = "DirtyCpu")]
 fn tokenizer_apply_chat_template(
     tok: ResourceArc<TokenizerResource>,
-    messages: Vec<(String, String)>,
+    messages: String,
+    tools: Option<String>,
     add_generation_prompt: bool,
     enable_thinking: Option<bool>,
 ) -> NifResult<String> {
     guard(|| {
-        let messages: Vec<_> = messages
-            .into_iter()
-            .map(|(role, content)| json!({"role": role, "content": content}))
-            .collect();
-        Ok(tok.tokenizer.apply_chat_template(
-            &json!(messages),
+        let parse = |what: &str, text: &str| {
+            serde_json::from_str::<serde_json::Value>(text).map_err(|e| {
+                NifError::new(
+                    "invalid_argument",
+                    format!("{what} are not valid JSON: {e}"),
+                )
+            })
+        };
+        let messages = parse("messages", &messages)?;
+        let tools = tools.map(|t| parse("tools", &t)).transpose()?;
+        Ok(tok.tokenizer.apply_chat_template_with_tools(
+            &messages,
+            tools.as_ref(),
             add_generation_prompt,
             enable_thinking,
         )?)

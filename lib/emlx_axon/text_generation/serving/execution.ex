@@ -17,7 +17,12 @@ defmodule EMLXAxon.TextGeneration.Serving.Execution do
           %{atom() => Results.field()}
   def run(%{tokenizer: tokenizer, state: model, opts: opts}, requests, stream, on_chunk) do
     prompts = Enum.map(requests, & &1.ids)
-    opts = Map.put(opts, :row_seeds, Input.row_seeds(requests, opts.seed))
+
+    opts =
+      opts
+      |> Map.put(:row_seeds, Input.row_seeds(requests, opts.seed))
+      |> Map.put(:row_constraints, Input.row_constraints(requests, opts.constraint))
+
     stream_ref = EMLXAxon.Stream.resolve(stream)
 
     case Generation.run(model, tokenizer, stream_ref, prompts, opts, on_chunk) do

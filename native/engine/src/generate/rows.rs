@@ -79,6 +79,28 @@ impl Row {
     }
 }
 
+impl Row {
+    /// Ends the row now with `reason`, returning all text still held back.
+    pub fn end(
+        &mut self,
+        reason: FinishReason,
+        tokenizer: Option<&Tokenizer>,
+        delta: &mut RowDelta,
+    ) -> Result<()> {
+        if self.finish.is_some() {
+            return Ok(());
+        }
+        self.finish = Some(reason);
+        if let Some(tokenizer) = tokenizer {
+            self.pending_text.push_str(&self.detok.flush(tokenizer)?);
+        }
+        delta.text.push_str(&self.pending_text);
+        self.pending_text.clear();
+        delta.finish = self.finish;
+        Ok(())
+    }
+}
+
 /// Bytes at the end of `text` that could begin one of the stop strings, kept
 /// back so a stop string split across tokens is never partly returned.
 fn held_back(text: &str, stop: &[String]) -> usize {

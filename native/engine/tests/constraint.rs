@@ -1,0 +1,456 @@
+//! Constrained decoding on a random-weight model: whatever the model
+//! prefers, every output matches its JSON Schema, regex or Lark grammar.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use emlx_axon_engine::{
+    ConstraintSpec, Dtype, FinishReason, GenerateOptions, Generation, LoadOptions, Model,
+    RowOptions, SamplerConfig, SamplerKind, Tokenizer,
+};
+use serde_json::{json, Value};
+
+const FIXTURE: &str = "qwen3-4bit-g64";
+
+fn model() -> Arc<Model> {
+    load(
+        FIXTURE,
+        &LoadOptions {
+            dtype: Some(Dtype::Float32),
+            ..LoadOptions::default()
+        },
+    )
+}
+
+fn sampler(kind: SamplerKind) -> SamplerConfig {
+    SamplerConfig {
+        kind,
+        temperature: 1.0,
+        top_p: 0.95,
+        seed: Some(1),
+        ..SamplerConfig::default()
+    }
+}
+
+struct Run {
+    texts: Vec<String>,
+    ids: Vec<Vec<u32>>,
+    finish: Vec<Option<FinishReason>>,
+}
+
+fn run(
+    tokenizer: &Arc<Tokenizer>,
+    prompts: &[Vec<u32>],
+    rows: Vec<RowOptions>,
+    sampler: SamplerConfig,
+    max_new_tokens: usize,
+) -> Run {
+    let options = GenerateOptions {
+        max_new_tokens,
+        sampler,
+        rows,
+        ..GenerateOptions::default()
+    };
+    let mut generation =
+        Generation::start(model(), Some(tokenizer.clone()), None, prompts, options).unwrap();
+    let mut texts = vec![String::new(); prompts.len()];
+    let mut finish = vec![None; prompts.len()];
+    while !generation.is_done() {
+        for (i, d) in generation.next(8).unwrap().into_iter().enumerate() {
+            texts[i].push_str(&d.text);
+            finish[i] = d.finish.or(finish[i]);
+        }
+    }
+    Run {
+        texts,
+        ids: generation.generated(),
+        finish,
+    }
+}
+
+fn seeded(n: usize, spec: &ConstraintSpec) -> Vec<RowOptions> {
+    (0..n)
+        .map(|i| RowOptions {
+            seed: Some(100 + i as u64),
+            constraint: Some(spec.clone()),
+        })
+        .collect()
+}
+
+/// The JSON Schema subset the schemas below use, checked independently of
+/// the grammar engine. Returns what is wrong, if anything.
+fn validate(value: &Value, schema: &Value, path: &str) -> Result<(), String> {
+    let fail = |what: String| Err(format!("{path}: {what} (value {value})"));
+    if let Some(options) = schema.get("enum").and_then(Value::as_array) {
+        if !options.contains(value) {
+            return fail("not one of the enum".into());
+        }
+    }
+    if let Some(any) = schema.get("anyOf").and_then(Value::as_array) {
+        if !any.iter().any(|s| validate(value, s, path).is_ok()) {
+            return fail("matches no anyOf branch".into());
+        }
+    }
+    let Some(kind) = schema.get("type").and_then(Value::as_str) else {
+        return Ok(());
+    };
+    let number = |key: &str| schema.get(key).and_then(Value::as_f64);
+    match kind {
+        "object" => {
+            let Some(object) = value.as_object() else {
+                return fail("not an object".into());
+            };
+            let properties = schema.get("properties").and_then(Value::as_object);
+            for key in schema["required"].as_array().into_iter().flatten() {
+                if !object.contains_key(key.as_str().unwrap()) {
+                    return fail(format!("required key {key} missing"));
+                }
+            }
+            for (key, v) in object {
+                match properties.and_then(|p| p.get(key)) {
+                    Some(s) => validate(v, s, &format!("{path}.{key}"))?,
+                    None if schema.get("additionalProperties") == Some(&json!(false)) => {
+                        return fail(format!("unexpected key {key}"))
+                    }
+                    None => {}
+                }
+            }
+        }
+        "array" => {
+            let Some(items) = value.as_array() else {
+                return fail("not an array".into());
+            };
+            if number("minItems").is_some_and(|m| (items.len() as f64) < m) {
+                return fail("too few items".into());
+            }
+            if number("maxItems").is_some_and(|m| (items.len() as f64) > m) {
+                return fail("too many items".into());
+            }
+            if let Some(s) = schema.get("items") {
+                for (i, item) in items.iter().enumerate() {
+                    validate(item, s, &format!("{path}[{i}]"))?;
+                }
+            }
+        }
+        "string" => {
+            let Some(s) = value.as_str() else {
+                return fail("not a string".into());
+            };
+            let chars = s.chars().count() as f64;
+            if number("minLength").is_some_and(|m| chars < m)
+                || number("maxLength").is_some_and(|m| chars > m)
+            {
+                return fail("string length out of bounds".into());
+            }
+        }
+        "integer" | "number" => {
+            let Some(x) = value.as_f64() else {
+                return fail("not a number".into());
+            };
+            if kind == "integer" && !(value.is_i64() || value.is_u64()) {
+                return fail("not an integer".into());
+            }
+            if number("minimum").is_some_and(|m| x < m)
+                || number("maximum").is_some_and(|m| x > m)
+                || number("exclusiveMinimum").is_some_and(|m| x <= m)
+                || number("exclusiveMaximum").is_some_and(|m| x >= m)
+            {
+                return fail("number out of range".into());
+            }
+        }
+        "boolean" if !value.is_boolean() => return fail("not a boolean".into()),
+        "null" if !value.is_null() => return fail("not null".into()),
+        _ => {}
+    }
+    Ok(())
+}
+
+fn schemas() -> Vec<Value> {
+    vec![
+        // Nested objects, required and optional keys, no extra keys.
+        json!({
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 12},
+                "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                "address": {
+                    "type": "object",
+                    "properties": {
+                        "city": {"type": "string", "minLength": 1, "maxLength": 10},
+                        "zip": {"type": "string", "maxLength": 5}
+                    },
+                    "required": ["city"],
+                    "additionalProperties": false
+                }
+            },
+            "required": ["name", "address"],
+            "additionalProperties": false
+        }),
+        // Arrays with bounds, of enums.
+        json!({
+            "type": "object",
+            "properties": {
+                "tags": {
+                    "type": "array",
+                    "items": {"enum": ["red", "green", "blue"]},
+                    "minItems": 1,
+                    "maxItems": 3
+                },
+                "level": {"enum": ["low", "mid", "high", 3]}
+            },
+            "required": ["tags", "level"],
+            "additionalProperties": false
+        }),
+        // Numbers with ranges, booleans, null, arrays of integers.
+        json!({
+            "type": "object",
+            "properties": {
+                "score": {"type": "number", "minimum": -1.5, "maximum": 2.5},
+                "count": {"type": "integer", "exclusiveMinimum": 3, "exclusiveMaximum": 9},
+                "ok": {"type": "boolean"},
+                "none": {"type": "null"},
+                "points": {
+                    "type": "array",
+                    "items": {"type": "integer", "minimum": -5, "maximum": 5},
+                    "maxItems": 4
+                }
+            },
+            "required": ["score", "count", "ok", "none", "points"],
+            "additionalProperties": false
+        }),
+        // An array at the top, of small objects.
+        json!({
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 99}},
+                "required": ["id"],
+                "additionalProperties": false
+            },
+            "minItems": 2,
+            "maxItems": 3
+        }),
+    ]
+}
+
+fn prompt(tokenizer: &Tokenizer) -> Vec<u32> {
+    tokenizer.encode("Answer in JSON:", false).unwrap()
+}
+
+#[test]
+fn sampled_outputs_validate_against_their_schemas() {
+    let tokenizer = tokenizer(FIXTURE);
+    let kinds = [
+        SamplerKind::TopPGpu,
+        SamplerKind::TopPCpu,
+        SamplerKind::TopPGpu,
+        SamplerKind::TopPCpu,
+    ];
+    let mut distinct = std::collections::HashSet::new();
+    for (schema, kind) in schemas().into_iter().zip(kinds) {
+        let spec = ConstraintSpec::JsonSchema(schema.to_string());
+        let prompts = vec![prompt(&tokenizer); 20];
+        let out = run(&tokenizer, &prompts, seeded(20, &spec), sampler(kind), 256);
+        for (i, text) in out.texts.iter().enumerate() {
+            assert!(
+                matches!(out.finish[i], Some(FinishReason::Stop | FinishReason::Eos)),
+                "row {i} did not complete ({:?}): {text}",
+                out.finish[i]
+            );
+            let value: Value = serde_json::from_str(text)
+                .unwrap_or_else(|e| panic!("row {i} is not JSON ({e}): {text}"));
+            validate(&value, &schema, "$")
+                .unwrap_or_else(|e| panic!("row {i} breaks its schema: {e}\n{text}"));
+        }
+        distinct.extend(out.texts);
+    }
+    // The seeds matter: sampling is not collapsed onto one output a schema.
+    assert!(distinct.len() > 8, "too few distinct outputs: {distinct:?}");
+}
+
+#[test]
+fn greedy_top_k_and_min_p_outputs_validate() {
+    let tokenizer = tokenizer(FIXTURE);
+    let schema = &schemas()[1];
+    let spec = ConstraintSpec::JsonSchema(schema.to_string());
+    let configs = [
+        SamplerConfig::default(),
+        SamplerConfig {
+            top_k: 5,
+            top_p: 1.0,
+            ..sampler(SamplerKind::TopPGpu)
+        },
+        SamplerConfig {
+            min_p: 0.1,
+            top_p: 1.0,
+            ..sampler(SamplerKind::TopPCpu)
+        },
+        SamplerConfig {
+            temperature: 0.0,
+            ..sampler(SamplerKind::TopPGpu)
+        },
+    ];
+    for config in configs {
+        let prompts = vec![prompt(&tokenizer); 4];
+        let out = run(&tokenizer, &prompts, seeded(4, &spec), config.clone(), 256);
+        for text in &out.texts {
+            let value: Value = serde_json::from_str(text)
+                .unwrap_or_else(|e| panic!("{config:?}: not JSON ({e}): {text}"));
+            validate(&value, schema, "$").unwrap();
+        }
+    }
+}
+
+#[test]
+fn regex_and_lark_outputs_match() {
+    let tokenizer = tokenizer(FIXTURE);
+    let prompts = vec![prompt(&tokenizer); 20];
+    let rx = r"[0-9]{3}-[a-z]{2,4}";
+    let checker = regex::Regex::new(&format!("^{rx}$")).unwrap();
+    let out = run(
+        &tokenizer,
+        &prompts,
+        seeded(20, &ConstraintSpec::Regex(rx.into())),
+        sampler(SamplerKind::TopPGpu),
+        64,
+    );
+    for text in &out.texts {
+        assert!(checker.is_match(text), "{text:?} does not match {rx}");
+    }
+
+    let lark = r#"
+        start: greeting " " number ("," number)*
+        greeting: "hello" | "bye"
+        number: /[1-9][0-9]?/
+    "#;
+    let checker = regex::Regex::new(r"^(hello|bye) [1-9][0-9]?(,[1-9][0-9]?)*$").unwrap();
+    let out = run(
+        &tokenizer,
+        &prompts,
+        seeded(20, &ConstraintSpec::Lark(lark.into())),
+        sampler(SamplerKind::TopPCpu),
+        48,
+    );
+    for (text, finish) in out.texts.iter().zip(&out.finish) {
+        // An open-ended list may run to the token budget; what was produced
+        // must still be in the language.
+        assert!(
+            checker.is_match(text),
+            "{text:?} is outside the grammar ({finish:?})"
+        );
+    }
+}
+
+#[test]
+fn free_rows_equal_their_unconstrained_runs() {
+    let tokenizer = tokenizer(FIXTURE);
+    let refs = reference(FIXTURE, "");
+    let (a, b) = (refs[0].1.clone(), refs[1].1.clone());
+    let spec = ConstraintSpec::JsonSchema(schemas()[1].to_string());
+    for config in [
+        SamplerConfig::default(),
+        sampler(SamplerKind::TopPGpu),
+        sampler(SamplerKind::TopPCpu),
+    ] {
+        let prompts = vec![a.clone(), b.clone(), a.clone(), b.clone()];
+        let rows: Vec<RowOptions> = (0..4)
+            .map(|i| RowOptions {
+                seed: Some(7 + i as u64),
+                constraint: (i % 2 == 1).then(|| spec.clone()),
+            })
+            .collect();
+        let free: Vec<RowOptions> = rows
+            .iter()
+            .map(|r| RowOptions {
+                constraint: None,
+                ..r.clone()
+            })
+            .collect();
+        let mixed = run(&tokenizer, &prompts, rows, config.clone(), 64);
+        let plain = run(&tokenizer, &prompts, free, config.clone(), 64);
+        for i in [0, 2] {
+            assert_eq!(
+                mixed.ids[i], plain.ids[i],
+                "{config:?}: free row {i} changed"
+            );
+        }
+        for i in [1, 3] {
+            let value: Value = serde_json::from_str(&mixed.texts[i]).unwrap_or_else(|e| {
+                panic!("{config:?}: row {i} not JSON ({e}): {}", mixed.texts[i])
+            });
+            validate(&value, &schemas()[1], "$").unwrap();
+        }
+    }
+}
+
+#[test]
+fn grammar_completion_and_eos_are_consistent() {
+    let tokenizer = tokenizer(FIXTURE);
+    let prompts = vec![prompt(&tokenizer)];
+    // Only one output is possible: it ends with `:stop`, without an EOS.
+    let out = run(
+        &tokenizer,
+        &prompts,
+        seeded(1, &ConstraintSpec::Regex("yes|no".into())),
+        SamplerConfig::default(),
+        16,
+    );
+    assert!(
+        out.texts[0] == "yes" || out.texts[0] == "no",
+        "{:?}",
+        out.texts
+    );
+    assert_eq!(out.finish[0], Some(FinishReason::Stop));
+    let eos = tokenizer.eos_token_ids();
+    assert!(!out.ids[0].iter().any(|t| eos.contains(t)));
+}
+
+fn start_error(spec: ConstraintSpec, tokenizer: bool) -> emlx_axon_engine::Error {
+    let options = GenerateOptions {
+        rows: vec![RowOptions {
+            seed: None,
+            constraint: Some(spec),
+        }],
+        ..GenerateOptions::default()
+    };
+    let tokenizer = tokenizer.then(|| common::tokenizer(FIXTURE));
+    match Generation::start(model(), tokenizer, None, &[vec![1, 2]], options) {
+        Ok(_) => panic!("the generation started"),
+        Err(e) => e,
+    }
+}
+
+#[test]
+fn invalid_constraints_are_argument_errors() {
+    let cases = [
+        (
+            ConstraintSpec::JsonSchema("{not json".into()),
+            "json_schema is not valid JSON",
+        ),
+        (
+            ConstraintSpec::JsonSchema("[1]".into()),
+            "json_schema must be a JSON object",
+        ),
+        (
+            ConstraintSpec::JsonSchema(r#"{"type": "strin"}"#.into()),
+            "invalid json_schema",
+        ),
+        (
+            ConstraintSpec::JsonSchema(
+                r#"{"type": "object", "dependentSchemas": {"a": {}}}"#.into(),
+            ),
+            "dependentSchemas",
+        ),
+        (ConstraintSpec::Regex("(ab".into()), "invalid regex"),
+        (ConstraintSpec::Lark("start: foo".into()), "invalid grammar"),
+    ];
+    for (spec, expected) in cases {
+        let e = start_error(spec.clone(), true);
+        assert_eq!(e.kind(), "invalid_constraint", "{spec:?}: {e}");
+        assert!(e.to_string().contains(expected), "{spec:?}: {e}");
+    }
+    let e = start_error(ConstraintSpec::Regex("a".into()), false);
+    assert!(e.to_string().contains("needs a tokenizer"), "{e}");
+}
