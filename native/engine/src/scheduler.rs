@@ -18,7 +18,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
-use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
 use mlx_rs::{transforms, Array};
 
 use crate::cache::KvCache;
@@ -485,17 +485,41 @@ impl Scheduler {
             .model
             .forward(&ids, &mut self.cache, &mask, false, &self.workers)?;
         let logits = logits.reshape(&[n, logits.dim(-1)])?;
-        let mut sampled: Vec<(usize, Array)> = vec![];
+        // Greedy rows share one argmax; the others draw with their own sampler.
+        let any_greedy = self
+            .slots
+            .iter()
+            .flatten()
+            .any(|r| r.request.options.sampler.is_greedy());
+        let greedy = if any_greedy {
+            Some(argmax_axis(&logits, -1, false)?.as_dtype(mlx_rs::Dtype::Uint32)?)
+        } else {
+            None
+        };
+        let mut sampled: Vec<(usize, Option<Array>)> = vec![];
         for (i, slot) in self.slots.iter_mut().enumerate() {
             if let Some(r) = slot {
-                let row = logits.index((i as i32..i as i32 + 1, ..));
-                sampled.push((i, sample_one_lazy(&mut r.request.sampler, &row)?));
+                if r.request.options.sampler.is_greedy() {
+                    sampled.push((i, None));
+                } else {
+                    let row = logits.index((i as i32..i as i32 + 1, ..));
+                    sampled.push((i, Some(sample_one_lazy(&mut r.request.sampler, &row)?)));
+                }
             }
         }
-        transforms::eval(sampled.iter().map(|(_, a)| a).chain(self.cache.arrays()))?;
+        transforms::eval(
+            greedy
+                .iter()
+                .chain(sampled.iter().filter_map(|(_, a)| a.as_ref()))
+                .chain(self.cache.arrays()),
+        )?;
+        let greedy_ids: &[u32] = greedy.as_ref().map_or(&[], |g| g.as_slice::<u32>());
         let mut events = vec![];
         for (i, token) in sampled {
-            let token = token.as_slice::<u32>()[0];
+            let token = match token {
+                Some(t) => t.as_slice::<u32>()[0],
+                None => greedy_ids[i],
+            };
             let mut running = self.slots[i].take().expect("sampled rows are running");
             let delta = running.request.accept(token, self.tokenizer.as_deref())?;
             let position = running.position + 1;
