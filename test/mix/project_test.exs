@@ -154,5 +154,24 @@ defmodule EMLXAxon.MixProjectTest do
     assert output =~ "error: could not find MLX"
     assert output =~ "could not build the emlx_axon NIF"
     assert output =~ "scripts/setup"
+
+    # The backend asked for must be the one of the MLX wheel the build found.
+    {output, status} = mix.(["compile"], [{"EMLX_AXON_BACKEND", "cuda"}])
+    assert status != 0
+    assert output =~ "the MLX backend :cuda was asked for"
+    assert output =~ "is the mlx-cpu wheel (:cpu)"
+    assert output =~ "MLX_BACKEND=cuda scripts/setup"
+    refute File.exists?(Path.join(dir, "priv/native/mlx/include"))
+
+    {output, status} = mix.(["compile"], [{"EMLX_AXON_BACKEND", "tpu"}])
+    assert status != 0
+
+    assert output =~
+             ~s(EMLX_AXON_BACKEND is "tpu"; the MLX backend must be one of :cpu, :cuda, :metal)
+
+    # Asked for explicitly, the wheel's backend builds (cargo without --features).
+    {output, status} = mix.(["compile"], [{"EMLX_AXON_BACKEND", "cpu"}])
+    assert status == 0, output
+    assert output =~ "(cargo build --release -p emlx_axon_nif);"
   end
 end
