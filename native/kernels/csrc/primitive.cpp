@@ -149,7 +149,7 @@ int emlx_kernels_quantized_linear(emlx_mlx_array* out, emlx_mlx_array x, emlx_ml
     const auto& Wq = *static_cast<mx::array*>(w.ctx);
     const auto& S = *static_cast<mx::array*>(scales.ctx);
     const auto& B = *static_cast<mx::array*>(biases.ctx);
-    if (s.device.type != mx::Device::DeviceType::cpu) return 0;
+    if (s.device.type != mx::Device::DeviceType::cpu || !emlx::kernels_preferred()) return 0;
     if (bits != 4 && bits != 8) return 0;
     if (group != 32 && group != 64 && group != 128) return 0;
     if (X.dtype() != mx::float32 || Wq.dtype() != mx::uint32 ||

@@ -42,6 +42,14 @@ Isa selected_isa() {
   return isa;
 }
 
+bool kernels_preferred() {
+  static const bool preferred = [] {
+    const char* env = std::getenv("EMLX_AXON_KERNELS");
+    return selected_isa() != kScalar || (env && std::strcmp(env, "scalar") == 0);
+  }();
+  return preferred;
+}
+
 namespace {
 
 Kernels kernels_for(Isa isa) {

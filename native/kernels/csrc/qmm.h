@@ -63,4 +63,9 @@ void qmm(const QmmArgs& args, Isa isa, int max_threads);
 Isa selected_isa();
 bool isa_supported(Isa isa);
 
+// Whether the kernels should replace MLX's: a SIMD variant runs here, or
+// EMLX_AXON_KERNELS=scalar asks for the portable one. (Elsewhere, e.g. on
+// aarch64 where there is no NEON variant yet, MLX's own kernels are kept.)
+bool kernels_preferred();
+
 }  // namespace emlx

@@ -107,7 +107,7 @@ void emlx_kernels_cblas_sgemm(int order, int trans_a, int trans_b, int m, int n,
   const bool valid = (order == kRowMajor || order == kColMajor) &&
                      (trans_a >= kNoTrans && trans_a <= kConjTrans) &&
                      (trans_b >= kNoTrans && trans_b <= kConjTrans) && m >= 0 && n >= 0 && k >= 0;
-  if (!valid || use_wheel_blas()) {
+  if (!valid || use_wheel_blas() || !emlx::kernels_preferred()) {
     if (CblasSgemm next = wheel_sgemm())
       next(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;
