@@ -6,6 +6,9 @@ defmodule EMLXAxon.StructuredOutputTest do
 
   @moduletag :fixtures
 
+  doctest EMLXAxon.JSON.Decoder
+  doctest EMLXAxon.ToolCalls
+
   @prompt "Answer in JSON:"
 
   setup_all do
