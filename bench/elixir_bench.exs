@@ -14,18 +14,22 @@
 #
 #   decode, prefill, batch   EMLXAxon.Qwen3.Loader.load/2 +
 #                            EMLXAxon.Qwen3.Generate.generate/3 with the ids
-#   textgen                  EMLXAxon.TextGeneration.run/4 with
-#                            %{input_ids: ids} (batch 1; detokenizes too);
-#                            its rows say peer "<label>-textgen"
+#   textgen                  EMLXAxon.TextGeneration.stream/5 (run/4's path
+#                            plus a callback) with %{input_ids: ids} (batch 1;
+#                            detokenizes too); its rows say peer
+#                            "<label>-textgen"
 #
-# Every call passes ignore_eos: true and profile_timing: true. Decode speed is
-# (tokens - 1) / decode_ms with the engine's clock: it starts at the first
-# token and stops at the last, so it includes all the Elixir work between the
-# native chunks. ttft_ms is the engine's, from the start of the native
-# generation; wall_ms is the whole call measured here, and overhead_ms what
-# the call took beyond the engine's ttft_ms + decode_ms (validation, result
-# building, freeing). Peak RSS is the BEAM's VmHWM, reset through
-# /proc/self/clear_refs before each measure, after freeing MLX's buffer cache
+# Every call passes ignore_eos: true and profile_timing: true. Times are taken
+# on this process's clock, as the other peers take theirs: the time to first
+# token runs from the call to the first chunk of ids (Generate's :on_chunk) or
+# text (stream/5) reaching the caller, decode speed is (tokens - 1) / (last
+# chunk - first chunk), and the decode measure's ids are reported so that
+# bench/report.py can check every peer generated the same greedy ids. The
+# engine's own clock is kept apart (engine_ttft_ms, engine_decode_ms);
+# overhead_ms is what the call took beyond its first-to-last-chunk span and
+# time to first token (result building, freeing). Peak RSS is the BEAM's
+# VmHWM, reset through /proc/self/clear_refs before each measure, after
+# freeing MLX's buffer cache
 # and resetting its peak (EMLXAxon.clear_memory_cache/0 and
 # reset_peak_memory/0, where the library has them).
 
@@ -150,13 +154,27 @@ defmodule EMLXAxon.Bench do
     ]
   end
 
-  # One timed call of Generate.generate/3 on `prompts` (a list of id lists).
+  # One timed call of Generate.generate/3 on `prompts` (a list of id lists),
+  # on the caller's clock as the other peers time theirs: the time to first
+  # token runs from the call to the first chunk of ids reaching this
+  # process, and decode from that chunk to the last. The engine's own clock
+  # is kept apart (engine_*).
   defp generate(cfg, prompts, tokens) do
     longest = prompts |> Enum.map(&length/1) |> Enum.max()
     input = if length(prompts) == 1, do: hd(prompts), else: prompts
+    # on_chunk runs in this process, between the native calls.
+    stamp = fn _rows ->
+      now = System.monotonic_time()
+      if Process.get(:bench_first) == nil, do: Process.put(:bench_first, now)
+      Process.put(:bench_last, now)
+    end
 
-    {wall_us, {:ok, result}} =
-      :timer.tc(fn -> Generate.generate(cfg.state, input, gen_opts(cfg, tokens, longest)) end)
+    Process.delete(:bench_first)
+    opts = [on_chunk: stamp] ++ gen_opts(cfg, tokens, longest)
+    started = System.monotonic_time()
+    {:ok, result} = Generate.generate(cfg.state, input, opts)
+    finished = System.monotonic_time()
+    {first, last} = {Process.get(:bench_first), Process.get(:bench_last)}
 
     results = List.wrap(result)
     counts = Enum.map(results, &length(&1.token_ids))
@@ -165,7 +183,17 @@ defmodule EMLXAxon.Bench do
       fail("expected #{tokens} tokens per row, got #{inspect(counts)}")
     end
 
-    {wall_us / 1000, hd(results).timings, Enum.sum(counts)}
+    ms = &(System.convert_time_unit(&1, :native, :microsecond) / 1000)
+
+    timed = %{
+      ttft_ms: ms.(first - started),
+      decode_ms: ms.(last - first),
+      wall_ms: ms.(finished - started),
+      engine: hd(results).timings,
+      ids: hd(results).token_ids
+    }
+
+    {timed, Enum.sum(counts)}
   end
 
   defp batch_prompts(cfg, b) do
@@ -211,46 +239,69 @@ defmodule EMLXAxon.Bench do
     n = cfg.tokens
     prompt = cfg.prompts.decode
     reset_memory()
-    {wall_ms, t, _} = generate(cfg, [prompt], n)
+    {t, _} = generate(cfg, [prompt], n)
 
     emit(
       cfg,
       "decode",
       run,
-      timing_fields(t, wall_ms, 1, n) |> Map.merge(%{prompt_tokens: length(prompt)})
+      timing_fields(t, 1, n) |> Map.merge(%{prompt_tokens: length(prompt), ids: t.ids})
     )
   end
 
+  # TextGeneration.run/4's path, timed on the caller's clock through
+  # stream/5 (run/4 plus the callback): first and last text pieces. A first
+  # token with no text of its own (part of a UTF-8 character) would be timed
+  # at the next piece: that errs towards slower, never faster.
   defp textgen(cfg, run) do
     n = cfg.tokens
     prompt = cfg.prompts.decode
     reset_memory()
+    Process.delete(:bench_first)
 
-    {wall_us, output} =
-      :timer.tc(fn ->
-        EMLXAxon.TextGeneration.run(
-          cfg.tokenizer,
-          cfg.state,
-          %{input_ids: prompt},
-          gen_opts(cfg, n, length(prompt))
-        )
-      end)
+    stamp = fn _text ->
+      now = System.monotonic_time()
+      if Process.get(:bench_first) == nil, do: Process.put(:bench_first, now)
+      Process.put(:bench_last, now)
+    end
 
-    [%{num_tokens: ^n}] = output.results
+    started = System.monotonic_time()
+
+    output =
+      EMLXAxon.TextGeneration.stream(
+        cfg.tokenizer,
+        cfg.state,
+        %{input_ids: prompt},
+        stamp,
+        gen_opts(cfg, n, length(prompt))
+      )
+
+    finished = System.monotonic_time()
+    [%{num_tokens: ^n, token_ids: ids}] = output.results
+    ms = &(System.convert_time_unit(&1, :native, :microsecond) / 1000)
+    {first, last} = {Process.get(:bench_first), Process.get(:bench_last)}
+
+    t = %{
+      ttft_ms: ms.(first - started),
+      decode_ms: ms.(last - first),
+      wall_ms: ms.(finished - started),
+      engine: output.metadata,
+      ids: ids
+    }
 
     emit(
       put_in(cfg.common.peer, cfg.label <> "-textgen"),
       "decode",
       run,
-      timing_fields(output.metadata, wall_us / 1000, 1, n)
-      |> Map.merge(%{prompt_tokens: length(prompt), path: "TextGeneration.run"})
+      timing_fields(t, 1, n)
+      |> Map.merge(%{prompt_tokens: length(prompt), path: "TextGeneration.stream", ids: ids})
     )
   end
 
   defp prefill(cfg, run) do
     prompt = cfg.prompts.prefill
     reset_memory()
-    {wall_ms, t, _} = generate(cfg, [prompt], 2)
+    {t, _} = generate(cfg, [prompt], 2)
 
     emit(
       cfg,
@@ -259,10 +310,11 @@ defmodule EMLXAxon.Bench do
       %{
         batch: 1,
         prompt_tokens: length(prompt),
-        tok_s: Float.round(length(prompt) / (t.time_to_first_token_ms / 1000), 3),
-        ttft_ms: Float.round(t.time_to_first_token_ms, 2),
-        engine_prefill_ms: Float.round(t.prefill_ms, 2),
-        wall_ms: Float.round(wall_ms, 2)
+        tok_s: Float.round(length(prompt) / (t.ttft_ms / 1000), 3),
+        ttft_ms: Float.round(t.ttft_ms, 2),
+        engine_ttft_ms: Float.round(t.engine.time_to_first_token_ms / 1, 2),
+        engine_prefill_ms: Float.round(t.engine.prefill_ms / 1, 2),
+        wall_ms: Float.round(t.wall_ms, 2)
       }
       |> Map.merge(memory())
     )
@@ -272,27 +324,31 @@ defmodule EMLXAxon.Bench do
     n = cfg.batch_tokens
     prompts = batch_prompts(cfg, b)
     reset_memory()
-    {wall_ms, t, generated} = generate(cfg, prompts, n)
+    {t, generated} = generate(cfg, prompts, n)
 
     emit(
       cfg,
       "batch",
       run,
-      timing_fields(t, wall_ms, b, n)
+      timing_fields(t, b, n)
       |> Map.merge(%{prompt_tokens: length(hd(prompts)), generated: generated})
     )
   end
 
-  defp timing_fields(t, wall_ms, b, n) do
+  # Speeds on the caller's clock (as every peer measures); the engine's own
+  # clock is kept as engine_* to show where the time goes.
+  defp timing_fields(t, b, n) do
     %{
       batch: b,
       tokens: n,
       tok_s: Float.round(b * (n - 1) / (t.decode_ms / 1000), 3),
-      ttft_ms: Float.round(t.time_to_first_token_ms, 2),
+      ttft_ms: Float.round(t.ttft_ms, 2),
       decode_ms: Float.round(t.decode_ms, 2),
-      wall_ms: Float.round(wall_ms, 2),
-      overhead_ms: Float.round(wall_ms - t.time_to_first_token_ms - t.decode_ms, 2),
-      engine_decode_tok_s: Float.round(t.decode_tokens_per_s / 1, 3)
+      wall_ms: Float.round(t.wall_ms, 2),
+      engine_ttft_ms: Float.round(t.engine.time_to_first_token_ms / 1, 2),
+      engine_decode_ms: Float.round(t.engine.decode_ms / 1, 2),
+      overhead_ms: Float.round(t.wall_ms - t.ttft_ms - t.decode_ms, 2),
+      engine_decode_tok_s: Float.round(t.engine.decode_tokens_per_s / 1, 3)
     }
     |> Map.merge(memory())
   end

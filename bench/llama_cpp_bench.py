@@ -76,20 +76,20 @@ class Bench:
         print(json.dumps(out), flush=True)
 
     def generate(self, prompt, tokens):
-        """One generation; returns (ttft_ms, decode_ms)."""
+        """One generation; returns (ttft_ms, decode_ms, ids)."""
         self.llm.reset()
         started = time.perf_counter()
         first = last = None
-        count = 0
-        for _ in self.llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+        ids = []
+        for token in self.llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
             now = time.perf_counter()
             if first is None:
                 first = now
             last = now
-            count += 1
-            if count == tokens:
+            ids.append(int(token))
+            if len(ids) == tokens:
                 break
-        return (first - started) * 1e3, (last - first) * 1e3
+        return (first - started) * 1e3, (last - first) * 1e3, ids
 
     def memory(self):
         return {"peak_rss_mb": status_mb("VmHWM:"), "rss_mb": status_mb("VmRSS:")}
@@ -121,13 +121,13 @@ def main():
     for run in range(args.runs):
         if "decode" in measures:
             reset_peak()
-            ttft, decode_ms = bench.generate(bench.decode_prompt, args.tokens)
+            ttft, decode_ms, ids = bench.generate(bench.decode_prompt, args.tokens)
             bench.emit("decode", run, batch=1, prompt_tokens=len(bench.decode_prompt), tokens=args.tokens,
                        tok_s=round((args.tokens - 1) / (decode_ms / 1e3), 3), ttft_ms=round(ttft, 2),
-                       decode_ms=round(decode_ms, 2), **bench.memory())
+                       decode_ms=round(decode_ms, 2), ids=ids, **bench.memory())
         if "prefill" in measures:
             reset_peak()
-            ttft, _ = bench.generate(bench.prefill_prompt, 2)
+            ttft, _, _ = bench.generate(bench.prefill_prompt, 2)
             bench.emit("prefill", run, batch=1, prompt_tokens=len(bench.prefill_prompt),
                        tok_s=round(len(bench.prefill_prompt) / (ttft / 1e3), 3), ttft_ms=round(ttft, 2),
                        **bench.memory())

@@ -108,19 +108,19 @@ class Bench:
         return measure in self.args.measures
 
     def generate(self, prompt, tokens):
-        """One batch-1 generation; returns (ttft_ms, decode_ms)."""
+        """One batch-1 generation; returns (ttft_ms, decode_ms, ids)."""
         started = time.perf_counter()
         first = last = None
-        count = 0
+        ids = []
         for token, _ in generate_step(mx.array(prompt), self.model, max_tokens=tokens, sampler=self.sampler):
             now = time.perf_counter()
             if first is None:
                 first = now
             last = now
-            count += 1
-        if count != tokens:
-            raise SystemExit(f"expected {tokens} tokens, got {count}")
-        return (first - started) * 1e3, (last - first) * 1e3
+            ids.append(int(token))
+        if len(ids) != tokens:
+            raise SystemExit(f"expected {tokens} tokens, got {len(ids)}")
+        return (first - started) * 1e3, (last - first) * 1e3, ids
 
     def generate_batch(self, prompts, tokens):
         """One batched generation; returns (ttft_ms, decode_ms, generated)."""
@@ -196,18 +196,18 @@ class Bench:
     def decode(self, run):
         n = self.args.tokens
         reset_memory()
-        ttft, decode_ms = self.generate(self.decode_prompt, n)
+        ttft, decode_ms, ids = self.generate(self.decode_prompt, n)
         self.emit(
             "decode", run, batch=1, prompt_tokens=len(self.decode_prompt), tokens=n,
             tok_s=round((n - 1) / (decode_ms / 1e3), 3), ttft_ms=round(ttft, 2),
             decode_ms=round(decode_ms, 2), kv_bytes=self.kv_bytes(1, len(self.decode_prompt) + n),
-            **memory_fields(),
+            ids=ids, **memory_fields(),
         )
 
     def prefill(self, run):
         prompt = self.prefill_prompt
         reset_memory()
-        ttft, _ = self.generate(prompt, 2)
+        ttft, _, _ = self.generate(prompt, 2)
         self.emit(
             "prefill", run, batch=1, prompt_tokens=len(prompt),
             tok_s=round(len(prompt) / (ttft / 1e3), 3), ttft_ms=round(ttft, 2),
@@ -220,7 +220,7 @@ class Bench:
         reset_memory()
         if batch == 1:
             # generate_step is mlx-lm's batch-1 path; BatchGenerator is slower there.
-            ttft, decode_ms = self.generate(prompts[0], n)
+            ttft, decode_ms, _ = self.generate(prompts[0], n)
             generated, path = n, "generate_step"
         else:
             ttft, decode_ms, generated = self.generate_batch(prompts, n)

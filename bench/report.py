@@ -16,6 +16,7 @@ import json
 import math
 import re
 import statistics
+import sys
 from pathlib import Path
 
 PEER_ORDER = ["rust", "rust-1t", "elixir", "elixir-textgen", "mlx-lm", "llama.cpp"]
@@ -24,7 +25,7 @@ PEER_NAMES = {
     "rust-1t": "Rust engine, 1 thread",
     "llama.cpp": "llama.cpp (Q4_0 GGUF)",
     "elixir": "Elixir (Generate.generate)",
-    "elixir-textgen": "Elixir (TextGeneration.run)",
+    "elixir-textgen": "Elixir (TextGeneration.stream)",
     "mlx-lm": "mlx-lm",
 }
 OURS = ["rust", "rust-1t", "elixir", "elixir-textgen"]
@@ -113,6 +114,7 @@ class Metrics:
     def __init__(self, runs):
         self.values = {}  # (metric, peer) -> {rep: value}
         self.units = {}
+        self.ids = {}  # peer -> {rep: greedy ids of the decode measure}
         for peer, reps in runs.items():
             for rep, rows in reps.items():
                 for row in rows:
@@ -135,6 +137,8 @@ class Metrics:
             self.put("peak RSS after load", peer, rep, row.get("peak_rss_mb"), "MB")
             self.dtype = row.get("dtype", getattr(self, "dtype", None))
         elif m == "decode":
+            if row.get("ids") is not None:
+                self.ids.setdefault(peer, {})[rep] = list(row["ids"])
             self.put("decode, batch 1", peer, rep, row.get("tok_s"), "tok/s")
             self.put("time to first token (decode prompt)", peer, rep, row.get("ttft_ms"), "ms")
             self.put("peak RSS during decode", peer, rep, row.get("peak_rss_mb"), "MB")
@@ -274,9 +278,52 @@ def model_section(name, folder, settings):
         ]
     lines += ["<details><summary>Every repetition</summary>", "", table(rep_header, rep_rows), "", "</details>", ""]
 
+    id_lines, summary["ids_mismatch"] = ids_section(metrics, peers, settings.get("dtype") or getattr(metrics, "dtype", None))
+    lines += id_lines
     lines += goals_section(summary, settings)
     lines += profile_section(summary, settings)
     return "\n".join(lines), summary
+
+
+# Peers that run the same MLX weights as the engine: in float32 their greedy
+# ids must equal the engine's. llama.cpp runs a Q4_0 requantization of them,
+# and bf16 rounding may flip a near tie, so there a divergence is reported
+# with its position, not failed.
+SAME_WEIGHTS = ["rust-1t", "elixir", "elixir-textgen", "mlx-lm"]
+
+
+def first_divergence(a, b):
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def ids_section(metrics, peers, dtype):
+    """The decode measure's greedy ids of every peer and repetition against
+    the Rust engine's first repetition. Returns (lines, mismatch), mismatch
+    being true when a same-weights peer differs in float32."""
+    reference = next(iter(sorted(metrics.ids.get("rust", {}).items())), (None, None))[1]
+    if reference is None:
+        return [], False
+    out = ["### Greedy ids across peers", "",
+           f"The decode measure's {len(reference)} greedy ids of each peer and repetition, against the Rust "
+           f"engine's first repetition (`{' '.join(map(str, reference[:8]))} ...`):", ""]
+    mismatch = False
+    for peer in peers:
+        for rep, ids in sorted(metrics.ids.get(peer, {}).items()):
+            at = first_divergence(reference, ids)
+            if at is None:
+                verdict = "identical"
+            else:
+                verdict = f"first differs at token {at} ({reference[at] if at < len(reference) else '-'} vs " \
+                          f"{ids[at] if at < len(ids) else '-'})"
+                if peer in SAME_WEIGHTS + ["rust"] and dtype == "float32":
+                    mismatch = True
+                    verdict += " **(must be identical in float32)**"
+            out.append(f"- {PEER_NAMES.get(peer, peer)}, rep {rep}: {verdict}")
+    out.append("")
+    return out, mismatch
 
 
 def goals_section(s, settings):
@@ -612,10 +659,12 @@ def main():
         "",
         "Paths: **Rust engine** is `native/engine/examples/bench.rs` driving `Generation` directly; **Elixir** is "
         "`bench/elixir_bench.exs` through the NIF (`EMLXAxon.Qwen3.Generate.generate/3` with ids, and "
-        "`EMLXAxon.TextGeneration.run/4` with `%{input_ids: ...}`); **mlx-lm** is `bench/mlx_lm_bench.py` "
-        "(`generate_step` at batch 1, `BatchGenerator` for batches). Speeds are wall clock: decode = (tokens - 1) / "
+        "`EMLXAxon.TextGeneration.stream/5`, run/4's path, with `%{input_ids: ...}`); **mlx-lm** is "
+        "`bench/mlx_lm_bench.py` (`generate_step` at batch 1, `BatchGenerator` for batches). Speeds are wall clock, "
+        "taken by each caller from its call: decode = (tokens - 1) / "
         "(time of the last token - time of the first); aggregate decode = rows x (tokens - 1) / the same span; "
-        "prefill = prompt tokens / time to first token. Peak RSS is the process's VmHWM, reset before each measure.",
+        "prefill = prompt tokens / time to first token. Every peer's greedy ids are checked against the engine's "
+        "(\"Greedy ids across peers\"). Peak RSS is the process's VmHWM, reset before each measure.",
         "",
         f"![tokens/s by path and batch size]({args.plot.name})",
         "",
@@ -628,7 +677,12 @@ def main():
     except ImportError as e:
         print(f"[report] no plot: {e}")
     console_table(summaries)
+    bad = [s["name"] for s in summaries if s.get("ids_mismatch")]
+    if bad:
+        print(f"[report] greedy ids differ from the engine's in float32 on: {', '.join(bad)}", file=sys.stderr)
+        return 3
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -167,6 +167,33 @@ defmodule EMLXAxon.Qwen3.GenerateTest do
       assert tokens == Enum.take(greedy, 5)
     end
 
+    test "on_chunk sees the first token alone, then every chunk, in the caller",
+         %{state: state, ids: ids, greedy: greedy} do
+      caller = self()
+      on_chunk = fn rows -> send(caller, {:chunk, self(), rows}) end
+
+      assert {:ok, [%{token_ids: first}, %{token_ids: second}]} =
+               Generate.generate(state, [ids, ids],
+                 max_new_tokens: 9,
+                 ignore_eos: true,
+                 chunk_size: 4,
+                 on_chunk: on_chunk
+               )
+
+      chunks = collect_chunks([])
+      assert Enum.all?(chunks, fn {pid, _rows} -> pid == caller end)
+      rows = Enum.map(chunks, fn {_pid, rows} -> rows end)
+      assert [[%{ids: [_]}, %{ids: [_]}] | _] = rows
+      assert Enum.map(rows, fn [a, _b] -> length(a.ids) end) == [1, 4, 4]
+      assert first == Enum.take(greedy, 9) and second == first
+      assert Enum.flat_map(rows, fn [a, _b] -> a.ids end) == first
+      assert [%{finish_reason: :length}, %{finish_reason: :length}] = List.last(rows)
+
+      assert_raise ArgumentError, ~r/:on_chunk to be a function of one argument/, fn ->
+        Generate.generate(state, ids, on_chunk: fn -> :ok end)
+      end
+    end
+
     test "max_len stops with :max_len", %{state: state, ids: ids, greedy: greedy} do
       assert {:ok, %{token_ids: tokens, finish_reason: :max_len}} =
                Generate.generate(state, ids,
@@ -409,6 +436,14 @@ defmodule EMLXAxon.Qwen3.GenerateTest do
       assert_raise ArgumentError, ~r/EMLXAxon.Qwen3.Model.State/, fn ->
         Generate.generate(:state, ids)
       end
+    end
+  end
+
+  defp collect_chunks(acc) do
+    receive do
+      {:chunk, pid, rows} -> collect_chunks([{pid, rows} | acc])
+    after
+      0 -> Enum.reverse(acc)
     end
   end
 end

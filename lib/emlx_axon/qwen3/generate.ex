@@ -34,7 +34,8 @@ defmodule EMLXAxon.Qwen3.Generate do
                 profile_timing: false,
                 stream: nil,
                 timeout: :infinity,
-                chunk_size: 16
+                chunk_size: 16,
+                on_chunk: nil
               ]
 
   @typedoc "The result of generating from one prompt."
@@ -111,6 +112,12 @@ defmodule EMLXAxon.Qwen3.Generate do
     * `:timeout` - milliseconds after which unfinished rows stop with
       `finish_reason: :timeout`, checked between chunks (default `:infinity`)
     * `:chunk_size` - tokens decoded per native call (default 16)
+    * `:on_chunk` - a function of one argument, called in the calling
+      process after each native call with one map per prompt, in order:
+      `%{ids: [integer], text: binary, finish_reason: atom | nil}` (the
+      new ids and text). The first call comes after the first token alone,
+      so it marks the time to first token as the caller sees it. Raising
+      in it stops generation and frees its memory (default `nil`)
     * `:json_schema`, `:regex`, `:grammar` - constrain every row's output
       (needs `:tokenizer`); see "Structured output" in
       `EMLXAxon.TextGeneration`
@@ -150,8 +157,17 @@ defmodule EMLXAxon.Qwen3.Generate do
     prompts = Generation.validate_prompts!(prompts, state)
     opts = put_constraints(opts, length(prompts))
 
+    on_chunk = on_chunk_option!(opts.on_chunk)
+
     with {:ok, %{rows: rows, stats: stats}} <-
-           Generation.run(state, opts.tokenizer, EMLXAxon.Stream.resolve(stream), prompts, opts) do
+           Generation.run(
+             state,
+             opts.tokenizer,
+             EMLXAxon.Stream.resolve(stream),
+             prompts,
+             opts,
+             on_chunk
+           ) do
       results =
         rows
         |> Enum.with_index()
@@ -188,6 +204,14 @@ defmodule EMLXAxon.Qwen3.Generate do
 
         Map.put(opts, :row_constraints, List.duplicate(constraint, rows))
     end
+  end
+
+  defp on_chunk_option!(nil), do: nil
+  defp on_chunk_option!(fun) when is_function(fun, 1), do: fun
+
+  defp on_chunk_option!(other) do
+    raise ArgumentError,
+          "expected :on_chunk to be a function of one argument, got: #{inspect(other)}"
   end
 
   defp stream_option!(nil), do: nil

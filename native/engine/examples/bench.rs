@@ -259,6 +259,8 @@ struct Timed {
     ttft_ms: f64,
     decode_ms: f64,
     generated: Vec<usize>,
+    /// The first row's ids, compared across peers by the report.
+    ids: Vec<u32>,
     engine_prefill_ms: f64,
     engine_decode_tok_s: f64,
 }
@@ -298,7 +300,8 @@ impl Bench {
         }
         let last = Instant::now();
         let stats = generation.stats();
-        let generated: Vec<usize> = generation.generated().iter().map(Vec::len).collect();
+        let rows = generation.generated();
+        let generated: Vec<usize> = rows.iter().map(Vec::len).collect();
         if generated.iter().any(|&n| n != tokens) {
             return Err(format!("expected {tokens} tokens per row, got {generated:?}").into());
         }
@@ -306,6 +309,7 @@ impl Bench {
             ttft_ms: (first - started).as_secs_f64() * 1e3,
             decode_ms: (last - first).as_secs_f64() * 1e3,
             generated,
+            ids: rows.into_iter().next().unwrap_or_default(),
             engine_prefill_ms: stats.prefill_ms,
             engine_decode_tok_s: stats.decode_tokens_per_s,
         })
@@ -385,6 +389,7 @@ impl Bench {
             json!(round(t.engine_decode_tok_s, 3)),
         );
         fields.insert("kv_bytes".into(), json!(self.kv_bytes(1, prompt.len() + n)));
+        fields.insert("ids".into(), json!(t.ids));
         Memory::record(&mut fields);
         self.emit("decode", Some(run), Value::Object(fields));
         Ok(())
