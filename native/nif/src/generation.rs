@@ -50,7 +50,8 @@ pub struct StartOptions {
     profile_timing: bool,
 }
 
-fn sampler_kind(atom: Atom) -> NifResult<SamplerKind> {
+/// The engine's sampler for `:greedy`, `:top_p_cpu` or `:top_p_gpu`.
+pub(crate) fn sampler_kind(atom: Atom) -> NifResult<SamplerKind> {
     if atom == atoms::greedy() {
         Ok(SamplerKind::Greedy)
     } else if atom == atoms::top_p_cpu() {

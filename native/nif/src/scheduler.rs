@@ -6,17 +6,17 @@ use std::sync::Mutex;
 
 use emlx_axon_engine::device::on_large_stack;
 use emlx_axon_engine::{
-    FinishReason, GenerateOptions, RequestStats, SamplerConfig, SamplerKind, Scheduler,
-    SchedulerConfig,
+    FinishReason, GenerateOptions, RequestStats, SamplerConfig, Scheduler, SchedulerConfig,
 };
 use rustler::{Atom, NifMap, ResourceArc};
 
 use crate::error::{guard, NifError, NifResult};
+use crate::generation::sampler_kind;
 use crate::model::ModelResource;
 use crate::tokenizer::TokenizerResource;
 
 mod atoms {
-    rustler::atoms! { ok, greedy, top_p_cpu, top_p_gpu, eos, stop, length, max_len }
+    rustler::atoms! { ok, eos, stop, length, max_len }
 }
 
 pub struct SchedulerResource {
@@ -58,21 +58,6 @@ pub struct RequestOptions {
     stop: Vec<String>,
     eos_token_ids: Option<Vec<u32>>,
     ignore_eos: bool,
-}
-
-fn sampler_kind(atom: Atom) -> NifResult<SamplerKind> {
-    if atom == atoms::greedy() {
-        Ok(SamplerKind::Greedy)
-    } else if atom == atoms::top_p_cpu() {
-        Ok(SamplerKind::TopPCpu)
-    } else if atom == atoms::top_p_gpu() {
-        Ok(SamplerKind::TopPGpu)
-    } else {
-        Err(NifError::new(
-            "invalid_argument",
-            "sampler must be :greedy, :top_p_cpu or :top_p_gpu",
-        ))
-    }
 }
 
 #[rustler::nif(schedule = "DirtyCpu")]
