@@ -5,11 +5,12 @@
 //! through the model in bounded chunks (one chunk per [`Scheduler::step`], so
 //! running rows keep their pace) into a cache of its own; when the prompt is
 //! done its keys and values are copied into the slot and the row joins the
-//! batch. Each decode step feeds every slot's last token at that slot's own
-//! position ([`SlotCache`]); finished or cancelled rows leave at once and
-//! free their slot. Every request carries its own options and sampler, so a
-//! seeded request samples the same tokens whatever it is batched with, and a
-//! greedy row gives the ids of its solo run.
+//! batch, in the lowest free slot. Each decode step feeds every running
+//! row's last token at that row's own position ([`SlotCache`]), over the
+//! first slots only when the high ones are free; finished or cancelled rows
+//! leave at once and free their slot. Every request carries its own options
+//! and sampler, so a seeded request samples the same tokens whatever it is
+//! batched with, and a greedy row gives the ids of its solo run.
 
 mod prefix;
 mod slots;
@@ -18,6 +19,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
+use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
 use mlx_rs::{transforms, Array};
 
@@ -357,15 +359,7 @@ impl Scheduler {
         if let Some(event) = self.prefill_chunk()? {
             push(events, event);
         }
-        for _ in 0..max_decode_steps {
-            if self.slots.iter().all(Option::is_none) {
-                break;
-            }
-            for event in self.decode_step()? {
-                push(events, event);
-            }
-        }
-        Ok(())
+        self.decode(max_decode_steps, events)
     }
 
     fn free_slot(&self) -> Option<usize> {
@@ -465,67 +459,156 @@ impl Scheduler {
         }
     }
 
-    /// One token for every running row.
-    fn decode_step(&mut self) -> Result<Vec<Event>> {
-        let positions: Vec<i32> = self
+    /// Up to `max_steps` decode steps. With device samplers the next step
+    /// is queued, its inputs being this step's tokens still on the device,
+    /// before this step's tokens are read back (`async_eval`), so the host
+    /// never stalls the device. A row that finishes in a step is dropped
+    /// from the step queued after it: that step's token for it is never
+    /// read, and its key and value land past the row's end in a free slot,
+    /// where a row joining later writes its prompt over them or never reads.
+    fn decode(&mut self, max_steps: usize, events: &mut Vec<Event>) -> Result<()> {
+        let mut left = max_steps;
+        let mut pending: Option<Queued> = None;
+        loop {
+            let current = match pending.take() {
+                Some(queued) => queued,
+                None => {
+                    if left == 0 || self.slots.iter().all(Option::is_none) {
+                        break;
+                    }
+                    left -= 1;
+                    self.queue_step(None)?
+                }
+            };
+            let running = || self.slots.iter().flatten();
+            let ahead = left > 0
+                && running().all(|r| r.request.sampler.on_device())
+                && !running().all(Running::last_step);
+            if ahead {
+                left -= 1;
+                pending = Some(self.queue_step(Some(&current))?);
+            }
+            for event in self.read_step(current)? {
+                push(events, event);
+            }
+        }
+        Ok(())
+    }
+
+    /// Queues one token for every running row over the first slots (a power
+    /// of two of them, so a step takes one of few shapes). `after`: the step
+    /// still in flight whose tokens this one takes as inputs.
+    fn queue_step(&mut self, after: Option<&Queued>) -> Result<Queued> {
+        let top = self
             .slots
             .iter()
-            .map(|s| s.as_ref().map_or(0, |r| r.position))
-            .collect();
-        let tokens: Vec<u32> = self
-            .slots
+            .rposition(Option::is_some)
+            .expect("a step has running rows")
+            + 1;
+        let n = top.next_power_of_two().min(self.slots.len());
+        let last = self.cache.capacity() - 1;
+        let shift = i32::from(after.is_some());
+        let positions: Vec<i32> = self.slots[..n]
             .iter()
-            .map(|s| s.as_ref().map_or(0, |r| r.next))
+            .map(|s| s.as_ref().map_or(0, |r| (r.position + shift).min(last)))
             .collect();
+        let rows = n as i32;
+        let ids = match after {
+            Some(q) => {
+                debug_assert!(q.rows >= rows, "rows only leave between steps");
+                q.tokens.index(..rows).reshape(&[rows, 1])?
+            }
+            None => {
+                let tokens: Vec<u32> = self.slots[..n]
+                    .iter()
+                    .map(|s| s.as_ref().map_or(0, |r| r.next))
+                    .collect();
+                Array::from_slice(&tokens, &[rows, 1])
+            }
+        };
         self.cache.set_positions(&positions)?;
-        let n = self.slots.len() as i32;
-        let ids = Array::from_slice(&tokens, &[n, 1]);
         let mask = AttentionMask::Array(self.cache.mask()?);
         let logits = self
             .model
             .forward(&ids, &mut self.cache, &mask, false, &self.workers)?;
-        let logits = logits.reshape(&[n, logits.dim(-1)])?;
+        let logits = logits.reshape(&[rows, logits.dim(-1)])?;
+        let running = || self.slots[..n].iter().flatten();
         // Greedy rows share one argmax; the others draw with their own sampler.
-        let any_greedy = self
-            .slots
-            .iter()
-            .flatten()
-            .any(|r| r.request.options.sampler.is_greedy());
+        let any_greedy = running().any(|r| r.request.options.sampler.is_greedy());
+        let all_greedy = running().all(|r| r.request.options.sampler.is_greedy());
         let greedy = if any_greedy {
             Some(argmax_axis(&logits, -1, false)?.as_dtype(mlx_rs::Dtype::Uint32)?)
         } else {
             None
         };
-        let mut sampled: Vec<(usize, Option<Array>)> = vec![];
-        for (i, slot) in self.slots.iter_mut().enumerate() {
-            if let Some(r) = slot {
-                if r.request.options.sampler.is_greedy() {
-                    sampled.push((i, None));
-                } else {
-                    let row = logits.index((i as i32..i as i32 + 1, ..));
-                    sampled.push((i, Some(sample_one_lazy(&mut r.request.sampler, &row)?)));
+        let tokens = match greedy {
+            Some(g) if all_greedy => g,
+            greedy => {
+                let mut parts = Vec::with_capacity(n);
+                for (i, slot) in self.slots[..n].iter_mut().enumerate() {
+                    let i = i as i32;
+                    parts.push(match (slot, &greedy) {
+                        (Some(r), _) if !r.request.options.sampler.is_greedy() => {
+                            let row = logits.index((i..i + 1, ..));
+                            sample_one_lazy(&mut r.request.sampler, &row)?
+                        }
+                        (_, Some(g)) => g.index(i..i + 1),
+                        (_, None) => Array::from_slice(&[0u32], &[1]),
+                    });
                 }
+                concatenate(&parts, 0)?
             }
-        }
-        transforms::eval(
-            greedy
+        };
+        transforms::async_eval([&tokens])?;
+        Ok(Queued {
+            rows,
+            ids: self.slots[..n]
                 .iter()
-                .chain(sampled.iter().filter_map(|(_, a)| a.as_ref()))
-                .chain(self.cache.arrays()),
-        )?;
-        let greedy_ids: &[u32] = greedy.as_ref().map_or(&[], |g| g.as_slice::<u32>());
+                .map(|s| s.as_ref().map(|r| r.request.id))
+                .collect(),
+            tokens,
+        })
+    }
+
+    /// Reads a queued step's tokens back and hands them to the rows that
+    /// are still running.
+    fn read_step(&mut self, step: Queued) -> Result<Vec<Event>> {
+        step.tokens.eval()?;
+        let tokens = step.tokens.as_slice::<u32>();
         let mut events = vec![];
-        for (i, token) in sampled {
-            let token = match token {
-                Some(t) => t.as_slice::<u32>()[0],
-                None => greedy_ids[i],
-            };
-            let mut running = self.slots[i].take().expect("sampled rows are running");
+        for (i, id) in step.ids.iter().enumerate() {
+            let Some(id) = *id else { continue };
+            // Gone: finished in the step before, which was read after this
+            // one was queued.
+            if self.slots[i].as_ref().is_none_or(|r| r.request.id != id) {
+                continue;
+            }
+            let token = tokens[i];
+            let mut running = self.slots[i].take().expect("checked just above");
             let delta = running.request.accept(token, self.tokenizer.as_deref())?;
             let position = running.position + 1;
             events.push(self.finish_or_keep(i, running.request, position, token, delta));
         }
         Ok(events)
+    }
+}
+
+/// A decode step queued on the device, not yet read back.
+struct Queued {
+    /// Slots run: `0..rows`.
+    rows: i32,
+    /// The request in each slot run when the step was queued.
+    ids: Vec<Option<RequestId>>,
+    /// The sampled tokens `[rows]` uint32 (anything for free slots).
+    tokens: Array,
+}
+
+impl Running {
+    /// Whether the row's next token surely ends it (length limits).
+    fn last_step(&self) -> bool {
+        let o = &self.request.options;
+        self.request.row.generated.len() + 1 >= o.max_new_tokens
+            || self.position as usize + 2 >= o.max_len
     }
 }
 

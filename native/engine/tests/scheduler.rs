@@ -344,3 +344,68 @@ fn bad_requests_are_refused() {
     assert!(Scheduler::new(model.clone(), None, config(0, 8, 0)).is_err());
     assert!(s.is_idle());
 }
+
+#[test]
+fn rows_leaving_inside_a_multi_step_call_do_not_disturb_the_others() {
+    let _g = serial();
+    let model = model();
+    let p = prompts();
+    let sampled = |seed| GenerateOptions {
+        max_new_tokens: 11,
+        ignore_eos: true,
+        sampler: SamplerConfig {
+            kind: SamplerKind::TopPGpu,
+            temperature: 0.8,
+            top_p: 0.9,
+            seed: Some(seed),
+            ..SamplerConfig::default()
+        },
+        ..GenerateOptions::default()
+    };
+    let plain = solo(&model, &p[2], greedy(12));
+    let eos_row = GenerateOptions {
+        max_new_tokens: 12,
+        eos_token_ids: Some(vec![plain[3]]),
+        ..GenerateOptions::default()
+    };
+    let max_len_row = GenerateOptions {
+        max_len: p[1].len() + 5,
+        ..greedy(30)
+    };
+    // Rows end at different steps inside one call, so later steps run
+    // fewer slots; the rows queued after them take the freed low slots
+    // while a row in a higher slot keeps decoding.
+    let requests = [
+        (p[0].clone(), greedy(2)),
+        (p[1].clone(), greedy(30)),
+        (p[2].clone(), sampled(5)),
+        (p[2].clone(), eos_row),
+        (p[1].clone(), max_len_row),
+        (p[3].clone(), greedy(7)),
+        (p[0].clone(), sampled(6)),
+        (p[2].clone(), greedy(1)),
+    ];
+    let mut s = Scheduler::new(model.clone(), None, config(5, 64, 0)).unwrap();
+    let mut c = Collected::default();
+    let ids: Vec<RequestId> = requests
+        .iter()
+        .map(|(prompt, o)| s.admit(prompt.clone(), o.clone()).unwrap())
+        .collect();
+    for _ in 0..10_000 {
+        if s.is_idle() {
+            break;
+        }
+        c.step(&mut s, 7);
+    }
+    assert!(s.is_idle());
+    for (i, ((prompt, o), id)) in requests.iter().zip(&ids).enumerate() {
+        assert_eq!(
+            c.ids[id],
+            solo(&model, prompt, o.clone()),
+            "request {i} differs from its solo run"
+        );
+    }
+    assert_eq!(c.finish[&ids[3]], FinishReason::Eos);
+    assert_eq!(c.finish[&ids[4]], FinishReason::MaxLen);
+    assert_eq!(c.ids[&ids[4]].len(), 5);
+}

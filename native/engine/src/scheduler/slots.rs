@@ -3,9 +3,13 @@
 //! step writes each row's key and value at that row's position (a scatter
 //! along the position axis) and masks each row to its own length; shapes
 //! depend only on the slot count, whatever rows join or leave.
+//!
+//! A step may run only the first `rows` slots (the scheduler keeps rows in
+//! the lowest free slots and rounds `rows` up to a power of two, so a step
+//! takes one of few shapes); the slots past them are free.
 
 use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
-use mlx_rs::ops::{arange, le, zeros_dtype};
+use mlx_rs::ops::{arange, concatenate, le, zeros_dtype};
 use mlx_rs::Array;
 
 use crate::cache::{KvStore, RopeOffset};
@@ -16,8 +20,13 @@ pub struct SlotCache {
     layers: Vec<(Array, Array)>,
     slots: i32,
     capacity: i32,
-    /// This step's position of every slot, `[slots]` int32.
+    /// Slots this step runs: `0..rows`.
+    rows: i32,
+    /// This step's position of every slot it runs, `[rows]` int32.
     positions: Array,
+    /// Where each slot's new key goes, `[slots, 1, 1, 1]`: the step's
+    /// positions, 0 for the slots it does not run.
+    scatter_at: Array,
     /// Keys read this step: one past the furthest position.
     attend: i32,
 }
@@ -57,7 +66,9 @@ impl SlotCache {
             layers,
             slots,
             capacity,
+            rows: slots,
             positions: Array::from_slice(&vec![0i32; slots as usize], &[slots]),
+            scatter_at: Array::from_slice(&vec![0i32; slots as usize], &[slots, 1, 1, 1]),
             attend: 1,
         };
         mlx_rs::transforms::eval(cache.arrays())?;
@@ -68,11 +79,14 @@ impl SlotCache {
         self.capacity
     }
 
-    /// Sets where each slot's next token goes (a free slot may take any
-    /// position: what it writes is never read).
+    /// Sets where the next token of each of the first `positions.len()`
+    /// slots goes, and that the step runs only those slots (a free slot may
+    /// take any position: what it writes is never read).
     pub fn set_positions(&mut self, positions: &[i32]) -> Result<()> {
-        if positions.len() != self.slots as usize {
-            return Err(Error::invalid("one position per slot is needed"));
+        if positions.is_empty() || positions.len() > self.slots as usize {
+            return Err(Error::invalid(
+                "a step runs between one slot and all of them",
+            ));
         }
         let furthest = positions.iter().copied().max().unwrap_or(0);
         if furthest >= self.capacity {
@@ -81,15 +95,20 @@ impl SlotCache {
                 self.capacity
             )));
         }
-        self.positions = Array::from_slice(positions, &[self.slots]);
+        let rows = positions.len() as i32;
+        let mut at = positions.to_vec();
+        at.resize(self.slots as usize, 0);
+        self.rows = rows;
+        self.positions = Array::from_slice(positions, &[rows]);
+        self.scatter_at = Array::from_slice(&at, &[self.slots, 1, 1, 1]);
         self.attend = furthest + 1;
         Ok(())
     }
 
-    /// `[slots, 1, 1, attend]`: each row sees its own keys up to its position.
+    /// `[rows, 1, 1, attend]`: each row sees its own keys up to its position.
     pub fn mask(&self) -> Result<Array> {
         let keys = arange::<_, i32>(0, self.attend, 1)?.reshape(&[1, 1, 1, self.attend])?;
-        Ok(le(&keys, self.positions.reshape(&[self.slots, 1, 1, 1])?)?)
+        Ok(le(&keys, self.positions.reshape(&[self.rows, 1, 1, 1])?)?)
     }
 
     /// Copies a prompt's keys and values (per layer `[1, kv_heads, len,
@@ -124,22 +143,31 @@ impl KvStore for SlotCache {
         RopeOffset::PerRow(self.positions.clone())
     }
 
-    /// One new position per row (`[slots, kv_heads, 1, head_dim]`), scattered
-    /// to each row's own position. Replacing our handle with the scatter's
-    /// result leaves the buffer to the graph alone, so MLX updates it in place.
+    /// One new position per row run (`[rows, kv_heads, 1, head_dim]`),
+    /// scattered to each row's own position. Replacing our handle with the
+    /// scatter's result leaves the buffer to the graph alone, so MLX updates
+    /// it in place; the scatter covers every slot (zeros at position 0 of the
+    /// free ones past `rows`) so that it stays one in-place write.
     fn update(&mut self, layer: usize, k: &Array, v: &Array) -> Result<(Array, Array)> {
-        if k.dim(2) != 1 || k.dim(0) != self.slots {
+        if k.dim(2) != 1 || k.dim(0) != self.rows {
             return Err(Error::invalid(
-                "the slot cache takes one new position for every slot",
+                "the slot cache takes one new position for every row of the step",
             ));
         }
-        let at = self.positions.reshape(&[self.slots, 1, 1, 1])?;
+        let (k, v) = if self.rows < self.slots {
+            let mut shape = k.shape().to_vec();
+            shape[0] = self.slots - self.rows;
+            let pad = zeros_dtype(&shape, k.dtype())?;
+            (concatenate(&[k, &pad], 0)?, concatenate(&[v, &pad], 0)?)
+        } else {
+            (k.clone(), v.clone())
+        };
         let (keys, values) = &mut self.layers[layer];
-        *keys = keys.put_along_axis(&at, k, 2)?;
-        *values = values.put_along_axis(&at, v, 2)?;
+        *keys = keys.put_along_axis(&self.scatter_at, &k, 2)?;
+        *values = values.put_along_axis(&self.scatter_at, &v, 2)?;
         Ok((
-            keys.index((.., .., ..self.attend, ..)),
-            values.index((.., .., ..self.attend, ..)),
+            keys.index((..self.rows, .., ..self.attend, ..)),
+            values.index((..self.rows, .., ..self.attend, ..)),
         ))
     }
 
