@@ -47,20 +47,7 @@ class AffineQuantizedLinear : public mx::UnaryPrimitive {
     const mx::array& w = inputs[1];
     out.set_data(mx::allocator::malloc(out.nbytes()));
 
-    // Inputs are usually row-contiguous; a strided view (a lazily computed
-    // transpose, a slice) is packed here rather than by an extra graph node
-    // on every projection.
-    auto held = std::make_shared<std::vector<std::vector<uint8_t>>>();
-    auto pointer = [&](const mx::array& a) -> const void* {
-      if (a.flags().row_contiguous) return a.data<uint8_t>();
-      held->push_back(packed(a));
-      return held->back().data();
-    };
     QmmArgs args;
-    args.x = static_cast<const float*>(pointer(x));
-    args.w = static_cast<const uint32_t*>(pointer(w));
-    args.scales = pointer(inputs[2]);
-    args.biases = pointer(inputs[3]);
     args.bf16_params = inputs[2].dtype() == mx::bfloat16;
     args.y = out.data<float>();
     args.K = x.shape(-1);
@@ -72,7 +59,24 @@ class AffineQuantizedLinear : public mx::UnaryPrimitive {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
-    encoder.dispatch([args, held] { qmm(args, selected_isa(), 0); });
+    // The inputs' buffers exist now, but their contents are written by work
+    // queued before this task on the stream's thread: read them only inside
+    // the task. A strided input (a lazily computed transpose, a slice) is
+    // packed there rather than by an extra graph node on every projection.
+    encoder.dispatch([args, x, w, scales = inputs[2], biases = inputs[3]]() mutable {
+      std::vector<std::vector<uint8_t>> held;
+      held.reserve(4);
+      auto pointer = [&held](const mx::array& a) -> const void* {
+        if (a.flags().row_contiguous) return a.data<uint8_t>();
+        held.push_back(packed(a));
+        return held.back().data();
+      };
+      args.x = static_cast<const float*>(pointer(x));
+      args.w = static_cast<const uint32_t*>(pointer(w));
+      args.scales = pointer(scales);
+      args.biases = pointer(biases);
+      qmm(args, selected_isa(), 0);
+    });
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {

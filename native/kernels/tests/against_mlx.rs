@@ -155,6 +155,34 @@ fn a_non_contiguous_input_is_made_contiguous() {
 }
 
 #[test]
+fn a_strided_view_of_queued_work_is_read_after_that_work() {
+    use mlx_rs::ops::indexing::IndexOp;
+    let c = case(97, 256, 70, 512, 4, 64);
+    // x is still being computed on the stream's thread when the product is
+    // scheduled, and a column slice of it is strided, so the product packs
+    // it: that must wait for the work that writes it.
+    let mut computed = c.x.clone();
+    for _ in 0..24 {
+        computed = computed
+            .multiply(Array::from_f32(2.0))
+            .unwrap()
+            .divide(Array::from_f32(2.0))
+            .unwrap();
+    }
+    let x = computed.index((.., ..256));
+    let (w, s, b) = (
+        c.w.index((.., ..32)),
+        c.scales.index((.., ..4)),
+        c.biases.index((.., ..4)),
+    );
+    let expected = quantized_matmul(&c.x.index((.., ..256)), &w, &s, &b, true, 64, 4).unwrap();
+    let y = quantized_linear(&x, &w, &s, &b, 64, 4).unwrap().unwrap();
+    y.eval().unwrap();
+    let err = rel_err(y.as_slice::<f32>(), expected.as_slice::<f32>());
+    assert!(err < 1e-5, "relative error {err}");
+}
+
+#[test]
 fn cases_that_are_not_ours_are_declined() {
     let c = case(5, 2, 70, 256, 4, 64);
     // Another bit width, another group size, a dtype, a mismatched shape.
