@@ -229,6 +229,12 @@ defmodule EMLXAxon.Scheduler do
   @spec occupancy(server()) :: map()
   def occupancy(server), do: GenServer.call(server, :occupancy, :infinity)
 
+  @doc false
+  # The model and tokenizer the scheduler serves, for callers that encode
+  # their own prompts and must check they target the same model.
+  @spec model(server()) :: %{model: State.t(), tokenizer: Tokenizer.t() | nil}
+  def model(server), do: GenServer.call(server, :model, :infinity)
+
   @doc "Drops every stored prompt prefix."
   @spec clear_prefix_cache(server()) :: :ok
   def clear_prefix_cache(server), do: GenServer.call(server, :clear_prefix_cache, :infinity)
@@ -324,6 +330,7 @@ defmodule EMLXAxon.Scheduler do
         {:ok,
          %{
            resource: resource,
+           model: opts.model,
            tokenizer: opts.tokenizer,
            slots: opts.slots,
            max_queue: opts.max_queue,
@@ -378,6 +385,10 @@ defmodule EMLXAxon.Scheduler do
       end
 
     {:reply, reply, state}
+  end
+
+  def handle_call(:model, _from, state) do
+    {:reply, %{model: state.model, tokenizer: state.tokenizer}, state}
   end
 
   def handle_call(:clear_prefix_cache, _from, state) do

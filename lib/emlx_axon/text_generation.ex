@@ -159,6 +159,21 @@ defmodule EMLXAxon.TextGeneration do
       anywhere: an `EMLXAxon.Stream` to run on
     * `:mlx_stream` - an `EMLXAxon.Stream` to run on (for a streaming
       serving, where `:stream` is `true`)
+    * `:scheduler` - in `run/4` and `stream/5`: the pid or name of an
+      `EMLXAxon.Scheduler` serving the same `state` (and started with a
+      `:tokenizer`). Each input is then submitted as its own request, joining
+      the scheduler's running batch, with its own seed (its input's `:seed`,
+      else the `:seed` option) and the generation options above; `:timeout`
+      applies to each request. Outputs have the usual shape, without padding
+      (`token_summary.padding` is 0), and `metadata` holds the request's own
+      counts and timings (with `:queue_ms` and `:cached_tokens`, the prompt
+      tokens reused from the scheduler's prefix cache). `:chunk_size` and
+      `:profile_timing` do not apply (the scheduler's own `:steps_per_call`
+      sets how often text arrives). Constraints (`:json_schema`, `:regex`,
+      `:grammar`), an `EMLXAxon.Stream` and a `state` other than the
+      scheduler's raise `ArgumentError`; a full queue raises `EMLXAxon.Error`
+      (kind `:overloaded`). When the call ends early (an `emit_fun` that
+      raises, an error), its requests are cancelled (default `nil`)
     * `:stream_done` - with a streaming serving, end the stream with
       `{:done, %{token_summary: summary, results: [result], metadata: metadata}}`
       (Bumblebee's final event, with the output `run/4` gives) (default
@@ -185,7 +200,7 @@ defmodule EMLXAxon.TextGeneration do
 
   alias EMLXAxon.{Generation, Tokenizer}
   alias EMLXAxon.Qwen3.{Loader, Model.State}
-  alias EMLXAxon.TextGeneration.{Config, Input, Output, TokenizerSource}
+  alias EMLXAxon.TextGeneration.{Config, Input, Output, Scheduled, TokenizerSource}
 
   @serving_module EMLXAxon.TextGeneration.Serving
 
@@ -399,23 +414,44 @@ defmodule EMLXAxon.TextGeneration do
     {requests, multi?} = Input.requests!(tokenizer, state, input, opts)
 
     on_chunk =
-      if multi? do
-        fn rows ->
-          rows
-          |> Enum.with_index()
-          |> Enum.each(fn
-            {%{text: ""}, _index} -> :ok
-            {%{text: text}, index} -> emit_fun.({index, text})
-          end)
-        end
-      else
-        fn
-          [%{text: ""}] -> :ok
-          [%{text: text}] -> emit_fun.(text)
-        end
+      cond do
+        opts.scheduler && multi? ->
+          emit_fun
+
+        opts.scheduler ->
+          fn {0, text} -> emit_fun.(text) end
+
+        multi? ->
+          fn rows ->
+            rows
+            |> Enum.with_index()
+            |> Enum.each(fn
+              {%{text: ""}, _index} -> :ok
+              {%{text: text}, index} -> emit_fun.({index, text})
+            end)
+          end
+
+        true ->
+          fn
+            [%{text: ""}] -> :ok
+            [%{text: text}] -> emit_fun.(text)
+          end
       end
 
     generate!(tokenizer, state, requests, opts, multi?, on_chunk)
+  end
+
+  # Through an EMLXAxon.Scheduler: each input is its own request.
+  defp generate!(_tokenizer, state, requests, %{scheduler: scheduler} = opts, multi?, emit)
+       when scheduler != nil do
+    Scheduled.check!(scheduler, state, requests, opts)
+
+    outputs =
+      scheduler
+      |> Scheduled.run!(requests, opts, emit)
+      |> Enum.map(&put_tool_calls(&1, opts))
+
+    if multi?, do: outputs, else: hd(outputs)
   end
 
   defp generate!(tokenizer, state, requests, opts, multi?, on_chunk) do

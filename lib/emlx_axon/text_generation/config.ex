@@ -61,7 +61,8 @@ defmodule EMLXAxon.TextGeneration.Config do
   @doc "Validates `run/4`'s options (`streaming?` for `stream/5`)."
   @spec run!(term(), boolean(), String.t()) :: map()
   def run!(opts, streaming?, where) do
-    opts = Options.validate!(opts, @common_defaults, where)
+    opts = Options.validate!(opts, @common_defaults ++ [scheduler: nil], where)
+    scheduler!(opts.scheduler)
     opts = Map.put(opts, :constraint, Options.constraint!(opts, "the options"))
     default_chunk_size = if streaming?, do: @stream_chunk_size, else: @run_chunk_size
 
@@ -92,6 +93,21 @@ defmodule EMLXAxon.TextGeneration.Config do
         mlx_stream: mlx_stream,
         chunk_size: opts.chunk_size || default_chunk_size
     }
+  end
+
+  # A pid or a name GenServer.call/3 accepts.
+  defp scheduler!(scheduler)
+       when is_nil(scheduler) or is_pid(scheduler) or
+              (is_atom(scheduler) and scheduler not in [true, false]) or
+              (is_tuple(scheduler) and elem(scheduler, 0) in [:global, :via]) or
+              (is_tuple(scheduler) and tuple_size(scheduler) == 2 and
+                 is_atom(elem(scheduler, 0)) and is_atom(elem(scheduler, 1))),
+       do: :ok
+
+  defp scheduler!(other) do
+    raise ArgumentError,
+          "expected :scheduler to be the pid or name of an EMLXAxon.Scheduler, " <>
+            "got: #{inspect(other)}"
   end
 
   defp both_streams_message,
