@@ -32,6 +32,11 @@ else
   IO.puts(:stderr, "\e[33mLeft out of this run:\n#{Enum.join(left_out, "\n")}\e[0m")
 end
 
+# MLX's CUDA backend computes float32 matmuls in TF32 unless
+# MLX_ENABLE_TF32=0 (read once, at its first float32 matmul); the references
+# are full float32. It does nothing on the CPU.
+if System.get_env("MLX_ENABLE_TF32") in [nil, ""], do: System.put_env("MLX_ENABLE_TF32", "0")
+
 # On a GPU, MLX compiles its kernels on first use: do it here, not in
 # whichever test comes first.
 if exclude == [], do: EMLXAxon.TestFixtures.warm_up()

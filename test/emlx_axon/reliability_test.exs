@@ -251,7 +251,8 @@ defmodule EMLXAxon.ReliabilityTest do
     %{"prompt_ids" => ids, "greedy_ids" => greedy} =
       TestFixtures.reference("qwen3-4bit-g64")["prompts"]["plain"]
 
-    state = Loader.load!(dir)
+    # float32 as the reference ids are (the default dtype is bfloat16 on a GPU).
+    state = Loader.load!(dir, dtype: :float32)
     weights = Path.join(dir, "model.safetensors")
     %{size: size} = File.stat!(weights)
 

@@ -27,6 +27,8 @@ defmodule EMLXAxon.DistributionTest do
     end)
 
     [tarball] = Path.wildcard(Path.join(artifacts, "*.tar.gz"))
+    # The backend priv/native was built for (the CPU, or CUDA on a GPU machine).
+    {:ok, %{backend: backend}} = EMLXAxon.NativeBuild.read(Path.join(@root, "priv/native"))
 
     %{"prompt_ids" => prompt, "greedy_ids" => greedy} =
       TestFixtures.reference(@model)["prompts"]["plain"]
@@ -35,6 +37,7 @@ defmodule EMLXAxon.DistributionTest do
       tmp: tmp,
       artifacts: artifacts,
       tarball: tarball,
+      backend: backend,
       checksums: checksums,
       prompt: prompt,
       greedy: greedy
@@ -46,7 +49,7 @@ defmodule EMLXAxon.DistributionTest do
     version = Mix.Project.config()[:version]
 
     assert name =~
-             ~r/^emlx_axon-v#{Regex.escape(version)}-nif-2\.15-x86_64-unknown-linux-gnu-cpu\.tar\.gz$/
+             ~r/^emlx_axon-v#{Regex.escape(version)}-nif-2\.15-x86_64-unknown-linux-gnu-#{ctx.backend}\.tar\.gz$/
 
     sha = :crypto.hash(:sha256, File.read!(ctx.tarball)) |> Base.encode16(case: :lower)
     assert File.read!(ctx.tarball <> ".sha256") == "#{sha}  #{name}\n"
@@ -58,14 +61,17 @@ defmodule EMLXAxon.DistributionTest do
     for file <- ["libemlx_axon_nif.so", "emlx_axon_nif.info", "mlx/lib/libmlx.so"],
         do: assert(file in files)
 
-    assert Enum.any?(files, &String.starts_with?(&1, "mlx_cpu.libs/"))
+    # The CPU wheel's bundled libraries; CUDA's headers for MLX's JIT.
+    bundled = if ctx.backend == :cuda, do: "mlx/include/", else: "mlx_cpu.libs/"
+    assert Enum.any?(files, &String.starts_with?(&1, bundled))
   end
 
   test "a mix release runs after it is moved and its sources and build are gone", ctx do
     dir = Path.join(ctx.tmp, "release")
     library = library_copy!(dir, ctx.checksums)
     # The application's config, rather than the environment, names the artifacts.
-    app = tiny_app!(dir, library, "config :emlx_axon, precompiled: #{inspect(ctx.artifacts)}")
+    config = "config :emlx_axon, precompiled: #{inspect(ctx.artifacts)}"
+    app = tiny_app!(dir, library, Enum.join([config | backend_config(ctx)], "\n"))
     env = [{"MIX_ENV", "prod"}, {"EMLX_AXON_PRECOMPILED", nil} | clean_mix_env()]
 
     {output, status} =
@@ -88,7 +94,7 @@ defmodule EMLXAxon.DistributionTest do
     {output, status} = eval(moved, generate_script(ctx), [])
     assert status == 0, output
     assert tokens(output) == ctx.greedy
-    assert output =~ "BACKEND cpu"
+    assert output =~ "BACKEND #{ctx.backend}"
 
     # Every MLX library the VM mapped came from the moved release.
     [_, maps] = Regex.run(~r/MAPS (.*)\n/, output)
@@ -97,9 +103,12 @@ defmodule EMLXAxon.DistributionTest do
     assert Enum.all?(mapped, &String.starts_with?(&1, moved <> "/")), maps
 
     # Asking for another backend than the release's at run time is a clear error.
-    {output, status} = eval(moved, "EMLXAxon.mlx_info()", [{"EMLX_AXON_BACKEND", "cuda"}])
+    other = if ctx.backend == :cpu, do: :cuda, else: :cpu
+    {output, status} = eval(moved, "EMLXAxon.mlx_info()", [{"EMLX_AXON_BACKEND", "#{other}"}])
     assert status != 0
-    assert output =~ "built for the :cpu MLX backend, but EMLX_AXON_BACKEND asks for :cuda"
+
+    assert output =~
+             "built for the #{inspect(ctx.backend)} MLX backend, but EMLX_AXON_BACKEND asks for #{inspect(other)}"
   end
 
   test "a precompiled artifact over HTTP, with no cargo and no python", ctx do
@@ -112,7 +121,7 @@ defmodule EMLXAxon.DistributionTest do
     on_exit(stop)
 
     library = library_copy!(dir, ctx.checksums)
-    app = tiny_app!(dir, library)
+    app = tiny_app!(dir, library, Enum.join(backend_config(ctx), "\n"))
     bin = path_without!(dir, ~w(cargo rustc rustup python python3 pip pip3))
     home = Path.join(dir, "home")
     File.mkdir_p!(home)
@@ -233,11 +242,18 @@ defmodule EMLXAxon.DistributionTest do
     library
   end
 
-  defp tiny_app!(dir, library, config \\ nil) do
+  # The application asks for the artifact's backend; the CPU, the default
+  # on Linux, needs no setting.
+  defp backend_config(%{backend: :cpu}), do: []
+
+  defp backend_config(%{backend: backend}),
+    do: ["config :emlx_axon, backend: #{inspect(backend)}"]
+
+  defp tiny_app!(dir, library, config) do
     app = Path.join(dir, "tiny")
     File.mkdir_p!(Path.join(app, "lib"))
 
-    if config do
+    if config != "" do
       File.mkdir_p!(Path.join(app, "config"))
       File.write!(Path.join(app, "config/config.exs"), "import Config\n#{config}\n")
     end

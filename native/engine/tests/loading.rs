@@ -54,8 +54,16 @@ fn quantizes_dense_checkpoints_at_every_supported_width() {
                 ..f32()
             };
             let m = Model::load(&fixture("qwen3-bf16"), &options).unwrap();
-            let out = emlx_axon_engine::generate(m.into(), None, &[785, 3974], Default::default())
-                .unwrap();
+            let out = match emlx_axon_engine::generate(
+                m.into(),
+                None,
+                &[785, 3974],
+                Default::default(),
+            ) {
+                // Only this width's run is skipped: the others still run.
+                Err(e) if kernel_unavailable(&e) => continue,
+                result => result.unwrap(),
+            };
             assert!(!out.ids.is_empty(), "bits {bits} group {group}");
         }
     }

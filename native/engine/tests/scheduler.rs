@@ -249,8 +249,7 @@ fn cancelling_mid_prefill_and_mid_decode_frees_the_slot_and_memory() {
     let mut c = Collected::default();
     s.admit(p[0].clone(), greedy(4)).unwrap();
     c.drain(&mut s);
-    emlx_axon_engine::memory::clear_cache().unwrap();
-    let baseline = emlx_axon_engine::memory::info().unwrap().active;
+    let baseline = settled_active_memory();
 
     // Mid-prefill: a 2-token chunk of a longer prompt has run.
     let long = s.admit(p[3].clone(), greedy(8)).unwrap();
@@ -277,10 +276,41 @@ fn cancelling_mid_prefill_and_mid_decode_frees_the_slot_and_memory() {
     assert_eq!(c.ids[&b], solo(&model, &p[1], greedy(12)));
     assert_eq!(c.ids[&d], solo(&model, &p[2], greedy(10)));
 
-    emlx_axon_engine::memory::clear_cache().unwrap();
-    let after = emlx_axon_engine::memory::info().unwrap().active;
-    assert_eq!(after, baseline, "MLX active memory back to its baseline");
+    let after = settled_active_memory();
+    if emlx_axon_engine::device::gpu_available() {
+        // MLX's GPU backend releases a step's temporaries on its own
+        // completion thread, after the results have been read; the polling
+        // in `settled_active_memory` cannot prove that thread is done, so on
+        // a GPU the check is for growth (a leaked row's cache) only.
+        assert!(
+            after <= baseline,
+            "MLX active memory grew from {baseline} to {after} bytes"
+        );
+    } else {
+        assert_eq!(after, baseline, "MLX active memory back to its baseline");
+    }
     drop(s);
+}
+
+/// MLX's active memory once nothing is being freed any more: the reuse
+/// cache cleared and two readings a few milliseconds apart equal. On the
+/// CPU the first two agree; on a GPU, buffers of finished work may still be
+/// on their way back when the results are read.
+fn settled_active_memory() -> usize {
+    let read = || {
+        emlx_axon_engine::memory::clear_cache().unwrap();
+        emlx_axon_engine::memory::info().unwrap().active
+    };
+    let mut last = read();
+    for _ in 0..100 {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        let now = read();
+        if now == last {
+            break;
+        }
+        last = now;
+    }
+    last
 }
 
 #[test]

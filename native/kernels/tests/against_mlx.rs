@@ -7,6 +7,12 @@ use mlx_rs::ops::{quantize, quantized_matmul};
 use mlx_rs::random::{key, normal};
 use mlx_rs::Array;
 
+/// Runs `f` with MLX's CPU stream as the default: these are CPU cases, and on
+/// a GPU build MLX's default device is the GPU.
+fn on_cpu<T>(f: impl FnOnce() -> T) -> T {
+    mlx_rs::with_stream(&mlx_rs::Stream::cpu(), f)
+}
+
 struct Case {
     x: Array,
     w: Array,
@@ -80,166 +86,179 @@ const BATCHES: [i32; 8] = [1, 2, 3, 4, 5, 7, 17, 33];
 
 #[test]
 fn every_variant_matches_mlx_quantized_matmul() {
-    let mut checked = 0;
-    for bits in [4, 8] {
-        for group in [32, 64, 128] {
-            for (i, &(n, k, _)) in SHAPES.iter().enumerate() {
-                for &m in &BATCHES {
-                    let seed = (bits * 1000 + group * 10 + i as i32 * 100 + m) as u64;
-                    let c = case(seed, m, n, k, bits, group);
-                    for isa in Isa::ALL.into_iter().filter(|i| i.supported()) {
-                        for threads in [1, 0] {
-                            let y = run_raw(&c, isa, threads, n as usize, k as usize, bits, group);
-                            let err = rel_err(&y, &c.expected);
-                            assert!(
-                                err < 1e-5,
-                                "{isa:?} threads={threads} bits={bits} group={group} m={m} n={n} k={k}: relative error {err}"
-                            );
-                            checked += 1;
+    on_cpu(|| {
+        let mut checked = 0;
+        for bits in [4, 8] {
+            for group in [32, 64, 128] {
+                for (i, &(n, k, _)) in SHAPES.iter().enumerate() {
+                    for &m in &BATCHES {
+                        let seed = (bits * 1000 + group * 10 + i as i32 * 100 + m) as u64;
+                        let c = case(seed, m, n, k, bits, group);
+                        for isa in Isa::ALL.into_iter().filter(|i| i.supported()) {
+                            for threads in [1, 0] {
+                                let y =
+                                    run_raw(&c, isa, threads, n as usize, k as usize, bits, group);
+                                let err = rel_err(&y, &c.expected);
+                                assert!(
+                                    err < 1e-5,
+                                    "{isa:?} threads={threads} bits={bits} group={group} m={m} n={n} k={k}: relative error {err}"
+                                );
+                                checked += 1;
+                            }
                         }
                     }
                 }
             }
         }
-    }
-    assert!(checked >= 2 * 3 * 4 * 8 * 2);
+        assert!(checked >= 2 * 3 * 4 * 8 * 2);
+    })
 }
 
 #[test]
 fn mlx_primitive_matches_mlx_quantized_matmul() {
-    for bits in [4, 8] {
-        for group in [32, 64, 128] {
-            for &m in &[1, 3, 9] {
-                let c = case(7 + m as u64, m, 301, 1024, bits, group);
-                // A batched, lazily computed input: [1, m, k] from an op.
-                let x =
-                    c.x.reshape(&[1, m, 1024])
+    on_cpu(|| {
+        for bits in [4, 8] {
+            for group in [32, 64, 128] {
+                for &m in &[1, 3, 9] {
+                    let c = case(7 + m as u64, m, 301, 1024, bits, group);
+                    // A batched, lazily computed input: [1, m, k] from an op.
+                    let x =
+                        c.x.reshape(&[1, m, 1024])
+                            .unwrap()
+                            .multiply(Array::from_f32(1.0))
+                            .unwrap();
+                    let y = quantized_linear(&x, &c.w, &c.scales, &c.biases, group, bits)
                         .unwrap()
-                        .multiply(Array::from_f32(1.0))
-                        .unwrap();
-                let y = quantized_linear(&x, &c.w, &c.scales, &c.biases, group, bits)
-                    .unwrap()
-                    .expect("a CPU float32 product is ours");
-                assert_eq!(y.shape(), &[1, m, 301]);
-                y.eval().unwrap();
-                let err = rel_err(y.as_slice::<f32>(), &c.expected);
-                assert!(
-                    err < 1e-5,
-                    "bits={bits} group={group} m={m}: relative error {err}"
-                );
+                        .expect("a CPU float32 product is ours");
+                    assert_eq!(y.shape(), &[1, m, 301]);
+                    y.eval().unwrap();
+                    let err = rel_err(y.as_slice::<f32>(), &c.expected);
+                    assert!(
+                        err < 1e-5,
+                        "bits={bits} group={group} m={m}: relative error {err}"
+                    );
+                }
             }
         }
-    }
+    })
 }
 
 #[test]
 fn a_non_contiguous_input_is_made_contiguous() {
-    let c = case(99, 5, 70, 256, 4, 64);
-    // x as the transpose of a transpose: a strided view.
-    let xt = c.x.t().t();
-    let y = quantized_linear(&xt.t().t(), &c.w, &c.scales, &c.biases, 64, 4)
-        .unwrap()
-        .unwrap();
-    y.eval().unwrap();
-    assert!(rel_err(y.as_slice::<f32>(), &c.expected) < 1e-5);
-    // A column slice of W's packed words is not row-contiguous either.
-    let wide = case(98, 3, 70, 512, 4, 64);
-    use mlx_rs::ops::indexing::IndexOp;
-    let w = wide.w.index((.., ..32));
-    let s = wide.scales.index((.., ..4));
-    let b = wide.biases.index((.., ..4));
-    let x = wide.x.index((.., ..256));
-    let expected = quantized_matmul(&x, &w, &s, &b, true, 64, 4).unwrap();
-    let y = quantized_linear(&x, &w, &s, &b, 64, 4).unwrap().unwrap();
-    assert!(rel_err(y.as_slice::<f32>(), expected.as_slice::<f32>()) < 1e-5);
+    on_cpu(|| {
+        let c = case(99, 5, 70, 256, 4, 64);
+        // x as the transpose of a transpose: a strided view.
+        let xt = c.x.t().t();
+        let y = quantized_linear(&xt.t().t(), &c.w, &c.scales, &c.biases, 64, 4)
+            .unwrap()
+            .unwrap();
+        y.eval().unwrap();
+        assert!(rel_err(y.as_slice::<f32>(), &c.expected) < 1e-5);
+        // A column slice of W's packed words is not row-contiguous either.
+        let wide = case(98, 3, 70, 512, 4, 64);
+        use mlx_rs::ops::indexing::IndexOp;
+        let w = wide.w.index((.., ..32));
+        let s = wide.scales.index((.., ..4));
+        let b = wide.biases.index((.., ..4));
+        let x = wide.x.index((.., ..256));
+        let expected = quantized_matmul(&x, &w, &s, &b, true, 64, 4).unwrap();
+        let y = quantized_linear(&x, &w, &s, &b, 64, 4).unwrap().unwrap();
+        assert!(rel_err(y.as_slice::<f32>(), expected.as_slice::<f32>()) < 1e-5);
+    })
 }
 
 #[test]
 fn a_strided_view_of_queued_work_is_read_after_that_work() {
-    use mlx_rs::ops::indexing::IndexOp;
-    let c = case(97, 256, 70, 512, 4, 64);
-    // x is still being computed on the stream's thread when the product is
-    // scheduled, and a column slice of it is strided, so the product packs
-    // it: that must wait for the work that writes it.
-    let mut computed = c.x.clone();
-    for _ in 0..24 {
-        computed = computed
-            .multiply(Array::from_f32(2.0))
-            .unwrap()
-            .divide(Array::from_f32(2.0))
-            .unwrap();
-    }
-    let x = computed.index((.., ..256));
-    let (w, s, b) = (
-        c.w.index((.., ..32)),
-        c.scales.index((.., ..4)),
-        c.biases.index((.., ..4)),
-    );
-    let expected = quantized_matmul(&c.x.index((.., ..256)), &w, &s, &b, true, 64, 4).unwrap();
-    let y = quantized_linear(&x, &w, &s, &b, 64, 4).unwrap().unwrap();
-    y.eval().unwrap();
-    let err = rel_err(y.as_slice::<f32>(), expected.as_slice::<f32>());
-    assert!(err < 1e-5, "relative error {err}");
+    on_cpu(|| {
+        use mlx_rs::ops::indexing::IndexOp;
+        let c = case(97, 256, 70, 512, 4, 64);
+        // x is still being computed on the stream's thread when the product is
+        // scheduled, and a column slice of it is strided, so the product packs
+        // it: that must wait for the work that writes it.
+        let mut computed = c.x.clone();
+        for _ in 0..24 {
+            computed = computed
+                .multiply(Array::from_f32(2.0))
+                .unwrap()
+                .divide(Array::from_f32(2.0))
+                .unwrap();
+        }
+        let x = computed.index((.., ..256));
+        let (w, s, b) = (
+            c.w.index((.., ..32)),
+            c.scales.index((.., ..4)),
+            c.biases.index((.., ..4)),
+        );
+        let expected = quantized_matmul(c.x.index((.., ..256)), &w, &s, &b, true, 64, 4).unwrap();
+        let y = quantized_linear(&x, &w, &s, &b, 64, 4).unwrap().unwrap();
+        y.eval().unwrap();
+        let err = rel_err(y.as_slice::<f32>(), expected.as_slice::<f32>());
+        assert!(err < 1e-5, "relative error {err}");
+    })
 }
 
 #[test]
 fn cases_that_are_not_ours_are_declined() {
-    let c = case(5, 2, 70, 256, 4, 64);
-    // Another bit width, another group size, a dtype, a mismatched shape.
-    assert!(quantized_linear(&c.x, &c.w, &c.scales, &c.biases, 64, 3)
-        .unwrap()
-        .is_none());
-    assert!(quantized_linear(&c.x, &c.w, &c.scales, &c.biases, 16, 4)
-        .unwrap()
-        .is_none());
-    let half = c.x.as_dtype(mlx_rs::Dtype::Float16).unwrap();
-    assert!(quantized_linear(&half, &c.w, &c.scales, &c.biases, 64, 4)
-        .unwrap()
-        .is_none());
-    let short = c.x.reshape(&[4, 128]).unwrap();
-    assert!(quantized_linear(&short, &c.w, &c.scales, &c.biases, 64, 4)
-        .unwrap()
-        .is_none());
-    // And the raw entry point refuses buffers that do not match.
-    let matrix = QuantizedMatrix {
-        w: &[0; 8],
-        scales: &[0.0; 1],
-        biases: &[0.0; 1],
-        rows: 1,
-        cols: 64,
-        bits: 4,
-        group_size: 64,
-    };
-    let mut y = [0f32; 1];
-    assert!(qmm_with(Isa::Scalar, 1, &[0.0; 63], &matrix, &mut y).is_err());
-    assert!(qmm_with(Isa::Scalar, 1, &[0.0; 64], &matrix, &mut y).is_ok());
+    on_cpu(|| {
+        let c = case(5, 2, 70, 256, 4, 64);
+        // Another bit width, another group size, a dtype, a mismatched shape.
+        assert!(quantized_linear(&c.x, &c.w, &c.scales, &c.biases, 64, 3)
+            .unwrap()
+            .is_none());
+        assert!(quantized_linear(&c.x, &c.w, &c.scales, &c.biases, 16, 4)
+            .unwrap()
+            .is_none());
+        let half = c.x.as_dtype(mlx_rs::Dtype::Float16).unwrap();
+        assert!(quantized_linear(&half, &c.w, &c.scales, &c.biases, 64, 4)
+            .unwrap()
+            .is_none());
+        let short = c.x.reshape(&[4, 128]).unwrap();
+        assert!(quantized_linear(&short, &c.w, &c.scales, &c.biases, 64, 4)
+            .unwrap()
+            .is_none());
+        // And the raw entry point refuses buffers that do not match.
+        let matrix = QuantizedMatrix {
+            w: &[0; 8],
+            scales: &[0.0; 1],
+            biases: &[0.0; 1],
+            rows: 1,
+            cols: 64,
+            bits: 4,
+            group_size: 64,
+        };
+        let mut y = [0f32; 1];
+        assert!(qmm_with(Isa::Scalar, 1, &[0.0; 63], &matrix, &mut y).is_err());
+        assert!(qmm_with(Isa::Scalar, 1, &[0.0; 64], &matrix, &mut y).is_ok());
+    })
 }
 
 /// Scales and biases as checkpoints store them (bfloat16) give what MLX gives
 /// with the same values widened to float32.
 #[test]
 fn bfloat16_scales_and_biases_are_read_as_stored() {
-    use mlx_rs::Dtype;
-    for bits in [4, 8] {
-        for &m in &[1, 6] {
-            let c = case(40 + m as u64, m, 301, 1024, bits, 64);
-            let s16 = c.scales.as_dtype(Dtype::Bfloat16).unwrap();
-            let b16 = c.biases.as_dtype(Dtype::Bfloat16).unwrap();
-            let expected = quantized_matmul(
-                &c.x,
-                &c.w,
-                s16.as_dtype(Dtype::Float32).unwrap(),
-                &b16.as_dtype(Dtype::Float32).unwrap(),
-                true,
-                64,
-                bits,
-            )
-            .unwrap();
-            let y = quantized_linear(&c.x, &c.w, &s16, &b16, 64, bits)
-                .unwrap()
-                .expect("bfloat16 scales are ours");
-            let err = rel_err(y.as_slice::<f32>(), expected.as_slice::<f32>());
-            assert!(err < 1e-5, "bits={bits} m={m}: relative error {err}");
+    on_cpu(|| {
+        use mlx_rs::Dtype;
+        for bits in [4, 8] {
+            for &m in &[1, 6] {
+                let c = case(40 + m as u64, m, 301, 1024, bits, 64);
+                let s16 = c.scales.as_dtype(Dtype::Bfloat16).unwrap();
+                let b16 = c.biases.as_dtype(Dtype::Bfloat16).unwrap();
+                let expected = quantized_matmul(
+                    &c.x,
+                    &c.w,
+                    s16.as_dtype(Dtype::Float32).unwrap(),
+                    &b16.as_dtype(Dtype::Float32).unwrap(),
+                    true,
+                    64,
+                    bits,
+                )
+                .unwrap();
+                let y = quantized_linear(&c.x, &c.w, &s16, &b16, 64, bits)
+                    .unwrap()
+                    .expect("bfloat16 scales are ours");
+                let err = rel_err(y.as_slice::<f32>(), expected.as_slice::<f32>());
+                assert!(err < 1e-5, "bits={bits} m={m}: relative error {err}");
+            }
         }
-    }
+    })
 }

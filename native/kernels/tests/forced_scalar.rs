@@ -6,25 +6,33 @@ use emlx_axon_kernels::{quantized_linear, Isa};
 use mlx_rs::ops::{quantize, quantized_matmul};
 use mlx_rs::random::{key, normal};
 
+/// Runs `f` with MLX's CPU stream as the default: these are CPU cases, and on
+/// a GPU build MLX's default device is the GPU.
+fn on_cpu<T>(f: impl FnOnce() -> T) -> T {
+    mlx_rs::with_stream(&mlx_rs::Stream::cpu(), f)
+}
+
 #[test]
 fn forced_scalar_variant_matches_mlx() {
-    std::env::set_var("EMLX_AXON_KERNELS", "scalar");
-    assert_eq!(Isa::selected(), Isa::Scalar);
-    for (bits, group, m) in [(4, 64, 1), (8, 32, 5), (4, 128, 6)] {
-        let x = normal::<f32>(&[m, 512][..], None, None, &key(1).unwrap()).unwrap();
-        let dense = normal::<f32>(&[257, 512][..], None, 0.05, &key(2).unwrap()).unwrap();
-        let (w, s, b) = quantize(&dense, group, bits).unwrap();
-        let expected = quantized_matmul(&x, &w, &s, &b, true, group, bits).unwrap();
-        let ours = quantized_linear(&x, &w, &s, &b, group, bits)
-            .unwrap()
-            .unwrap();
-        let theirs = expected.as_slice::<f32>();
-        let scale = theirs.iter().fold(1e-6f32, |a, v| a.max(v.abs()));
-        let worst = ours
-            .as_slice::<f32>()
-            .iter()
-            .zip(theirs)
-            .fold(0f32, |a, (p, q)| a.max((p - q).abs() / scale));
-        assert!(worst < 1e-5, "bits={bits} group={group} m={m}: {worst}");
-    }
+    on_cpu(|| {
+        std::env::set_var("EMLX_AXON_KERNELS", "scalar");
+        assert_eq!(Isa::selected(), Isa::Scalar);
+        for (bits, group, m) in [(4, 64, 1), (8, 32, 5), (4, 128, 6)] {
+            let x = normal::<f32>(&[m, 512][..], None, None, &key(1).unwrap()).unwrap();
+            let dense = normal::<f32>(&[257, 512][..], None, 0.05, &key(2).unwrap()).unwrap();
+            let (w, s, b) = quantize(&dense, group, bits).unwrap();
+            let expected = quantized_matmul(&x, &w, &s, &b, true, group, bits).unwrap();
+            let ours = quantized_linear(&x, &w, &s, &b, group, bits)
+                .unwrap()
+                .unwrap();
+            let theirs = expected.as_slice::<f32>();
+            let scale = theirs.iter().fold(1e-6f32, |a, v| a.max(v.abs()));
+            let worst = ours
+                .as_slice::<f32>()
+                .iter()
+                .zip(theirs)
+                .fold(0f32, |a, (p, q)| a.max((p - q).abs() / scale));
+            assert!(worst < 1e-5, "bits={bits} group={group} m={m}: {worst}");
+        }
+    })
 }

@@ -4,6 +4,12 @@
 
 use emlx_axon_kernels::{sgemm_with, Isa, Operand};
 
+/// Runs `f` with MLX's CPU stream as the default: our sgemm is what MLX's CPU
+/// matmul runs on, and on a GPU build MLX's default device is the GPU.
+fn on_cpu<T>(f: impl FnOnce() -> T) -> T {
+    mlx_rs::with_stream(&mlx_rs::Stream::cpu(), f)
+}
+
 fn data(len: usize, seed: u64) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
     (0..len)
@@ -139,36 +145,38 @@ fn beta_zero_ignores_what_c_held() {
 /// BLAS (another summation order) would not: libmlx is bound to ours.
 #[test]
 fn mlx_matmul_runs_on_our_sgemm() {
-    use mlx_rs::{ops::matmul, Array};
-    let (m, n, k) = (37, 70, 300);
-    let a = data(m * k, 11);
-    let b = data(k * n, 12);
-    let ours_mlx = matmul(
-        Array::from_slice(&a, &[m as i32, k as i32]),
-        Array::from_slice(&b, &[k as i32, n as i32]),
-    )
-    .unwrap();
-    ours_mlx.eval().unwrap();
-    let mut c = vec![0f32; m * n];
-    sgemm_with(
-        Isa::selected(),
-        0,
-        (m, n, k),
-        1.0,
-        &Operand {
-            data: &a,
-            trans: false,
-            ld: k,
-        },
-        &Operand {
-            data: &b,
-            trans: false,
-            ld: n,
-        },
-        0.0,
-        &mut c,
-        n,
-    )
-    .unwrap();
-    assert_eq!(ours_mlx.as_slice::<f32>(), &c[..]);
+    on_cpu(|| {
+        use mlx_rs::{ops::matmul, Array};
+        let (m, n, k) = (37, 70, 300);
+        let a = data(m * k, 11);
+        let b = data(k * n, 12);
+        let ours_mlx = matmul(
+            Array::from_slice(&a, &[m as i32, k as i32]),
+            Array::from_slice(&b, &[k as i32, n as i32]),
+        )
+        .unwrap();
+        ours_mlx.eval().unwrap();
+        let mut c = vec![0f32; m * n];
+        sgemm_with(
+            Isa::selected(),
+            0,
+            (m, n, k),
+            1.0,
+            &Operand {
+                data: &a,
+                trans: false,
+                ld: k,
+            },
+            &Operand {
+                data: &b,
+                trans: false,
+                ld: n,
+            },
+            0.0,
+            &mut c,
+            n,
+        )
+        .unwrap();
+        assert_eq!(ours_mlx.as_slice::<f32>(), &c[..]);
+    })
 }

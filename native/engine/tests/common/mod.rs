@@ -8,6 +8,7 @@ use emlx_axon_engine::{LoadOptions, Model, Tokenizer};
 use serde_json::Value;
 
 pub fn fixtures() -> PathBuf {
+    exact_float32();
     let dir = std::env::var_os("EMLX_AXON_FIXTURES")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.cache/fixtures"));
@@ -17,6 +18,20 @@ pub fn fixtures() -> PathBuf {
         dir.display()
     );
     dir
+}
+
+/// MLX's CUDA backend computes float32 matmuls in TF32 unless
+/// `MLX_ENABLE_TF32=0` (read once, at its first float32 matmul): on an NVIDIA
+/// H200 that moves the dense model's logits ~8e-4 from mlx-lm's float32 ones.
+/// The references are full float32, so the tests turn it off before any
+/// model runs. It does nothing on the CPU.
+fn exact_float32() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if std::env::var_os("MLX_ENABLE_TF32").is_none() {
+            std::env::set_var("MLX_ENABLE_TF32", "0");
+        }
+    });
 }
 
 pub fn fixture(name: &str) -> PathBuf {
