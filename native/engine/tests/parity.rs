@@ -121,6 +121,14 @@ fn qwen2_4bit_group64_untied() {
     check_fixture("qwen2-4bit-g64", "", f32_load());
 }
 
+/// Qwen3-0.6B's widths, where the CPU kernels split rows across threads,
+/// tile the prompt's matrix products and run 8-bit (down_proj) as well as
+/// 4-bit projections.
+#[test]
+fn qwen3_wide_checkpoint() {
+    check_fixture("qwen3-wide", "", f32_load());
+}
+
 #[test]
 fn qwen2_rope_traditional() {
     check_fixture("qwen2-rope-traditional", "", f32_load());
