@@ -296,7 +296,7 @@ defmodule Mix.Tasks.Compile.EmlxAxonNative do
     native_files =
       root
       |> Path.join("native")
-      |> files_under()
+      |> Bundle.files_under(["target", ".git"])
       |> Enum.map(&{Path.relative_to(&1, root), File.read!(&1)})
 
     top_files =
@@ -318,27 +318,6 @@ defmodule Mix.Tasks.Compile.EmlxAxonNative do
       {@manifest_vsn, :os.type(), native_files, top_files, built, setup_stamps, env, requested}
 
     :erlang.md5(:erlang.term_to_binary(term))
-  end
-
-  defp files_under(dir) do
-    case File.ls(dir) do
-      {:ok, names} ->
-        names
-        |> Enum.sort()
-        |> Enum.reject(&(&1 in ["target", ".git"]))
-        |> Enum.flat_map(fn name ->
-          path = Path.join(dir, name)
-
-          cond do
-            File.dir?(path) -> files_under(path)
-            File.regular?(path) -> [path]
-            true -> []
-          end
-        end)
-
-      {:error, _} ->
-        []
-    end
   end
 
   defp read_manifest do

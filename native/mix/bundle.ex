@@ -162,16 +162,19 @@ defmodule EMLXAxon.MixNative.Bundle do
     |> Enum.any?()
   end
 
-  def files_under(dir) do
+  # Every regular file below `dir`, sorted, skipping entries named in `skip`
+  # at any depth.
+  def files_under(dir, skip \\ []) do
     case File.ls(dir) do
       {:ok, names} ->
         names
         |> Enum.sort()
+        |> Enum.reject(&(&1 in skip))
         |> Enum.flat_map(fn name ->
           path = Path.join(dir, name)
 
           cond do
-            File.dir?(path) -> files_under(path)
+            File.dir?(path) -> files_under(path, skip)
             File.regular?(path) -> [path]
             true -> []
           end
