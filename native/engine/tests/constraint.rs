@@ -7,21 +7,15 @@ use std::sync::Arc;
 
 use common::*;
 use emlx_axon_engine::{
-    ConstraintSpec, Dtype, FinishReason, GenerateOptions, Generation, LoadOptions, Model,
-    RowOptions, SamplerConfig, SamplerKind, Tokenizer,
+    ConstraintSpec, FinishReason, GenerateOptions, Generation, Model, RowOptions, SamplerConfig,
+    SamplerKind, Tokenizer,
 };
 use serde_json::{json, Value};
 
 const FIXTURE: &str = "qwen3-4bit-g64";
 
 fn model() -> Arc<Model> {
-    load(
-        FIXTURE,
-        &LoadOptions {
-            dtype: Some(Dtype::Float32),
-            ..LoadOptions::default()
-        },
-    )
+    load_f32(FIXTURE)
 }
 
 fn sampler(kind: SamplerKind) -> SamplerConfig {

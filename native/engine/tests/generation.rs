@@ -4,22 +4,13 @@ mod common;
 
 use common::*;
 use emlx_axon_engine::{
-    generate, Dtype, FinishReason, GenerateOptions, Generation, LoadOptions, RowOptions,
-    SamplerConfig, SamplerKind,
+    generate, FinishReason, GenerateOptions, Generation, RowOptions, SamplerConfig, SamplerKind,
 };
 
 const FIXTURE: &str = "qwen3-4bit-g64";
 
 fn model() -> std::sync::Arc<emlx_axon_engine::Model> {
-    load(
-        FIXTURE,
-        &LoadOptions {
-            dtype: Some(Dtype::Float32),
-            quantize: None,
-            cpu_parallel: None,
-            ..LoadOptions::default()
-        },
-    )
+    load_f32(FIXTURE)
 }
 
 fn options(max_new_tokens: usize, sampler: SamplerConfig) -> GenerateOptions {

@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use common::*;
 use emlx_axon_engine::scheduler::Occupancy;
 use emlx_axon_engine::{
-    generate, Dtype, FinishReason, GenerateOptions, LoadOptions, Model, RequestId, SamplerConfig,
-    SamplerKind, Scheduler, SchedulerConfig,
+    generate, FinishReason, GenerateOptions, Model, RequestId, SamplerConfig, SamplerKind,
+    Scheduler, SchedulerConfig,
 };
 
 const FIXTURE: &str = "qwen3-4bit-g64";
@@ -21,13 +21,7 @@ fn serial() -> MutexGuard<'static, ()> {
 }
 
 fn model() -> Arc<Model> {
-    load(
-        FIXTURE,
-        &LoadOptions {
-            dtype: Some(Dtype::Float32),
-            ..LoadOptions::default()
-        },
-    )
+    load_f32(FIXTURE)
 }
 
 fn greedy(max_new_tokens: usize) -> GenerateOptions {

@@ -42,6 +42,17 @@ pub fn load(name: &str, options: &LoadOptions) -> Arc<Model> {
     Arc::new(Model::load(&fixture(name), options).unwrap_or_else(|e| panic!("loading {name}: {e}")))
 }
 
+/// A fixture in float32, the dtype of its mlx-lm references.
+pub fn load_f32(name: &str) -> Arc<Model> {
+    load(
+        name,
+        &LoadOptions {
+            dtype: Some(emlx_axon_engine::Dtype::Float32),
+            ..LoadOptions::default()
+        },
+    )
+}
+
 pub fn tokenizer(name: &str) -> Arc<Tokenizer> {
     Arc::new(Tokenizer::load(&fixture(name)).unwrap())
 }
