@@ -63,6 +63,15 @@ impl Weights {
             // SAFETY: safetensors checked that `data` holds exactly shape x dtype bytes.
             let array =
                 unsafe { Array::from_raw_data(data.as_ptr() as *const c_void, &shape, dtype) };
+            // A failed creation (e.g. a device left unusable by an earlier
+            // fault) yields an empty array rather than an error: say so here,
+            // not later as a misleading shape mismatch.
+            if array.shape() != shape.as_slice() {
+                return Err(Error::Mlx(format!(
+                    "MLX could not create tensor `{name}` from {}",
+                    path.display()
+                )));
+            }
             // MLX now holds its own copy: drop the file's pages from this
             // process so that loading peaks near one copy of the weights,
             // not two. Best effort; the pages are file-backed and unmodified,
