@@ -11,7 +11,14 @@
 //! leave at once and free their slot. Every request carries its own options
 //! and sampler, so a seeded request samples the same tokens whatever it is
 //! batched with, and a greedy row gives the ids of its solo run.
+//!
+//! A request may carry a constraint (a JSON Schema, regex or Lark grammar,
+//! compiled when it is admitted): its row's logits are masked to the tokens
+//! that can continue a valid output before its sampler runs, at the first
+//! token and every decode step, and the row ends with
+//! [`FinishReason::Stop`] once the output is complete.
 
+mod constrain;
 mod prefix;
 mod slots;
 
@@ -25,10 +32,11 @@ use mlx_rs::{transforms, Array};
 
 use crate::cache::KvCache;
 use crate::config::add_missing;
+use crate::constraint::{ConstraintSpec, RowConstraint};
 use crate::device::{DeviceKind, Lease};
 use crate::error::{Error, Result};
 use crate::generate::rows::Row;
-use crate::generate::{GenerateOptions, RowDelta};
+use crate::generate::{FinishReason, GenerateOptions, RowDelta};
 use crate::model::{AttentionMask, Model};
 use crate::sampler::Sampler;
 use crate::tokenizer::Tokenizer;
@@ -77,6 +85,9 @@ pub struct RequestStats {
     pub time_to_first_token_ms: f64,
     /// Tokens after the first, per second.
     pub decode_tokens_per_s: f64,
+    /// Host time spent on the request's constraint (its token masks and
+    /// the grammar taking each token); 0 without one.
+    pub constraint_ms: f64,
 }
 
 /// What a step produced for one request.
@@ -106,6 +117,8 @@ struct Request {
     eos: Vec<u32>,
     sampler: Sampler,
     row: Row,
+    constraint: Option<RowConstraint>,
+    constraint_ms: f64,
     admitted: Instant,
     prefill_started: Option<Instant>,
     first_token: Option<Instant>,
@@ -136,17 +149,36 @@ impl Request {
             } else {
                 0.0
             },
+            constraint_ms: self.constraint_ms,
         }
     }
 
-    /// Takes a sampled token; returns the delta.
+    /// Takes a sampled token; returns the delta. A constrained row whose
+    /// output was already complete ends without it; one the token completes
+    /// ends after it.
     fn accept(&mut self, token: u32, tokenizer: Option<&Tokenizer>) -> Result<RowDelta> {
+        let mut delta = RowDelta::default();
+        if self
+            .constraint
+            .as_ref()
+            .is_some_and(RowConstraint::is_complete)
+        {
+            self.row.end(FinishReason::Stop, tokenizer, &mut delta)?;
+            return Ok(delta);
+        }
         let now = Instant::now();
         self.first_token.get_or_insert(now);
         self.last_token = Some(now);
-        let mut delta = RowDelta::default();
         self.row
             .accept(token, &self.options, &self.eos, tokenizer, &mut delta)?;
+        if let (Some(c), None) = (self.constraint.as_mut(), self.row.finish) {
+            let started = Instant::now();
+            let complete = c.consume(token)?;
+            self.constraint_ms += started.elapsed().as_secs_f64() * 1e3;
+            if complete {
+                self.row.end(FinishReason::Stop, tokenizer, &mut delta)?;
+            }
+        }
         Ok(delta)
     }
 }
@@ -177,6 +209,8 @@ pub struct Scheduler {
     prefill: Option<Prefill>,
     prefix: PrefixCache,
     next_id: RequestId,
+    /// Reused host buffer for the constrained rows' logit bias.
+    bias: Vec<f32>,
 }
 
 impl Scheduler {
@@ -229,6 +263,7 @@ impl Scheduler {
             queue: VecDeque::new(),
             prefill: None,
             next_id: 1,
+            bias: vec![],
         })
     }
 
@@ -238,8 +273,29 @@ impl Scheduler {
 
     /// Queues a request; its tokens come from later [`step`](Self::step)s.
     /// `options.rows` is ignored: the sampler's seed is the request's own.
-    pub fn admit(&mut self, prompt: Vec<u32>, mut options: GenerateOptions) -> Result<RequestId> {
+    pub fn admit(&mut self, prompt: Vec<u32>, options: GenerateOptions) -> Result<RequestId> {
+        self.admit_constrained(prompt, options, None)
+    }
+
+    /// [`admit`](Self::admit) with what the output must match (needs a
+    /// tokenizer). The constraint is compiled here, so a bad schema, regex
+    /// or grammar is an error and nothing is queued.
+    pub fn admit_constrained(
+        &mut self,
+        prompt: Vec<u32>,
+        mut options: GenerateOptions,
+        constraint: Option<ConstraintSpec>,
+    ) -> Result<RequestId> {
         self.validate(&prompt, &options)?;
+        let constraint = match &constraint {
+            Some(spec) => {
+                let tokenizer = self.tokenizer.as_deref().ok_or_else(|| {
+                    Error::InvalidConstraint("constrained decoding needs a tokenizer".into())
+                })?;
+                Some(RowConstraint::new(tokenizer, spec)?)
+            }
+            None => None,
+        };
         options.max_len = options.max_len.min(self.config.capacity);
         if prompt.len() >= options.max_len {
             return Err(Error::PromptTooLong {
@@ -269,6 +325,8 @@ impl Scheduler {
             options,
             eos,
             sampler,
+            constraint,
+            constraint_ms: 0.0,
             admitted: Instant::now(),
             prefill_started: None,
             first_token: None,
@@ -412,6 +470,7 @@ impl Scheduler {
             return Ok(None);
         }
         let logits = logits.reshape(&[1, logits.dim(-1)])?;
+        let logits = constrain::mask_logits(logits, &mut [Some(&mut p.request)], &mut self.bias)?;
         let token = sample_one(&mut p.request.sampler, &logits)?;
         transforms::eval(p.cache.arrays())?;
         let Prefill {
@@ -484,21 +543,45 @@ impl Scheduler {
             let ahead = left > 0
                 && running().all(|r| r.request.sampler.on_device())
                 && !running().all(Running::last_step);
+            // A constrained row's mask depends on the token this step is
+            // about to read, and its grammar must take that token first: so
+            // only the next forward pass is queued ahead (its inputs are
+            // this step's tokens, still on the device). Its sampling waits
+            // for the tokens, and the masks are computed on the host while
+            // the device runs that forward pass.
+            let mut forward = None;
             if ahead {
                 left -= 1;
-                pending = Some(self.queue_step(Some(&current))?);
+                if constrain::any_constrained(running().map(|r| &r.request)) {
+                    let f = self.queue_forward(Some(&current))?;
+                    transforms::async_eval([&f.logits])?;
+                    forward = Some(f);
+                } else {
+                    pending = Some(self.queue_step(Some(&current))?);
+                }
             }
             for event in self.read_step(current)? {
                 push(events, event);
+            }
+            if let Some(f) = forward {
+                if self.slots.iter().any(Option::is_some) {
+                    pending = Some(self.sample_step(f)?);
+                }
             }
         }
         Ok(())
     }
 
-    /// Queues one token for every running row over the first slots (a power
+    /// Queues one token for every running row; see [`queue_forward`](Self::queue_forward).
+    fn queue_step(&mut self, after: Option<&Queued>) -> Result<Queued> {
+        let forward = self.queue_forward(after)?;
+        self.sample_step(forward)
+    }
+
+    /// Feeds every running row's next token over the first slots (a power
     /// of two of them, so a step takes one of few shapes). `after`: the step
     /// still in flight whose tokens this one takes as inputs.
-    fn queue_step(&mut self, after: Option<&Queued>) -> Result<Queued> {
+    fn queue_forward(&mut self, after: Option<&Queued>) -> Result<Forward> {
         let top = self
             .slots
             .iter()
@@ -531,7 +614,27 @@ impl Scheduler {
         let logits = self
             .model
             .forward(&ids, &mut self.cache, &mask, false, &self.workers)?;
-        let logits = logits.reshape(&[rows, logits.dim(-1)])?;
+        Ok(Forward {
+            logits: logits.reshape(&[rows, logits.dim(-1)])?,
+            rows,
+            ids: self.slots[..n]
+                .iter()
+                .map(|s| s.as_ref().map(|r| r.request.id))
+                .collect(),
+        })
+    }
+
+    /// Samples a forward pass's logits, each running row with its own
+    /// sampler after its constraint's mask, and queues the tokens. Rows
+    /// that left since the pass was queued get a token nobody reads.
+    fn sample_step(&mut self, forward: Forward) -> Result<Queued> {
+        let Forward { logits, rows, ids } = forward;
+        let n = rows as usize;
+        let mut requests: Vec<Option<&mut Request>> = self.slots[..n]
+            .iter_mut()
+            .map(|s| s.as_mut().map(|r| &mut r.request))
+            .collect();
+        let logits = constrain::mask_logits(logits, &mut requests, &mut self.bias)?;
         let running = || self.slots[..n].iter().flatten();
         // Greedy rows share one argmax; the others draw with their own sampler.
         let any_greedy = running().any(|r| r.request.options.sampler.is_greedy());
@@ -560,14 +663,7 @@ impl Scheduler {
             }
         };
         transforms::async_eval([&tokens])?;
-        Ok(Queued {
-            rows,
-            ids: self.slots[..n]
-                .iter()
-                .map(|s| s.as_ref().map(|r| r.request.id))
-                .collect(),
-            tokens,
-        })
+        Ok(Queued { rows, ids, tokens })
     }
 
     /// Reads a queued step's tokens back and hands them to the rows that
@@ -591,6 +687,16 @@ impl Scheduler {
         }
         Ok(events)
     }
+}
+
+/// A decode step's forward pass, queued, not yet sampled.
+struct Forward {
+    /// `[rows, V]`.
+    logits: Array,
+    /// Slots run: `0..rows`.
+    rows: i32,
+    /// The request in each slot run when the pass was queued.
+    ids: Vec<Option<RequestId>>,
 }
 
 /// A decode step queued on the device, not yet read back.

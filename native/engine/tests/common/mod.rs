@@ -1,6 +1,8 @@
 //! Shared helpers: the fixtures that `scripts/setup` builds with mlx-lm.
 #![allow(dead_code)]
 
+pub mod schema;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 
