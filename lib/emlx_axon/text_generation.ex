@@ -99,9 +99,14 @@ defmodule EMLXAxon.TextGeneration do
   as llguidance reads it) constrain what is generated: at every step the
   tokens that cannot continue a valid output are masked out before
   sampling, whatever the sampler. Give at most one. As options they apply
-  to every input; `run/4` and `stream/5` also take them per input
-  (`%{text: t, json_schema: schema}`), so constrained and free inputs can
-  share a batch (a free row samples exactly as it would alone).
+  to every input; `run/4`, `stream/5` and `serving/3` also take them per
+  input (`%{text: t, json_schema: schema}`), so constrained and free inputs
+  can share a batch (a free row samples exactly as it would alone). A
+  serving checks each input's constraint in the caller (a bad one raises
+  there, not in the batch it would have joined) and batches an input with
+  a constraint only with other callers' constrained inputs of a similar
+  size (the text travels inside the batch, padded to a size bucket), up to
+  4 MiB per input.
 
   A constrained row ends with `finish_reason: :stop` once its output is
   complete (nothing but the end of the text may follow), or `:eos` when the
@@ -146,7 +151,7 @@ defmodule EMLXAxon.TextGeneration do
     * `:enable_thinking` - Qwen3's thinking switch for the chat template
       (default `nil`: the template's default)
     * `:json_schema`, `:regex`, `:grammar` - constrain the output (see
-      "Structured output"; not per input in `serving/3`)
+      "Structured output")
     * `:tools` - tools offered to chat inputs (see "Tool calls")
     * `:profile_timing` - measure the prefill and decode timings (default
       `true`)
@@ -449,7 +454,7 @@ defmodule EMLXAxon.TextGeneration do
     outputs =
       scheduler
       |> Scheduled.run!(requests, opts, emit)
-      |> Enum.map(&put_tool_calls(&1, opts))
+      |> Enum.map(&Output.put_tool_calls(&1, opts.tools))
 
     if multi?, do: outputs, else: hd(outputs)
   end
@@ -476,7 +481,7 @@ defmodule EMLXAxon.TextGeneration do
 
             row
             |> Output.build(Generation.row_timings(stats, index))
-            |> put_tool_calls(opts)
+            |> Output.put_tool_calls(opts.tools)
           end)
 
         if multi?, do: outputs, else: hd(outputs)
@@ -484,14 +489,6 @@ defmodule EMLXAxon.TextGeneration do
       {:error, error} ->
         raise error
     end
-  end
-
-  # With tools offered, the answer's <tool_call> blocks, parsed.
-  defp put_tool_calls(output, %{tools: nil}), do: output
-
-  defp put_tool_calls(%{results: [result]} = output, _opts) do
-    {:ok, calls, errors} = EMLXAxon.ToolCalls.parse(result.generated_text)
-    %{output | results: [Map.merge(result, %{tool_calls: calls, tool_call_errors: errors})]}
   end
 
   defp state!(%State{}), do: :ok

@@ -4,7 +4,7 @@ if Code.ensure_loaded?(Nx.Serving) do
   defmodule EMLXAxon.TextGeneration.ServingTest do
     use ExUnit.Case, async: false
 
-    alias EMLXAxon.{Error, TestFixtures, TestForeignTokenizers, TextGeneration}
+    alias EMLXAxon.{Error, TestFixtures, TestForeignTokenizers, TestJSON, TextGeneration}
 
     @moduletag :fixtures
 
@@ -251,6 +251,169 @@ if Code.ensure_loaded?(Nx.Serving) do
       assert actual == expected
     end
 
+    @schema %{
+      "type" => "object",
+      "properties" => %{
+        "name" => %{"type" => "string", "maxLength" => 8},
+        "n" => %{"type" => "integer", "minimum" => 0, "maximum" => 9}
+      },
+      "required" => ["name", "n"],
+      "additionalProperties" => false
+    }
+    @list_schema %{"type" => "array", "items" => %{"type" => "boolean"}, "maxItems" => 3}
+
+    # The constrained inputs' outputs, checked against their constraint.
+    defp assert_constrained(inputs, outputs) do
+      for {input, %{results: [result]}} <- Enum.zip(inputs, outputs) do
+        case input do
+          %{json_schema: schema} ->
+            assert result.finish_reason in [:stop, :eos], result.text
+            value = TestJSON.decode!(result.text)
+
+            if schema in [@schema, EMLXAxon.JSON.encode!(@schema)] do
+              assert %{"name" => name, "n" => n} = value
+              assert map_size(value) == 2 and String.length(name) <= 8 and n in 0..9
+            else
+              assert is_list(value) and length(value) <= 3 and Enum.all?(value, &is_boolean/1)
+            end
+
+          %{regex: _} ->
+            assert result.text =~ ~r/\Aab+c\z/
+
+          _free ->
+            :ok
+        end
+      end
+    end
+
+    test "per-input constraints, free and constrained inputs together", %{
+      tokenizer: tokenizer,
+      state: state
+    } do
+      opts = [max_new_tokens: 60]
+
+      inputs = [
+        %{text: @plain, json_schema: @schema},
+        "Hello",
+        %{text: "A list:", json_schema: @list_schema, seed: 3},
+        %{text: "Hi", regex: "ab+c"},
+        %{messages: @chat, json_schema: EMLXAxon.JSON.encode!(@schema)}
+      ]
+
+      alone = Enum.map(inputs, &TextGeneration.run(tokenizer, state, &1, opts))
+      serving = TextGeneration.serving(tokenizer, state, opts)
+
+      # One caller's list: constrained and free rows share the execution.
+      listed = Nx.Serving.run(serving, inputs)
+      assert results(listed) == results(alone)
+      assert Enum.all?(listed, &(&1.metadata.batch_size == 5))
+      assert_constrained(inputs, listed)
+
+      # Callers merged by a serving process.
+      name = :"serving_#{System.unique_integer([:positive])}"
+
+      start_supervised!(
+        {Nx.Serving, serving: serving, name: name, batch_size: 8, batch_timeout: 200}
+      )
+
+      merged =
+        inputs
+        |> Enum.map(&Task.async(fn -> Nx.Serving.batched_run(name, &1) end))
+        |> Task.await_many(60_000)
+
+      assert results(merged) == results(alone)
+      assert_constrained(inputs, merged)
+      # The constrained callers of one length bucket were decoded together;
+      # the free one, and the longer chat prompt, apart.
+      assert Enum.map(merged, & &1.metadata.batch_size) == [3, 1, 3, 3, 1]
+
+      # The serving's own constraint applies to the inputs without one.
+      serving = TextGeneration.serving(tokenizer, state, opts ++ [regex: "ab+c"])
+      [free, own] = Nx.Serving.run(serving, ["Hello", %{text: "Hi", json_schema: @schema}])
+      assert hd(free.results).text =~ ~r/\Aab+c\z/
+      assert_constrained([%{json_schema: @schema}], [own])
+    end
+
+    test "a bad per-input constraint raises in its caller only", %{
+      tokenizer: tokenizer,
+      state: state
+    } do
+      serving = TextGeneration.serving(tokenizer, state, @opts)
+      name = :"serving_#{System.unique_integer([:positive])}"
+
+      start_supervised!(
+        {Nx.Serving, serving: serving, name: name, batch_size: 4, batch_timeout: 100}
+      )
+
+      good = Task.async(fn -> Nx.Serving.batched_run(name, ["Hello", @plain]) end)
+
+      for {input, message} <- [
+            {%{text: "x", regex: "(a"}, ~r/invalid regex/},
+            {%{text: "x", json_schema: "{oops"}, ~r/not valid JSON/},
+            {%{text: "x", grammar: "start: nothing_here"}, ~r/invalid grammar/},
+            {%{text: "x", regex: "a", grammar: "start: \"a\""}, ~r/mutually exclusive/}
+          ] do
+        assert_raise ArgumentError, message, fn -> Nx.Serving.batched_run(name, input) end
+        assert_raise ArgumentError, message, fn -> Nx.Serving.run(serving, [@plain, input]) end
+      end
+
+      assert results(Task.await(good, 60_000)) ==
+               results(TextGeneration.run(tokenizer, state, ["Hello", @plain], @opts))
+
+      assert_raise ArgumentError, ~r/invalid regex/, fn ->
+        TextGeneration.serving(tokenizer, state, regex: "(a")
+      end
+    end
+
+    @tools [
+      %{
+        "type" => "function",
+        "function" => %{
+          "name" => "get_weather",
+          "parameters" => %{
+            "type" => "object",
+            "properties" => %{"city" => %{"type" => "string", "minLength" => 1, "maxLength" => 8}},
+            "required" => ["city"],
+            "additionalProperties" => false
+          }
+        }
+      }
+    ]
+
+    test "results carry the tool calls when tools are offered", %{
+      tokenizer: tokenizer,
+      state: state
+    } do
+      messages = [%{role: "user", content: "What is the weather in Paris?"}]
+      grammar = EMLXAxon.ToolCalls.grammar(@tools)
+      input = %{messages: messages, grammar: grammar}
+      opts = [max_new_tokens: 80, tools: @tools]
+
+      %{results: [expected]} = TextGeneration.run(tokenizer, state, input, opts)
+      assert [_ | _] = calls = expected.tool_calls
+      assert Enum.all?(calls, &match?(%{name: "get_weather", arguments: %{"city" => _}}, &1))
+      assert expected.tool_call_errors == []
+
+      serving = TextGeneration.serving(tokenizer, state, opts)
+      assert %{results: [^expected]} = Nx.Serving.run(serving, input)
+
+      # A free input gets its (here: no) calls parsed too.
+      [called, free] = Nx.Serving.run(serving, [input, messages])
+      assert called.results == [expected]
+      assert %{tool_calls: [], tool_call_errors: []} = hd(free.results)
+
+      # Without tools, no tool keys.
+      plain = TextGeneration.serving(tokenizer, state, max_new_tokens: 80)
+      refute Map.has_key?(hd(Nx.Serving.run(plain, input).results), :tool_calls)
+
+      streaming =
+        TextGeneration.serving(tokenizer, state, opts ++ [stream: true, stream_done: true])
+
+      events = streaming |> Nx.Serving.run(input) |> Enum.to_list()
+      assert {:done, %{results: [^expected]}} = List.last(events)
+      assert IO.iodata_to_binary(Enum.drop(events, -1)) == expected.text
+    end
+
     test "errors", %{tokenizer: tokenizer, state: state} do
       streaming = TextGeneration.serving(tokenizer, state, stream: true)
 
@@ -273,12 +436,13 @@ defmodule EMLXAxon.TextGeneration.ServingLogicTest do
 
   alias EMLXAxon.{Error, TestFixtures, TextGeneration}
   alias EMLXAxon.TextGeneration.{Config, Input, Output}
-  alias EMLXAxon.TextGeneration.Serving.{Batch, Events, Execution, Results}
+  alias EMLXAxon.TextGeneration.Serving.{Batch, Constraints, Events, Execution, Results}
 
   @plain "The quick brown fox jumps over the lazy dog."
   @chat [%{role: "user", content: "Give me a short introduction to large language models."}]
 
-  defp request(n, seed \\ nil), do: %{ids: Enum.to_list(1..n), seed: seed}
+  defp request(n, seed \\ nil, constraint \\ nil),
+    do: %{ids: Enum.to_list(1..n), seed: seed, constraint: constraint}
 
   describe "batching inputs" do
     test "prompts are padded to a length bucket, not to :max_len" do
@@ -297,8 +461,12 @@ defmodule EMLXAxon.TextGeneration.ServingLogicTest do
       assert Batch.buckets(Config.serving!(max_len: 100)) == [16, 32, 64, 100]
       assert Batch.buckets(Config.serving!(max_len: 8)) == [8]
 
-      assert Batch.batch_keys(Config.serving!(max_len: 100)) ==
-               Enum.map([16, 32, 64, 100], &{:sequence_length, &1})
+      keys = Batch.batch_keys(Config.serving!(max_len: 100))
+      plain = Enum.map([16, 32, 64, 100], &{:sequence_length, &1})
+      assert Enum.take(keys, 4) == plain
+      assert {:sequence_length, 16, :constraint_bytes, 256} in keys
+      assert {:sequence_length, 100, :constraint_bytes, 4 * 1024 * 1024} in keys
+      assert length(keys) == 4 + 4 * 8
     end
 
     test "compile: [sequence_length: ...] sets the buckets" do
@@ -324,7 +492,7 @@ defmodule EMLXAxon.TextGeneration.ServingLogicTest do
 
     test "requests survive the trip, merged with other callers' and padded" do
       first = [request(3, 7), request(16)]
-      second = [%{ids: [5, 151_643, 0], seed: 0}]
+      second = [%{ids: [5, 151_643, 0], seed: 0, constraint: nil}]
       a = Batch.encode(first, 16)
       b = Batch.encode(second, 16)
 
@@ -333,6 +501,41 @@ defmodule EMLXAxon.TextGeneration.ServingLogicTest do
       merged = Map.new(a, fn {key, value} -> {key, value <> b[key] <> pad[key]} end)
 
       assert Batch.decode(merged, 16, 3) == first ++ second
+    end
+
+    test "per-input constraints survive the trip, beside free inputs" do
+      schema = ~s({"type": "object", "properties": {"é": {"type": "string"}}})
+      first = [request(3, 7, {:json_schema, schema}), request(5), request(2, nil, {:regex, "a+"})]
+      second = [request(4, 1, {:grammar, "start: \"x\""}), request(6)]
+
+      # One bucket for all of a caller's rows: the longest constraint's.
+      assert Batch.key(first, 16) == {:sequence_length, 16, :constraint_bytes, 256}
+      assert Batch.key([request(3)], 16) == {:sequence_length, 16}
+      big = request(3, nil, {:regex, String.duplicate("a", 300)})
+      assert Batch.key([request(2), big], 32) == {:sequence_length, 32, :constraint_bytes, 1024}
+
+      # No constraint, no constraint fields: free callers batch as before.
+      assert Map.keys(Batch.encode([request(3)], 16)) == [:input_ids, :length, :seed]
+
+      a = Batch.encode(first, 16)
+      b = Batch.encode(second, 16)
+      assert byte_size(a.constraint) == 3 * 256
+      # Nx.Serving pads a batch with zero rows: a request of nothing.
+      pad =
+        Map.new(a, fn {key, value} -> {key, :binary.copy(<<0>>, div(byte_size(value), 3))} end)
+
+      merged = Map.new(a, fn {key, value} -> {key, value <> b[key] <> pad[key]} end)
+
+      assert Batch.decode(merged, 16, 5) == first ++ second
+      assert [_, _, _, _, _, %{ids: [], seed: 0, constraint: nil}] = Batch.decode(merged, 16, 6)
+    end
+
+    test "a constraint longer than the largest bucket is refused" do
+      huge = request(3, nil, {:regex, String.duplicate("a", 4 * 1024 * 1024 + 1)})
+
+      assert_raise ArgumentError, ~r/at most 4194304 bytes per input/, fn ->
+        Batch.key([huge], 16)
+      end
     end
 
     test "the client's padding costs time in proportion to the prompt, not to :max_len" do
@@ -443,6 +646,57 @@ defmodule EMLXAxon.TextGeneration.ServingLogicTest do
     end
   end
 
+  describe "tool calls" do
+    test "a result gets its parsed calls only when tools were offered" do
+      text = ~s(<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call><tool_call>{")
+
+      output =
+        Output.build(
+          %{ids: [1], text: text, finish_reason: :length, prompt_tokens: 1, padding: 0},
+          %{}
+        )
+
+      assert Output.put_tool_calls(output, nil) == output
+
+      assert %{results: [%{tool_calls: [%{name: "add", arguments: %{"a" => 1}}]} = result]} =
+               Output.put_tool_calls(output, [%{"type" => "function"}])
+
+      assert [error] = result.tool_call_errors
+      assert error =~ "never closed"
+    end
+  end
+
+  describe "checking constraints" do
+    @describetag :fixtures
+
+    setup do
+      name = "qwen3-4bit-g64"
+      %{tokenizer: TestFixtures.tokenizer(name), state: TestFixtures.model(name)}
+    end
+
+    test "the engine's refusals are ArgumentErrors", %{tokenizer: tokenizer, state: state} do
+      good = [
+        %{constraint: {:json_schema, ~s({"type": "object"})}},
+        %{constraint: nil},
+        %{constraint: {:regex, "ab+c"}},
+        %{constraint: {:grammar, "start: \"x\""}}
+      ]
+
+      assert Constraints.check!(tokenizer, state, good) == :ok
+
+      for {constraint, message} <- [
+            {{:json_schema, "{oops"}, ~r/not valid JSON/},
+            {{:regex, "(a"}, ~r/invalid regex/},
+            {{:grammar, "start: nothing_here"}, ~r/invalid grammar/},
+            {{:json_schema, ~s({"dependentSchemas": {"a": {}}})}, ~r/dependentSchemas/}
+          ] do
+        assert_raise ArgumentError, message, fn ->
+          Constraints.check!(tokenizer, state, good ++ [%{constraint: constraint}])
+        end
+      end
+    end
+  end
+
   describe "an execution" do
     @describetag :fixtures
 
@@ -492,6 +746,26 @@ defmodule EMLXAxon.TextGeneration.ServingLogicTest do
                    Map.take(e.metadata, [:prompt_tokens, :generated_tokens, :batch_size])
         end
       end
+    end
+
+    test "honours each input's constraint", %{tokenizer: tokenizer, state: state} do
+      opts = [max_new_tokens: 40]
+      schema = ~s({"type": "array", "items": {"type": "integer"}, "maxItems": 3})
+
+      inputs = [
+        %{text: @plain, json_schema: schema},
+        "Hello",
+        %{text: "Hi", regex: "ab+c"},
+        %{text: "x", grammar: ~s(start: "yes" | "no")}
+      ]
+
+      expected = TextGeneration.run(tokenizer, state, inputs, opts)
+      actual = serve(tokenizer, state, inputs, opts)
+      assert Enum.map(actual, & &1.results) == Enum.map(expected, & &1.results)
+      [json, _free, regex, grammar] = Enum.map(actual, &hd(&1.results).text)
+      assert json =~ ~r/\A\[(-?\d+(, -?\d+){0,2})?\]\z/
+      assert regex =~ ~r/\Aab+c\z/
+      assert grammar in ["yes", "no"]
     end
 
     test "honours each input's seed", %{tokenizer: tokenizer, state: state} do

@@ -41,6 +41,20 @@ defmodule EMLXAxon.TextGeneration.Output do
   end
 
   @doc """
+  `output` with its result's tool calls when `tools` were offered (not
+  `nil`): `tool_calls` (the answer's well-formed `<tool_call>` blocks,
+  parsed) and `tool_call_errors` (the malformed ones). Every path that
+  builds outputs (a direct run, a scheduler's, a serving's) ends here.
+  """
+  @spec put_tool_calls(map(), nil | [map()]) :: map()
+  def put_tool_calls(output, nil), do: output
+
+  def put_tool_calls(%{results: [result]} = output, _tools) do
+    {:ok, calls, errors} = EMLXAxon.ToolCalls.parse(result.generated_text)
+    %{output | results: [Map.merge(result, %{tool_calls: calls, tool_call_errors: errors})]}
+  end
+
+  @doc """
   The left padding of each of a batch's rows: the engine aligns prompts of
   different lengths on the right.
   """

@@ -11,7 +11,7 @@ if Code.ensure_loaded?(Nx.Serving) do
     @behaviour Nx.Serving
 
     alias EMLXAxon.TextGeneration.{Input, Output}
-    alias EMLXAxon.TextGeneration.Serving.{Batch, Events, Execution, Results}
+    alias EMLXAxon.TextGeneration.Serving.{Batch, Constraints, Events, Execution, Results}
 
     @hook :chunk
 
@@ -22,6 +22,8 @@ if Code.ensure_loaded?(Nx.Serving) do
       defn_options = Keyword.put(opts.defn_options, :compiler, Nx.Defn.Evaluator)
       opts = %{opts | mlx_stream: opts.mlx_stream || EMLXAxon.Stream.current()}
       arg = %{tokenizer: tokenizer, state: state, opts: opts}
+      # The serving's own constraint fails here rather than in an execution.
+      Constraints.check!(tokenizer, state, [%{constraint: opts.constraint}])
 
       serving =
         __MODULE__
@@ -99,30 +101,22 @@ if Code.ensure_loaded?(Nx.Serving) do
     defp preprocess(input, tokenizer, state, opts) do
       {requests, multi?} = Input.requests!(tokenizer, state, input, opts)
 
-      # Requests reach the execution as tensors of ids and seeds only.
-      if Enum.any?(requests, & &1.constraint) do
-        raise ArgumentError,
-              "a serving takes :json_schema, :regex and :grammar as serving options, " <>
-                "not per input; use EMLXAxon.TextGeneration.run/4 for per-input constraints"
-      end
-
       if opts.stream and multi? do
         raise ArgumentError,
               "a streaming serving takes one input at a time, " <>
                 "call it with each input of the list separately"
       end
 
+      Constraints.check!(tokenizer, state, requests)
       width = Batch.width!(requests, opts)
-      encoded = Batch.encode(requests, width)
       n = length(requests)
 
-      inputs = %{
-        "input_ids" => tensor({{:s, 32}, {n, width}, encoded.input_ids}),
-        "length" => tensor({{:s, 32}, {n}, encoded.length}),
-        "seed" => tensor({{:s, 64}, {n}, encoded.seed})
-      }
+      inputs =
+        requests
+        |> Batch.encode(width)
+        |> Map.new(&field(&1, n))
 
-      batch = [inputs] |> Nx.Batch.concatenate() |> Nx.Batch.key({:sequence_length, width})
+      batch = [inputs] |> Nx.Batch.concatenate() |> Nx.Batch.key(Batch.key(requests, width))
       {batch, multi?}
     end
 
@@ -148,11 +142,35 @@ if Code.ensure_loaded?(Nx.Serving) do
       |> Results.decode(opts.max_new_tokens)
       |> Enum.map(fn row ->
         text = Output.text!(tokenizer, row.ids, row.finish_reason, opts.stop)
-        Output.build(Map.put(row, :text, text), row.metadata)
+
+        row
+        |> Map.put(:text, text)
+        |> Output.build(row.metadata)
+        |> Output.put_tool_calls(opts.tools)
       end)
     end
 
     ## Tensors
+
+    # Batch.encode/2's fields: their types, and which hold a row per request
+    # (the others hold one value per request).
+    @field_types %{
+      input_ids: {:s, 32},
+      length: {:s, 32},
+      seed: {:s, 64},
+      constraint: {:u, 8},
+      constraint_size: {:s, 32},
+      constraint_kind: {:u, 8}
+    }
+    @row_fields [:input_ids, :constraint]
+
+    defp field({name, binary}, n) do
+      {_, bits} = type = Map.fetch!(@field_types, name)
+
+      shape = if name in @row_fields, do: {n, div(byte_size(binary) * 8, n * bits)}, else: {n}
+
+      {Atom.to_string(name), tensor({type, shape, binary})}
+    end
 
     defp chunk_container(rows) do
       {matrix, shape, sizes} = Events.encode_chunk(rows)

@@ -10,12 +10,36 @@ defmodule EMLXAxon.TextGeneration.Serving.Batch do
   # execution. Buckets are `compile: [sequence_length: ...]` when given,
   # else powers of two up to :max_len. The padding is stripped again before
   # generating: the engine aligns rows itself.
+  #
+  # Per-input constraints (a JSON Schema, regex or grammar) travel inside
+  # the batch too, as one row of UTF-8 bytes per request with its byte size
+  # and kind: whatever carries a request to its execution must be in the
+  # batch, since Nx.Serving merges callers' batches and keeps nothing else
+  # of them (a table of constraints beside the batch would have to outlive
+  # callers that vanish, and exist on the node that runs the execution).
+  # Merged rows must share a width, so the constraint row is padded to a
+  # bucket (powers of 4 from 256 bytes to 4 MiB) and the bucket joins the
+  # batch key: `{:sequence_length, w, :constraint_bytes, c}`. A batch with
+  # no constraint at all keeps the plain `{:sequence_length, w}` key and no
+  # constraint fields, so unconstrained traffic batches as before. Within
+  # one caller's list, free and constrained inputs share the execution.
 
   @min_bucket 16
   @no_seed -1
+  @constraint_buckets Enum.map(0..7, &(256 * Integer.pow(4, &1)))
+  @constraint_kinds %{json_schema: 1, regex: 2, grammar: 3}
+  @constraint_names Map.new(@constraint_kinds, fn {name, code} -> {code, name} end)
 
   @typedoc "A request as EMLXAxon.TextGeneration.Input builds it."
-  @type request :: %{ids: [non_neg_integer()], seed: nil | non_neg_integer()}
+  @type request :: %{
+          required(:ids) => [non_neg_integer()],
+          required(:seed) => nil | non_neg_integer(),
+          optional(:constraint) => nil | {atom(), String.t()}
+        }
+
+  @type key ::
+          {:sequence_length, pos_integer()}
+          | {:sequence_length, pos_integer(), :constraint_bytes, pos_integer()}
 
   @doc "The prompt length buckets, ascending."
   @spec buckets(map()) :: [pos_integer()]
@@ -33,9 +57,54 @@ defmodule EMLXAxon.TextGeneration.Serving.Batch do
     |> Kernel.++([max_len])
   end
 
-  @doc "The batch keys of `buckets/1`, for `Nx.Serving.process_options/2`."
-  @spec batch_keys(map()) :: [{:sequence_length, pos_integer()}]
-  def batch_keys(opts), do: Enum.map(buckets(opts), &{:sequence_length, &1})
+  @doc """
+  Every batch key, for `Nx.Serving.process_options/2`: one per length
+  bucket of `buckets/1`, and one per length bucket and constraint bucket.
+  """
+  @spec batch_keys(map()) :: [key()]
+  def batch_keys(opts) do
+    widths = buckets(opts)
+    plain = Enum.map(widths, &{:sequence_length, &1})
+
+    plain ++
+      for w <- widths, c <- @constraint_buckets, do: {:sequence_length, w, :constraint_bytes, c}
+  end
+
+  @doc "The batch key of `requests` padded to `width` (see `encode/2`)."
+  @spec key([request()], pos_integer()) :: key()
+  def key(requests, width) do
+    case constraint_width!(requests) do
+      nil -> {:sequence_length, width}
+      bytes -> {:sequence_length, width, :constraint_bytes, bytes}
+    end
+  end
+
+  # The constraint bucket of `requests`, nil when none is constrained.
+  defp constraint_width!(requests) do
+    longest =
+      requests
+      |> Enum.map(fn request ->
+        case Map.get(request, :constraint) do
+          nil -> nil
+          {_kind, text} -> byte_size(text)
+        end
+      end)
+      |> Enum.reject(&is_nil/1)
+      |> Enum.max(fn -> nil end)
+
+    cond do
+      longest == nil ->
+        nil
+
+      bucket = Enum.find(@constraint_buckets, &(&1 >= longest)) ->
+        bucket
+
+      true ->
+        raise ArgumentError,
+              "a serving takes a :json_schema, :regex or :grammar of at most " <>
+                "#{List.last(@constraint_buckets)} bytes per input, got one of #{longest}"
+    end
+  end
 
   @doc """
   The width (bucket) the prompts of `requests` are padded to. Raises an
@@ -70,13 +139,13 @@ defmodule EMLXAxon.TextGeneration.Serving.Batch do
   @doc """
   Encodes `requests` as native-endian binaries: `input_ids` (s32, one row
   of `width` ids per request, zero-padded), `length` (s32) and `seed` (s64,
-  -1 for none).
+  -1 for none). When a request is constrained, also `constraint` (u8, one
+  row per request of the bucket `key/2` names: the schema, regex or
+  grammar text, zero-padded), `constraint_size` (s32, its bytes) and
+  `constraint_kind` (u8: 0 for none, then `:json_schema`, `:regex`,
+  `:grammar`).
   """
-  @spec encode([request()], pos_integer()) :: %{
-          input_ids: binary(),
-          length: binary(),
-          seed: binary()
-        }
+  @spec encode([request()], pos_integer()) :: %{atom() => binary()}
   def encode(requests, width) do
     input_ids =
       for %{ids: ids} <- requests, into: <<>> do
@@ -84,34 +153,76 @@ defmodule EMLXAxon.TextGeneration.Serving.Batch do
         [row, :binary.copy(<<0::signed-native-32>>, width - length(ids))] |> IO.iodata_to_binary()
       end
 
-    %{
+    fields = %{
       input_ids: input_ids,
       length: for(%{ids: ids} <- requests, into: <<>>, do: <<length(ids)::signed-native-32>>),
       seed: for(%{seed: seed} <- requests, into: <<>>, do: <<seed || @no_seed::signed-native-64>>)
+    }
+
+    case constraint_width!(requests) do
+      nil -> fields
+      bytes -> Map.merge(fields, encode_constraints(requests, bytes))
+    end
+  end
+
+  defp encode_constraints(requests, bytes) do
+    {rows, sizes, kinds} =
+      requests
+      |> Enum.map(fn request ->
+        case Map.get(request, :constraint) do
+          nil ->
+            {:binary.copy(<<0>>, bytes), 0, 0}
+
+          {kind, text} ->
+            {[text, :binary.copy(<<0>>, bytes - byte_size(text))], byte_size(text),
+             Map.fetch!(@constraint_kinds, kind)}
+        end
+      end)
+      |> Enum.reduce({[], [], []}, fn {row, size, kind}, {rows, sizes, kinds} ->
+        {[rows, row], [sizes, <<size::signed-native-32>>], [kinds, <<kind::8>>]}
+      end)
+
+    %{
+      constraint: IO.iodata_to_binary(rows),
+      constraint_size: IO.iodata_to_binary(sizes),
+      constraint_kind: IO.iodata_to_binary(kinds)
     }
   end
 
   @doc """
   Decodes the first `size` rows of an execution's batch (the binaries of
-  `encode/2`, possibly merged from several callers) back into requests.
+  `encode/2`, possibly merged from several callers and padded) back into
+  requests.
   """
-  @spec decode(
-          %{input_ids: binary(), length: binary(), seed: binary()},
-          pos_integer(),
-          pos_integer()
-        ) ::
-          [request()]
-  def decode(%{input_ids: input_ids, length: lengths, seed: seeds}, width, size) do
+  @spec decode(%{atom() => binary()}, pos_integer(), pos_integer()) :: [request()]
+  def decode(%{input_ids: input_ids, length: lengths, seed: seeds} = fields, width, size) do
     lengths = for <<length::signed-native-32 <- lengths>>, do: length
     seeds = for <<seed::signed-native-64 <- seeds>>, do: if(seed == @no_seed, do: nil, else: seed)
+    constraints = decode_constraints(fields, length(lengths))
 
-    [lengths, seeds]
+    [lengths, seeds, constraints]
     |> Enum.zip()
     |> Enum.take(size)
     |> Enum.with_index()
-    |> Enum.map(fn {{length, seed}, row} ->
+    |> Enum.map(fn {{length, seed, constraint}, row} ->
       ids = binary_part(input_ids, row * width * 4, length * 4)
-      %{ids: for(<<id::signed-native-32 <- ids>>, do: id), seed: seed}
+      %{ids: for(<<id::signed-native-32 <- ids>>, do: id), seed: seed, constraint: constraint}
     end)
   end
+
+  defp decode_constraints(
+         %{constraint: texts, constraint_size: sizes, constraint_kind: kinds},
+         rows
+       ) do
+    bytes = div(byte_size(texts), rows)
+    sizes = for <<size::signed-native-32 <- sizes>>, do: size
+
+    for {{size, kind}, row} <- Enum.with_index(Enum.zip(sizes, :binary.bin_to_list(kinds))) do
+      if kind != 0 do
+        {Map.fetch!(@constraint_names, kind), binary_part(texts, row * bytes, size)}
+      end
+    end
+  end
+
+  defp decode_constraints(_fields, rows), do: List.duplicate(nil, rows)
 end
