@@ -4,6 +4,7 @@
 //! ([`Tokenizer::load`]) and generate ([`Generation`], [`generate`]). The
 //! Elixir NIF is a thin wrapper over this crate.
 
+mod attention;
 pub mod cache;
 pub mod config;
 pub mod constraint;

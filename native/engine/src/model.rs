@@ -1,16 +1,17 @@
-//! Qwen3 and Qwen2 decoder-only transformers (the two differ only in q/k
-//! RMSNorm versus q/k/v bias), following mlx-lm's models/qwen3.py and qwen2.py.
+//! Qwen3 and Qwen2 decoder-only transformers (the two differ only in their
+//! attention: see [`crate::attention`]), following mlx-lm's models/qwen3.py
+//! and qwen2.py.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use mlx_rs::fast::{
-    rms_norm, rope, rope_dynamic, scaled_dot_product_attention, ScaledDotProductAttentionMask,
-};
+use mlx_rs::fast::rms_norm;
 use mlx_rs::ops::{multiply, sigmoid};
 use mlx_rs::{Array, Dtype};
 
-use crate::cache::{KvStore, RopeOffset};
+use crate::attention::Attention;
+pub use crate::attention::AttentionMask;
+use crate::cache::KvStore;
 use crate::config::{add_missing, generation_eos_ids, Arch, ModelConfig, QuantSpec};
 use crate::error::{Error, Result};
 use crate::layers::{Embedding, Linear, LoadPlan, Workers};
@@ -40,21 +41,6 @@ impl Default for LoadOptions {
             strict: true,
         }
     }
-}
-
-pub enum AttentionMask {
-    None,
-    Causal,
-    Array(Array),
-}
-
-struct Attention {
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-    q_norm: Option<Array>,
-    k_norm: Option<Array>,
 }
 
 struct Mlp {
@@ -140,7 +126,7 @@ impl Model {
         } else {
             1
         };
-        let (d, hd) = (c.hidden_size, c.head_dim);
+        let d = c.hidden_size;
         let tied_ways = if c.tie_word_embeddings { ways } else { 1 };
         let embed = Embedding::load(
             &mut weights,
@@ -159,47 +145,7 @@ impl Model {
                 let path = format!("{p}.{name}");
                 Linear::load(w, &path, i, o, bias, plan(&path), ways)
             };
-            let qkv_bias = c.arch == Arch::Qwen2;
-            let attn = Attention {
-                q: linear(
-                    &mut weights,
-                    "self_attn.q_proj",
-                    d,
-                    c.num_heads * hd,
-                    qkv_bias,
-                )?,
-                k: linear(
-                    &mut weights,
-                    "self_attn.k_proj",
-                    d,
-                    c.num_kv_heads * hd,
-                    qkv_bias,
-                )?,
-                v: linear(
-                    &mut weights,
-                    "self_attn.v_proj",
-                    d,
-                    c.num_kv_heads * hd,
-                    qkv_bias,
-                )?,
-                o: linear(&mut weights, "self_attn.o_proj", c.num_heads * hd, d, false)?,
-                q_norm: match c.arch {
-                    Arch::Qwen3 => Some(norm(
-                        &mut weights,
-                        &format!("{p}.self_attn.q_norm.weight"),
-                        hd,
-                    )?),
-                    Arch::Qwen2 => None,
-                },
-                k_norm: match c.arch {
-                    Arch::Qwen3 => Some(norm(
-                        &mut weights,
-                        &format!("{p}.self_attn.k_norm.weight"),
-                        hd,
-                    )?),
-                    Arch::Qwen2 => None,
-                },
-            };
+            let attn = Attention::load(&mut weights, c, &p, &plan, dtype, ways)?;
             let mlp = Mlp {
                 gate: linear(&mut weights, "mlp.gate_proj", d, c.intermediate_size, false)?,
                 up: linear(&mut weights, "mlp.up_proj", d, c.intermediate_size, false)?,
@@ -273,11 +219,10 @@ impl Model {
     fn arrays(&self) -> Vec<&Array> {
         let mut all = self.embed.arrays();
         for b in &self.blocks {
-            let a = &b.attn;
-            for l in [&a.q, &a.k, &a.v, &a.o, &b.mlp.gate, &b.mlp.up, &b.mlp.down] {
+            all.extend(b.attn.arrays());
+            for l in [&b.mlp.gate, &b.mlp.up, &b.mlp.down] {
                 all.extend(l.arrays());
             }
-            all.extend(a.q_norm.iter().chain(a.k_norm.iter()));
             all.push(&b.input_norm);
             all.push(&b.post_norm);
         }
@@ -290,7 +235,7 @@ impl Model {
 
     /// Whether any layer holds quantized weights.
     pub fn is_quantized(&self) -> bool {
-        self.embed.is_quantized() || self.blocks.iter().any(|b| b.attn.q.is_quantized())
+        self.embed.is_quantized() || self.blocks.iter().any(|b| b.attn.is_quantized())
     }
 
     /// Runs `ids` (`[B, L]` int32) through the model, writing keys and values
@@ -307,8 +252,8 @@ impl Model {
         let c = &self.config;
         let mut h = self.embed.forward(ids)?;
         for (i, block) in self.blocks.iter().enumerate() {
-            let r = self.attention(
-                &block.attn,
+            let r = block.attn.forward(
+                c,
                 &rms_norm(&h, Some(&block.input_norm), c.rms_norm_eps)?,
                 cache,
                 i,
@@ -334,72 +279,5 @@ impl Model {
             Some(head) => head.forward(&h, workers),
             None => self.embed.as_linear(&h, workers),
         }
-    }
-
-    fn attention<C: KvStore>(
-        &self,
-        a: &Attention,
-        x: &Array,
-        cache: &mut C,
-        layer: usize,
-        mask: &AttentionMask,
-        workers: Workers,
-    ) -> Result<Array> {
-        let c = &self.config;
-        let (b, l) = (x.dim(0), x.dim(1));
-        let heads = |y: Array, n: i32, norm: &Option<Array>| -> Result<Array> {
-            let y = y.reshape(&[b, l, n, c.head_dim])?;
-            let y = match norm {
-                Some(w) => rms_norm(&y, Some(w), c.rms_norm_eps)?,
-                None => y,
-            };
-            Ok(y.transpose_axes(&[0, 2, 1, 3])?)
-        };
-        let offset = cache.rope_offset();
-        let rotate = |y: &Array| match &offset {
-            RopeOffset::Scalar(offset) => rope(
-                y,
-                c.head_dim,
-                c.rope_traditional,
-                c.rope_theta,
-                c.rope_scale,
-                *offset,
-                None,
-            ),
-            RopeOffset::PerRow(offsets) => rope_dynamic(
-                y,
-                c.head_dim,
-                c.rope_traditional,
-                c.rope_theta,
-                c.rope_scale,
-                offsets,
-                None,
-            ),
-        };
-        let q = rotate(&heads(a.q.forward(x, workers)?, c.num_heads, &a.q_norm)?)?;
-        let k = rotate(&heads(a.k.forward(x, workers)?, c.num_kv_heads, &a.k_norm)?)?;
-        let v = heads(a.v.forward(x, workers)?, c.num_kv_heads, &None)?;
-        let (keys, values) = cache.update(layer, &k, &v)?;
-        let scale = (c.head_dim as f32).powf(-0.5);
-        let out = match mask {
-            AttentionMask::None => {
-                scaled_dot_product_attention(&q, &keys, &values, scale, None, None)?
-            }
-            AttentionMask::Causal => scaled_dot_product_attention(
-                &q,
-                &keys,
-                &values,
-                scale,
-                ScaledDotProductAttentionMask::Causal,
-                None,
-            )?,
-            AttentionMask::Array(m) => {
-                scaled_dot_product_attention(&q, &keys, &values, scale, m, None)?
-            }
-        };
-        let out = out
-            .transpose_axes(&[0, 2, 1, 3])?
-            .reshape(&[b, l, c.num_heads * c.head_dim])?;
-        a.o.forward(&out, workers)
     }
 }
