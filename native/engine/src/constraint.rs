@@ -75,6 +75,7 @@ fn compact_layout(mut schema: Value) -> Value {
 /// produce them by accident.
 struct TrieEnv {
     trie: TokTrie,
+    tokenizer: tokenizers::Tokenizer,
 }
 
 impl TokenizerEnv for TrieEnv {
@@ -82,14 +83,29 @@ impl TokenizerEnv for TrieEnv {
         &self.trie
     }
 
+    /// The tokenizer's own tokens for `s`, so text the grammar forces is
+    /// spelled as the model would see it in a prompt. Bytes that are not
+    /// UTF-8, or text the tokenizer would rewrite (its normalizer, or a
+    /// special token's name), are spelled byte for byte from the trie.
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
-        self.trie.greedy_tokenize(s)
+        let ids = self.trie.tokenize_with_greedy_fallback(s, |text| {
+            self.tokenizer
+                .encode(text, false)
+                .map(|e| e.get_ids().to_vec())
+                .unwrap_or_default()
+        });
+        if self.trie.decode_raw(&ids) == s {
+            ids
+        } else {
+            self.trie.greedy_tokenize(s)
+        }
     }
 
-    // Greedy tokenization is not the tokenizer's own, so llguidance must not
-    // rely on it to force tokens.
+    // With the tokenizer's own tokenization, llguidance may force tokens:
+    // where the grammar allows one spelling only, the mask holds one token
+    // and `RowConstraint::forced_tokens` names it.
     fn tokenize_is_canonical(&self) -> bool {
-        false
+        true
     }
 }
 
@@ -127,7 +143,10 @@ impl ConstraintFactory {
             .collect();
         let info = TokRxInfo::new(vocab as u32, trie_eos.first().copied().unwrap_or(0));
         let trie = TokTrie::from(&info, &words).with_eos_tokens(&trie_eos);
-        let env: llguidance::toktrie::TokEnv = Arc::new(TrieEnv { trie });
+        let env: llguidance::toktrie::TokEnv = Arc::new(TrieEnv {
+            trie,
+            tokenizer: tokenizer.clone(),
+        });
         let mut factory = ParserFactory::new_simple(&env)
             .map_err(|e| Error::Unsupported(format!("constrained decoding: {e}")))?;
         factory.quiet();
@@ -181,6 +200,28 @@ impl RowConstraint {
             self.complete = true;
         }
         Ok(self.complete)
+    }
+
+    /// The tokens the grammar forces next, in order: where only one text
+    /// can follow, its tokenization (without a last token that a longer
+    /// token could replace once more text is known). Empty when the next
+    /// token is a choice or the output is complete. Stops before an
+    /// end-of-sequence token: ending is left to the mask and the sampler.
+    /// A row that takes these tokens one at a time, each through
+    /// [`consume`](Self::consume), follows exactly the path its masks would
+    /// force, since a forced step's mask is the first of them alone.
+    pub fn forced_tokens(&mut self) -> Result<Vec<u32>> {
+        if self.complete || self.matcher.is_stopped() {
+            return Ok(vec![]);
+        }
+        let mut tokens = self.matcher.compute_ff_tokens();
+        if let Some(e) = self.matcher.get_error() {
+            return Err(Error::Constraint(e));
+        }
+        if let Some(end) = tokens.iter().position(|t| self.trie_eos.contains(t)) {
+            tokens.truncate(end);
+        }
+        Ok(tokens)
     }
 
     /// Writes the row's logit bias into `out` (the model's vocabulary):

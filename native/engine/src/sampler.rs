@@ -145,6 +145,21 @@ impl Sampler {
         self.config.is_greedy() || self.config.kind != SamplerKind::TopPCpu
     }
 
+    /// Moves row `row`'s random stream past `draws` draws, as if it had
+    /// sampled that many tokens: a token a grammar forces takes a draw
+    /// whether it is sampled from a one-token mask or taken directly, so a
+    /// seeded row samples the same tokens either way.
+    pub fn skip_draws(&mut self, row: usize, draws: usize) {
+        if self.config.is_greedy() {
+            return;
+        }
+        if let Some(rng) = self.rngs.get_mut(row) {
+            for _ in 0..draws {
+                rng.next_u64();
+            }
+        }
+    }
+
     fn check_rows(&self, rows: usize) -> Result<()> {
         if rows != self.rngs.len() {
             return Err(Error::invalid(format!(
