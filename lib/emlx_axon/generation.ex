@@ -19,6 +19,7 @@ defmodule EMLXAxon.Generation do
   @type stats :: %{
           prompt_tokens: [non_neg_integer()],
           generated_tokens: [non_neg_integer()],
+          forced_tokens: [non_neg_integer()],
           prefill_ms: float(),
           decode_ms: float(),
           decode_tokens_per_s: float(),
@@ -190,6 +191,7 @@ defmodule EMLXAxon.Generation do
     %{
       prompt_tokens: Map.get(stats, :prompt_tokens, []),
       generated_tokens: Map.get(stats, :generated_tokens, []),
+      forced_tokens: Map.get(stats, :forced_tokens, []),
       prefill_ms: float(stats[:prefill_ms]),
       decode_ms: float(stats[:decode_ms]),
       decode_tokens_per_s: float(stats[:decode_tokens_per_s]),
@@ -209,6 +211,7 @@ defmodule EMLXAxon.Generation do
     %{
       prompt_tokens: Enum.at(stats.prompt_tokens, index, 0),
       generated_tokens: Enum.at(stats.generated_tokens, index, 0),
+      forced_tokens: Enum.at(stats.forced_tokens, index, 0),
       batch_size: length(stats.prompt_tokens),
       prefill_ms: stats.prefill_ms,
       decode_ms: stats.decode_ms,

@@ -215,6 +215,7 @@ pub struct StatsOut {
     decode_tokens_per_s: f64,
     time_to_first_token_ms: f64,
     constraint_ms: f64,
+    forced_tokens: Vec<usize>,
 }
 
 #[rustler::nif]
@@ -229,6 +230,7 @@ fn generation_stats(resource: ResourceArc<GenerationResource>) -> NifResult<Stat
             decode_tokens_per_s: s.decode_tokens_per_s,
             time_to_first_token_ms: s.time_to_first_token_ms,
             constraint_ms: s.constraint_ms,
+            forced_tokens: s.forced_tokens,
         })
     })
 }
