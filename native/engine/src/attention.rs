@@ -1,16 +1,23 @@
 //! Grouped-query self-attention of Qwen2 and Qwen3 (the two differ only in
 //! q/k RMSNorm versus q/k/v bias), following mlx-lm's models/qwen3.py and
 //! qwen2.py.
+//!
+//! q, k and v come from one stacked projection. On a CPU stream, where MLX's
+//! fast ops expand into many small ones, queries and keys are normalized and
+//! rotated together, and attention without a mask folds each key head's
+//! query heads into one matrix product; every step keeps MLX's own float
+//! arithmetic, so the values are those of the fast ops.
 
-use mlx_rs::fast::{
-    rms_norm, rope, rope_dynamic, scaled_dot_product_attention, ScaledDotProductAttentionMask,
-};
+use mlx_rs::fast::{rms_norm, scaled_dot_product_attention, ScaledDotProductAttentionMask};
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::ops::{broadcast_to, concatenate, matmul, softmax_axis};
 use mlx_rs::{Array, Dtype};
 
-use crate::cache::{KvStore, RopeOffset};
+use crate::cache::KvStore;
 use crate::config::{Arch, ModelConfig};
 use crate::error::Result;
-use crate::layers::{Linear, LoadPlan, Workers};
+use crate::layers::{Linear, LinearGroup, LoadPlan, Member, Workers};
+use crate::rope::Rope;
 use crate::weights::Weights;
 
 pub enum AttentionMask {
@@ -19,13 +26,21 @@ pub enum AttentionMask {
     Array(Array),
 }
 
+struct QkNorm {
+    q: Array,
+    k: Array,
+    /// `[heads + kv_heads, head_dim]`: `q` for the query heads, `k` for the
+    /// key heads, to normalize both in one op.
+    both: Array,
+}
+
 pub(crate) struct Attention {
-    q: Linear,
-    k: Linear,
-    v: Linear,
+    /// q, k and v projections, outputs in that order.
+    qkv: LinearGroup,
     o: Linear,
-    q_norm: Option<Array>,
-    k_norm: Option<Array>,
+    norm: Option<QkNorm>,
+    /// The softmax scale as MLX's attention applies it, in the compute dtype.
+    scale: Array,
 }
 
 impl Attention {
@@ -39,52 +54,86 @@ impl Attention {
         ways: usize,
     ) -> Result<Self> {
         let (d, hd) = (c.hidden_size, c.head_dim);
-        let qkv_bias = c.arch == Arch::Qwen2;
-        let mut linear = |name: &str, i: i32, o: i32, bias: bool| {
-            let path = format!("{prefix}.self_attn.{name}");
-            Linear::load(weights, &path, i, o, bias, plan(&path), ways)
-        };
-        let q = linear("q_proj", d, c.num_heads * hd, qkv_bias)?;
-        let k = linear("k_proj", d, c.num_kv_heads * hd, qkv_bias)?;
-        let v = linear("v_proj", d, c.num_kv_heads * hd, qkv_bias)?;
-        let o = linear("o_proj", c.num_heads * hd, d, false)?;
-        let mut norm = |name: &str| -> Result<Option<Array>> {
-            match c.arch {
-                Arch::Qwen3 => Ok(Some(
-                    weights
-                        .take(&format!("{prefix}.self_attn.{name}.weight"), Some(&[hd]))?
-                        .as_dtype(dtype)?,
-                )),
-                Arch::Qwen2 => Ok(None),
+        let path = |name: &str| format!("{prefix}.self_attn.{name}");
+        let (q, k, v) = (path("q_proj"), path("k_proj"), path("v_proj"));
+        fn member<'a>(
+            prefix: &'a str,
+            out_dim: i32,
+            plan: &impl Fn(&str) -> LoadPlan,
+        ) -> Member<'a> {
+            Member {
+                prefix,
+                out_dim,
+                plan: plan(prefix),
             }
+        }
+        let qkv = LinearGroup::load(
+            weights,
+            &[
+                member(&q, c.num_heads * hd, &plan),
+                member(&k, c.num_kv_heads * hd, &plan),
+                member(&v, c.num_kv_heads * hd, &plan),
+            ],
+            d,
+            c.arch == Arch::Qwen2,
+            ways,
+        )?;
+        let o_path = path("o_proj");
+        let o = Linear::load(
+            weights,
+            &o_path,
+            c.num_heads * hd,
+            d,
+            false,
+            plan(&o_path),
+            ways,
+        )?;
+        let norm = match c.arch {
+            Arch::Qwen3 => {
+                let mut take = |name: &str| -> Result<Array> {
+                    Ok(weights
+                        .take(&format!("{}.weight", path(name)), Some(&[hd]))?
+                        .as_dtype(dtype)?)
+                };
+                let (q, k) = (take("q_norm")?, take("k_norm")?);
+                let both = concatenate(
+                    &[
+                        broadcast_to(&q, &[c.num_heads, hd])?,
+                        broadcast_to(&k, &[c.num_kv_heads, hd])?,
+                    ],
+                    0,
+                )?;
+                Some(QkNorm { q, k, both })
+            }
+            Arch::Qwen2 => None,
         };
-        let q_norm = norm("q_norm")?;
-        let k_norm = norm("k_norm")?;
+        let scale = Array::from_f32((hd as f32).powf(-0.5)).as_dtype(dtype)?;
         Ok(Attention {
-            q,
-            k,
-            v,
+            qkv,
             o,
-            q_norm,
-            k_norm,
+            norm,
+            scale,
         })
     }
 
     pub(crate) fn arrays(&self) -> Vec<&Array> {
-        let mut all = Vec::new();
-        for l in [&self.q, &self.k, &self.v, &self.o] {
-            all.extend(l.arrays());
+        let mut all = self.qkv.arrays();
+        all.extend(self.o.arrays());
+        if let Some(n) = &self.norm {
+            all.extend([&n.q, &n.k, &n.both]);
         }
-        all.extend(self.q_norm.iter().chain(self.k_norm.iter()));
+        all.push(&self.scale);
         all
     }
 
     pub(crate) fn is_quantized(&self) -> bool {
-        self.q.is_quantized()
+        self.qkv.is_quantized()
     }
 
     /// `x` (`[B, L, hidden]`, normalized) through attention over the cache,
-    /// whose layer `layer` receives the new keys and values.
+    /// whose layer `layer` receives the new keys and values; `rope` rotates
+    /// this pass's positions.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn forward<C: KvStore>(
         &self,
         c: &ModelConfig,
@@ -92,49 +141,59 @@ impl Attention {
         cache: &mut C,
         layer: usize,
         mask: &AttentionMask,
+        rope: &Rope,
         workers: Workers,
     ) -> Result<Array> {
-        let a = self;
         let (b, l) = (x.dim(0), x.dim(1));
-        let heads = |y: Array, n: i32, norm: &Option<Array>| -> Result<Array> {
-            let y = y.reshape(&[b, l, n, c.head_dim])?;
-            let y = match norm {
-                Some(w) => rms_norm(&y, Some(w), c.rms_norm_eps)?,
-                None => y,
-            };
-            Ok(y.transpose_axes(&[0, 2, 1, 3])?)
+        let (nq, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
+        let eps = c.rms_norm_eps;
+        // [B, L, nq + 2 nkv, hd]: query heads, then key heads, then value heads.
+        let heads = self
+            .qkv
+            .forward(x, workers)?
+            .reshape(&[b, l, nq + 2 * nkv, hd])?;
+        let heads_first = |y: Array| y.transpose_axes(&[0, 2, 1, 3]);
+        let (q, k) = match rope {
+            Rope::Table { .. } => {
+                let qk = heads.index((.., .., ..nq + nkv, ..));
+                let qk = match &self.norm {
+                    // The fast op's own steps on a CPU: normalize, then weigh.
+                    Some(n) => rms_norm(&qk, None, eps)?.multiply(&n.both)?,
+                    None => qk,
+                };
+                let qk = rope.rotate_heads_last(&qk)?;
+                (
+                    heads_first(qk.index((.., .., ..nq, ..)))?,
+                    heads_first(qk.index((.., .., nq.., ..)))?,
+                )
+            }
+            Rope::Fused(_) => {
+                let q = heads.index((.., .., ..nq, ..));
+                let k = heads.index((.., .., nq..nq + nkv, ..));
+                let (q, k) = match &self.norm {
+                    Some(n) => (
+                        rms_norm(&q, Some(&n.q), eps)?,
+                        rms_norm(&k, Some(&n.k), eps)?,
+                    ),
+                    None => (q, k),
+                };
+                (
+                    rope.rotate_heads_first(c, &heads_first(q)?)?,
+                    rope.rotate_heads_first(c, &heads_first(k)?)?,
+                )
+            }
         };
-        let offset = cache.rope_offset();
-        let rotate = |y: &Array| match &offset {
-            RopeOffset::Scalar(offset) => rope(
-                y,
-                c.head_dim,
-                c.rope_traditional,
-                c.rope_theta,
-                c.rope_scale,
-                *offset,
-                None,
-            ),
-            RopeOffset::PerRow(offsets) => rope_dynamic(
-                y,
-                c.head_dim,
-                c.rope_traditional,
-                c.rope_theta,
-                c.rope_scale,
-                offsets,
-                None,
-            ),
-        };
-        let q = rotate(&heads(a.q.forward(x, workers)?, c.num_heads, &a.q_norm)?)?;
-        let k = rotate(&heads(a.k.forward(x, workers)?, c.num_kv_heads, &a.k_norm)?)?;
-        let v = heads(a.v.forward(x, workers)?, c.num_kv_heads, &None)?;
+        let v = heads_first(heads.index((.., .., nq + nkv.., ..)))?;
         let (keys, values) = cache.update(layer, &k, &v)?;
-        let scale = (c.head_dim as f32).powf(-0.5);
-        let out = match mask {
-            AttentionMask::None => {
+        let scale = (hd as f32).powf(-0.5);
+        let out = match (mask, rope) {
+            (AttentionMask::None, Rope::Table { .. }) => {
+                self.unmasked_on_cpu(c, &q, &keys, &values)?
+            }
+            (AttentionMask::None, _) => {
                 scaled_dot_product_attention(&q, &keys, &values, scale, None, None)?
             }
-            AttentionMask::Causal => scaled_dot_product_attention(
+            (AttentionMask::Causal, _) => scaled_dot_product_attention(
                 &q,
                 &keys,
                 &values,
@@ -142,13 +201,36 @@ impl Attention {
                 ScaledDotProductAttentionMask::Causal,
                 None,
             )?,
-            AttentionMask::Array(m) => {
+            (AttentionMask::Array(m), _) => {
                 scaled_dot_product_attention(&q, &keys, &values, scale, m, None)?
             }
         };
         let out = out
             .transpose_axes(&[0, 2, 1, 3])?
-            .reshape(&[b, l, c.num_heads * c.head_dim])?;
-        a.o.forward(&out, workers)
+            .reshape(&[b, l, nq * hd])?;
+        self.o.forward(&out, workers)
+    }
+
+    /// MLX's attention without a mask as its CPU path computes it (scale the
+    /// queries, scores, precise softmax, weighted values), with each key
+    /// head's query heads folded into the rows of one product rather than a
+    /// product per query head: `q` `[B, nq, L, hd]`, `keys`/`values`
+    /// `[B, nkv, S, hd]` -> `[B, nq, L, hd]`.
+    fn unmasked_on_cpu(
+        &self,
+        c: &ModelConfig,
+        q: &Array,
+        keys: &Array,
+        values: &Array,
+    ) -> Result<Array> {
+        let (b, l) = (q.dim(0), q.dim(2));
+        let (nq, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
+        let q = self
+            .scale
+            .multiply(q)?
+            .reshape(&[b, nkv, (nq / nkv) * l, hd])?;
+        let scores = matmul(&q, keys.swap_axes(-1, -2)?)?;
+        let weights = softmax_axis(&scores, -1, true)?;
+        Ok(matmul(&weights, values)?.reshape(&[b, nq, l, hd])?)
     }
 }

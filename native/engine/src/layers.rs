@@ -162,6 +162,55 @@ impl Weight {
     pub fn is_quantized(&self) -> bool {
         matches!(self, Weight::Quantized { .. })
     }
+
+    /// The weights' rows stacked into one weight, when they share a layout:
+    /// all dense in one dtype, or all quantized with the same spec and
+    /// parameter dtype. Exact: MLX's affine groups run along a row, so
+    /// stacking rows stacks their packed words, scales and biases unchanged.
+    fn stacked(parts: &[Weight]) -> Result<Option<Weight>> {
+        if parts.len() < 2 {
+            return Ok(None);
+        }
+        let dense: Option<Vec<&Array>> = parts
+            .iter()
+            .map(|p| match p {
+                Weight::Dense(w) => Some(w),
+                Weight::Quantized { .. } => None,
+            })
+            .collect();
+        if let Some(ws) = dense {
+            if ws.iter().any(|w| w.dtype() != ws[0].dtype()) {
+                return Ok(None);
+            }
+            return Ok(Some(Weight::Dense(concatenate(&ws, 0)?)));
+        }
+        let quantized: Option<Vec<[&Array; 3]>> = parts
+            .iter()
+            .map(|p| match p {
+                Weight::Quantized {
+                    w, scales, biases, ..
+                } => Some([w, scales, biases]),
+                Weight::Dense(_) => None,
+            })
+            .collect();
+        let (Some(q), Weight::Quantized { spec, scales, .. }) = (quantized, &parts[0]) else {
+            return Ok(None);
+        };
+        let same = parts.iter().all(|p| {
+            matches!(p, Weight::Quantized { spec: s, scales: sc, biases: b, .. }
+                if s == spec && sc.dtype() == scales.dtype() && b.dtype() == scales.dtype())
+        });
+        if !same {
+            return Ok(None);
+        }
+        let stack = |i: usize| concatenate(&q.iter().map(|t| t[i]).collect::<Vec<_>>(), 0);
+        Ok(Some(Weight::Quantized {
+            w: stack(0)?,
+            scales: stack(1)?,
+            biases: stack(2)?,
+            spec: *spec,
+        }))
+    }
 }
 
 /// A weight and, when split across worker streams, its row blocks.
@@ -278,6 +327,132 @@ impl Linear {
     }
 }
 
+/// Projections of one input, stored as one stacked weight where their
+/// layouts allow (one product per step instead of one each), else apart.
+pub struct LinearGroup {
+    /// Each member's output width, in order.
+    sizes: Vec<i32>,
+    layout: GroupLayout,
+}
+
+enum GroupLayout {
+    Stacked(Linear),
+    Apart(Vec<Linear>),
+}
+
+/// A member of a [`LinearGroup`]: its module path, output width and plan.
+pub struct Member<'a> {
+    pub prefix: &'a str,
+    pub out_dim: i32,
+    pub plan: LoadPlan,
+}
+
+impl LinearGroup {
+    pub fn load(
+        weights: &mut Weights,
+        members: &[Member],
+        in_dim: i32,
+        bias: bool,
+        ways: usize,
+    ) -> Result<Self> {
+        let sizes: Vec<i32> = members.iter().map(|m| m.out_dim).collect();
+        let mut parts = Vec::with_capacity(members.len());
+        let mut biases = Vec::with_capacity(members.len());
+        for m in members {
+            parts.push(Weight::load(weights, m.prefix, m.out_dim, in_dim, m.plan)?);
+            if bias {
+                biases.push(
+                    weights
+                        .take(&format!("{}.bias", m.prefix), Some(&[m.out_dim]))?
+                        .as_dtype(m.plan.dtype)?,
+                );
+            }
+        }
+        let layout = match Weight::stacked(&parts)? {
+            Some(weight) => {
+                let linear = Linear {
+                    projection: Projection::new(weight, ways),
+                    bias: if bias {
+                        Some(concatenate(&biases, 0)?)
+                    } else {
+                        None
+                    },
+                };
+                // Now, so that the members' own buffers are freed layer by
+                // layer rather than all held until the model is evaluated.
+                mlx_rs::transforms::eval(linear.arrays())?;
+                GroupLayout::Stacked(linear)
+            }
+            None => {
+                let mut biases = biases.into_iter();
+                GroupLayout::Apart(
+                    parts
+                        .into_iter()
+                        .map(|weight| Linear {
+                            projection: Projection::new(weight, ways),
+                            bias: if bias { biases.next() } else { None },
+                        })
+                        .collect(),
+                )
+            }
+        };
+        Ok(LinearGroup { sizes, layout })
+    }
+
+    /// The members' outputs side by side: `[..., sum of widths]`.
+    pub fn forward(&self, x: &Array, workers: Workers) -> Result<Array> {
+        match &self.layout {
+            GroupLayout::Stacked(linear) => linear.forward(x, workers),
+            GroupLayout::Apart(linears) => {
+                let parts = linears
+                    .iter()
+                    .map(|l| l.forward(x, workers))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(concatenate(&parts, -1)?)
+            }
+        }
+    }
+
+    /// Each member's output.
+    pub fn forward_each(&self, x: &Array, workers: Workers) -> Result<Vec<Array>> {
+        match &self.layout {
+            GroupLayout::Stacked(linear) => {
+                let y = linear.forward(x, workers)?;
+                let mut ends: Vec<i32> = self
+                    .sizes
+                    .iter()
+                    .scan(0, |end, size| {
+                        *end += size;
+                        Some(*end)
+                    })
+                    .collect();
+                ends.pop();
+                Ok(y.split_at_indices(&ends, -1)?)
+            }
+            GroupLayout::Apart(linears) => linears.iter().map(|l| l.forward(x, workers)).collect(),
+        }
+    }
+
+    /// Whether the members share one stacked weight.
+    pub fn is_stacked(&self) -> bool {
+        matches!(self.layout, GroupLayout::Stacked(_))
+    }
+
+    pub fn arrays(&self) -> Vec<&Array> {
+        match &self.layout {
+            GroupLayout::Stacked(linear) => linear.arrays(),
+            GroupLayout::Apart(linears) => linears.iter().flat_map(|l| l.arrays()).collect(),
+        }
+    }
+
+    pub fn is_quantized(&self) -> bool {
+        match &self.layout {
+            GroupLayout::Stacked(linear) => linear.is_quantized(),
+            GroupLayout::Apart(linears) => linears.iter().any(|l| l.is_quantized()),
+        }
+    }
+}
+
 pub struct Embedding {
     /// Split into row blocks only when tied: the blocks serve the output projection.
     projection: Projection,
@@ -334,5 +509,92 @@ impl Embedding {
 
     pub fn is_quantized(&self) -> bool {
         self.projection.weight.is_quantized()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::{DeviceKind, Lease};
+
+    /// q/k/v-shaped members (rows 8, 4, 4 of 128 columns) quantized with
+    /// the given bits each, with biases, as checkpoint tensors.
+    fn checkpoint(bits: [i32; 3]) -> (Weights, Vec<(String, i32, QuantSpec)>) {
+        let mut tensors = Vec::new();
+        let mut members = Vec::new();
+        for (i, (rows, bits)) in [8, 4, 4].into_iter().zip(bits).enumerate() {
+            let name = format!("layer.m{i}");
+            let spec = QuantSpec::new(bits, 64).unwrap();
+            let w = mlx_rs::random::normal::<f32>(&[rows, 128], None, None, None).unwrap();
+            let (w, scales, biases) = quantize(&w, 64, bits).unwrap();
+            let bias = mlx_rs::random::normal::<f32>(&[rows], None, None, None).unwrap();
+            tensors.extend([
+                (format!("{name}.weight"), w),
+                (format!("{name}.scales"), scales),
+                (format!("{name}.biases"), biases),
+                (format!("{name}.bias"), bias),
+            ]);
+            members.push((name, rows, spec));
+        }
+        (Weights::from_arrays(tensors), members)
+    }
+
+    fn group(bits: [i32; 3]) -> (LinearGroup, Vec<Linear>) {
+        let plan = |spec| LoadPlan {
+            stored: Some(spec),
+            at_load: None,
+            dtype: Dtype::Float32,
+        };
+        let (mut weights, members) = checkpoint(bits);
+        let mut copy = Weights::from_arrays(
+            weights
+                .remaining()
+                .into_iter()
+                .map(|n| (n.clone(), weights.tensors_for_test(&n))),
+        );
+        let list: Vec<Member> = members
+            .iter()
+            .map(|(prefix, rows, spec)| Member {
+                prefix,
+                out_dim: *rows,
+                plan: plan(*spec),
+            })
+            .collect();
+        let group = LinearGroup::load(&mut weights, &list, 128, true, 1).unwrap();
+        let apart = members
+            .iter()
+            .map(|(prefix, rows, spec)| {
+                Linear::load(&mut copy, prefix, 128, *rows, true, plan(*spec), 1).unwrap()
+            })
+            .collect();
+        (group, apart)
+    }
+
+    /// Members of one quantization share a stacked weight, whose outputs are
+    /// exactly the members' own; members of different bit widths stay apart.
+    #[test]
+    fn stacked_projections_give_each_members_output_exactly() {
+        let lease = Lease::new(DeviceKind::Cpu).unwrap();
+        lease.stream().run(|| {
+            for (bits, stacked) in [([4, 4, 4], true), ([4, 8, 4], false)] {
+                let (group, apart) = group(bits);
+                assert_eq!(group.is_stacked(), stacked);
+                let x = mlx_rs::random::normal::<f32>(&[1, 3, 128], None, None, None).unwrap();
+                let each = group.forward_each(&x, &[]).unwrap();
+                let joined = group.forward(&x, &[]).unwrap();
+                let expected: Vec<Array> =
+                    apart.iter().map(|l| l.forward(&x, &[]).unwrap()).collect();
+                let expected_joined = concatenate(&expected, -1).unwrap();
+                for (got, want) in each
+                    .iter()
+                    .zip(&expected)
+                    .chain([(&joined, &expected_joined)])
+                {
+                    assert_eq!(got.shape(), want.shape());
+                    let flat = |a: &Array| a.reshape(&[-1]).unwrap().as_slice::<f32>().to_vec();
+                    assert!(flat(got) == flat(want), "bits {bits:?}");
+                }
+            }
+        });
     }
 }

@@ -14,6 +14,7 @@ pub mod generate;
 pub mod layers;
 pub mod memory;
 pub mod model;
+mod rope;
 pub mod sampler;
 pub mod scheduler;
 pub mod tokenizer;

@@ -14,7 +14,8 @@ pub use crate::attention::AttentionMask;
 use crate::cache::KvStore;
 use crate::config::{add_missing, generation_eos_ids, Arch, ModelConfig, QuantSpec};
 use crate::error::{Error, Result};
-use crate::layers::{Embedding, Linear, LoadPlan, Workers};
+use crate::layers::{Embedding, Linear, LinearGroup, LoadPlan, Member, Workers};
+use crate::rope::Rope;
 use crate::weights::Weights;
 
 #[derive(Debug, Clone)]
@@ -44,8 +45,8 @@ impl Default for LoadOptions {
 }
 
 struct Mlp {
-    gate: Linear,
-    up: Linear,
+    /// gate and up projections, outputs in that order.
+    gate_up: LinearGroup,
     down: Linear,
 }
 
@@ -71,6 +72,8 @@ pub struct Model {
     blocks: Vec<Block>,
     norm: Array,
     lm_head: Option<Linear>,
+    /// What RoPE on a CPU stream turns into its cosines and sines.
+    rope_probe: Array,
 }
 
 // SAFETY: after loading, every array of the model is evaluated and only ever
@@ -146,9 +149,20 @@ impl Model {
                 Linear::load(w, &path, i, o, bias, plan(&path), ways)
             };
             let attn = Attention::load(&mut weights, c, &p, &plan, dtype, ways)?;
+            let (gate, up) = (format!("{p}.mlp.gate_proj"), format!("{p}.mlp.up_proj"));
+            let member = |prefix| Member {
+                prefix,
+                out_dim: c.intermediate_size,
+                plan: plan(prefix),
+            };
             let mlp = Mlp {
-                gate: linear(&mut weights, "mlp.gate_proj", d, c.intermediate_size, false)?,
-                up: linear(&mut weights, "mlp.up_proj", d, c.intermediate_size, false)?,
+                gate_up: LinearGroup::load(
+                    &mut weights,
+                    &[member(&gate), member(&up)],
+                    d,
+                    false,
+                    ways,
+                )?,
                 down: linear(&mut weights, "mlp.down_proj", c.intermediate_size, d, false)?,
             };
             blocks.push(Block {
@@ -188,6 +202,7 @@ impl Model {
         if options.strict && !unexpected.is_empty() {
             return Err(Error::UnexpectedTensors(unexpected));
         }
+        let rope_probe = crate::rope::probe(c.head_dim, c.rope_traditional, dtype)?;
         let model = Model {
             quantized_at_load: options.quantize,
             config,
@@ -200,6 +215,7 @@ impl Model {
             blocks,
             norm: final_norm,
             lm_head,
+            rope_probe,
         };
         // Converting or quantizing the weights allocates their final form
         // while the loaded tensors are still held.
@@ -220,13 +236,13 @@ impl Model {
         let mut all = self.embed.arrays();
         for b in &self.blocks {
             all.extend(b.attn.arrays());
-            for l in [&b.mlp.gate, &b.mlp.up, &b.mlp.down] {
-                all.extend(l.arrays());
-            }
+            all.extend(b.mlp.gate_up.arrays());
+            all.extend(b.mlp.down.arrays());
             all.push(&b.input_norm);
             all.push(&b.post_norm);
         }
         all.push(&self.norm);
+        all.push(&self.rope_probe);
         if let Some(h) = &self.lm_head {
             all.extend(h.arrays());
         }
@@ -249,8 +265,33 @@ impl Model {
         last_only: bool,
         workers: Workers,
     ) -> Result<Array> {
+        let cpu = crate::rope::on_cpu_stream();
+        self.forward_ops(ids, cache, mask, last_only, workers, cpu)
+    }
+
+    /// [`Model::forward`] with MLX's fast ops expanded by hand for a CPU
+    /// stream (`cpu_ops`) or not (what a GPU runs; tests compare the two).
+    fn forward_ops<C: KvStore>(
+        &self,
+        ids: &Array,
+        cache: &mut C,
+        mask: &AttentionMask,
+        last_only: bool,
+        workers: Workers,
+        cpu_ops: bool,
+    ) -> Result<Array> {
         let c = &self.config;
         let mut h = self.embed.forward(ids)?;
+        // Every layer rotates the same positions.
+        let rope = Rope::new(
+            c,
+            cache.rope_offset(),
+            ids.dim(0),
+            ids.dim(1),
+            c.num_heads + c.num_kv_heads,
+            &self.rope_probe,
+            cpu_ops,
+        )?;
         for (i, block) in self.blocks.iter().enumerate() {
             let r = block.attn.forward(
                 c,
@@ -258,15 +299,18 @@ impl Model {
                 cache,
                 i,
                 mask,
+                &rope,
                 workers,
             )?;
             h = h.add(&r)?;
             let x = rms_norm(&h, Some(&block.post_norm), c.rms_norm_eps)?;
-            let gate = block.mlp.gate.forward(&x, workers)?;
-            let act = multiply(
-                multiply(&gate, sigmoid(&gate)?)?,
-                block.mlp.up.forward(&x, workers)?,
-            )?;
+            let [gate, up]: [Array; 2] = block
+                .mlp
+                .gate_up
+                .forward_each(&x, workers)?
+                .try_into()
+                .map_err(|_| Error::invalid("the MLP's gate/up projection has two outputs"))?;
+            let act = multiply(multiply(&gate, sigmoid(&gate)?)?, &up)?;
             h = h.add(&block.mlp.down.forward(&act, workers)?)?;
         }
         cache.advance(ids.dim(1));
@@ -278,6 +322,60 @@ impl Model {
         match &self.lm_head {
             Some(head) => head.forward(&h, workers),
             None => self.embed.as_linear(&h, workers),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::KvCache;
+    use crate::device::{DeviceKind, Lease};
+
+    fn fixture(name: &str) -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../.cache/fixtures")
+            .join(name)
+    }
+
+    /// Logits of a 5-token prompt and three decode steps after it.
+    fn logits(model: &Model, cpu_ops: bool) -> Vec<Vec<f32>> {
+        let mut cache = KvCache::new(model, 1, 16).unwrap();
+        let mut out = Vec::new();
+        let mut ids = Array::from_slice(&[3u32, 14, 15, 92, 6], &[1, 5]);
+        let mut mask = AttentionMask::Causal;
+        for step in 0..4u32 {
+            let y = model
+                .forward_ops(&ids, &mut cache, &mask, false, &[], cpu_ops)
+                .unwrap();
+            y.eval().unwrap();
+            out.push(y.as_slice::<f32>().to_vec());
+            ids = Array::from_slice(&[7 + step * 11], &[1, 1]);
+            mask = AttentionMask::None;
+        }
+        out
+    }
+
+    /// The CPU's hand-expanded RoPE, q/k norm and unmasked attention give
+    /// exactly the logits of MLX's fast ops (on a CPU stream, their own
+    /// expansion): Qwen3 with q/k norms, Qwen2 with biases and traditional
+    /// RoPE, a dense checkpoint.
+    #[test]
+    fn cpu_ops_give_the_fast_ops_logits_exactly() {
+        let lease = Lease::new(DeviceKind::Cpu).unwrap();
+        for name in ["qwen3-4bit-g64", "qwen2-rope-traditional", "qwen3-bf16"] {
+            lease.stream().run(|| {
+                let options = LoadOptions {
+                    dtype: Some(Dtype::Float32),
+                    cpu_parallel: Some(false),
+                    ..LoadOptions::default()
+                };
+                let model = Model::load(&fixture(name), &options).unwrap();
+                let (cpu, fast) = (logits(&model, true), logits(&model, false));
+                for (step, (a, b)) in cpu.iter().zip(&fast).enumerate() {
+                    assert!(a == b, "{name}: step {step} differs");
+                }
+            });
         }
     }
 }

@@ -198,3 +198,22 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
     }
     Ok(files)
 }
+
+#[cfg(test)]
+impl Weights {
+    /// Tensors given by name, as if read from a checkpoint.
+    pub(crate) fn from_arrays(tensors: impl IntoIterator<Item = (String, Array)>) -> Self {
+        Weights {
+            tensors: tensors.into_iter().collect(),
+            bytes: 0,
+        }
+    }
+}
+
+#[cfg(test)]
+impl Weights {
+    /// A tensor, left in place.
+    pub(crate) fn tensors_for_test(&self, name: &str) -> Array {
+        self.tensors[name].clone()
+    }
+}
