@@ -21,13 +21,19 @@ fn main() {
         .files([
             "csrc/primitive.cpp",
             "csrc/qmm.cpp",
+            "csrc/qmm_int8.cpp",
             "csrc/pool.cpp",
             "csrc/qmm_scalar.cpp",
             "csrc/sgemm.cpp",
         ]);
     // The SIMD variants set their own targets per file and are chosen at run time.
     if env::var("CARGO_CFG_TARGET_ARCH").as_deref() == Ok("x86_64") {
-        build.files(["csrc/qmm_avx2.cpp", "csrc/qmm_avx512.cpp"]);
+        build.files([
+            "csrc/qmm_avx2.cpp",
+            "csrc/qmm_avx512.cpp",
+            "csrc/qmm_int8_avx2.cpp",
+            "csrc/qmm_int8_avx512.cpp",
+        ]);
     }
     build.compile("emlx_axon_kernels");
     // Tests of this crate load libmlx at run time, and export our

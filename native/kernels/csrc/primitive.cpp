@@ -19,6 +19,7 @@
 #include "mlx/primitives.h"
 #include "pool.h"
 #include "qmm.h"
+#include "qmm_int8.h"
 
 namespace mx = mlx::core;
 
@@ -75,7 +76,10 @@ class AffineQuantizedLinear : public mx::UnaryPrimitive {
       args.w = static_cast<const uint32_t*>(pointer(w));
       args.scales = pointer(scales);
       args.biases = pointer(biases);
-      qmm(args, selected_isa(), 0);
+      if (selected_activations() == kActivationsInt8)
+        qmm_int8(args, selected_isa(), 0);
+      else
+        qmm(args, selected_isa(), 0);
     });
   }
 
@@ -199,6 +203,28 @@ int emlx_kernels_qmm(const float* x, const uint32_t* w, const float* scales,
   emlx::QmmArgs args{x, w, scales, biases, y, M, N, K, bits, group};
   emlx::qmm(args, (emlx::Isa)isa, threads);
   return 0;
+}
+
+// The same with int8 activations (see qmm_int8.cpp); scales and biases in
+// bfloat16 when `bf16_params`.
+int emlx_kernels_qmm_int8(const float* x, const uint32_t* w, const void* scales,
+                          const void* biases, int bf16_params, float* y, int M, int N, int K,
+                          int bits, int group, int isa, int threads) {
+  if (isa < emlx::kScalar || isa > emlx::kAvx512 || !emlx::isa_supported((emlx::Isa)isa))
+    return -1;
+  emlx::QmmArgs args{x, w, scales, biases, y, M, N, K, bits, group, bf16_params != 0};
+  emlx::qmm_int8(args, (emlx::Isa)isa, threads);
+  return 0;
+}
+
+int emlx_kernels_activations() { return emlx::selected_activations(); }
+
+int emlx_kernels_int8_vnni() {
+#if defined(__x86_64__)
+  return emlx::vnni_supported();
+#else
+  return 0;
+#endif
 }
 
 int emlx_kernels_selected_isa() { return emlx::selected_isa(); }

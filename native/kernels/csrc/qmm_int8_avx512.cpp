@@ -1,0 +1,108 @@
+// Int8-activation product with AVX512-VNNI (vpdpbusd), selected at run time.
+// Its own file: the float32 AVX-512 variant must not require VNNI.
+#if defined(__x86_64__)
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma")
+// GCC 12 flags its own intrinsics headers (self-initialized placeholders).
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "qmm_int8.h"
+
+namespace emlx {
+namespace int8_avx512 {
+
+template <int BITS>
+static inline __m256i block_partial(const uint8_t* w, __m256i xv) {
+  __m256i wv;
+  if (BITS == 4) {
+    // Low nibbles pair with the block's even activations, high with the odd.
+    const __m128i b = _mm_loadu_si128((const __m128i*)w);
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
+  } else {
+    wv = _mm256_loadu_si256((const __m256i*)w);
+  }
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv, xv);
+}
+
+// 32 weight rows per packed block: two vectors of 16 lanes.
+#define NB 32
+// 4 x 2 integer sums + 4 x 2 block sums + 4 x 2 accumulators + 2 weight
+// vectors fit the 32 registers.
+#define IMR(BITS) 4
+
+static inline int load4(const int8_t* p) {
+  int v;
+  __builtin_memcpy(&v, p, 4);
+  return v;
+}
+
+template <int R, int BITS>
+static void micro_int8(const emlx::Int8MicroArgs& m) {
+  __m512 acc[R][2];
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int g = 0; g < m.groups; ++g) {
+    __m512 t[R][2];
+    for (int i = 0; i < R; ++i) t[i][0] = t[i][1] = _mm512_setzero_ps();
+    for (int c = g * m.per_group; c < (g + 1) * m.per_group; ++c) {
+      __m512i s[R][2];
+      for (int i = 0; i < R; ++i) s[i][0] = s[i][1] = _mm512_setzero_si512();
+      const uint8_t* wq = m.pw + (long)c * 8 * NB * 4;
+      const int8_t* xc = m.xq + c * emlx::kXBlock;
+      for (int j = 0; j < 8; ++j) {
+        const __m512i w0 = _mm512_load_si512((const void*)(wq + j * NB * 4));
+        const __m512i w1 = _mm512_load_si512((const void*)(wq + j * NB * 4 + 64));
+        for (int i = 0; i < R; ++i) {
+          const __m512i xb = _mm512_set1_epi32(load4(xc + (long)i * m.K + j * 4));
+          s[i][0] = _mm512_dpbusd_epi32(s[i][0], w0, xb);
+          s[i][1] = _mm512_dpbusd_epi32(s[i][1], w1, xb);
+        }
+      }
+      for (int i = 0; i < R; ++i) {
+        const __m512 sx = _mm512_set1_ps(m.xs[(long)i * m.blocks + c]);
+        t[i][0] = _mm512_fmadd_ps(sx, _mm512_cvtepi32_ps(s[i][0]), t[i][0]);
+        t[i][1] = _mm512_fmadd_ps(sx, _mm512_cvtepi32_ps(s[i][1]), t[i][1]);
+      }
+    }
+    const __m512 s0 = _mm512_load_ps(m.ps + (long)g * NB);
+    const __m512 s1 = _mm512_load_ps(m.ps + (long)g * NB + 16);
+    for (int i = 0; i < R; ++i) {
+      acc[i][0] = _mm512_fmadd_ps(s0, t[i][0], acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(s1, t[i][1], acc[i][1]);
+    }
+  }
+  __m512 bacc[R][2];
+  for (int i = 0; i < R; ++i) bacc[i][0] = bacc[i][1] = _mm512_setzero_ps();
+  for (int g = 0; g < m.groups; ++g) {
+    const __m512 b0 = _mm512_load_ps(m.pb + (long)g * NB);
+    const __m512 b1 = _mm512_load_ps(m.pb + (long)g * NB + 16);
+    for (int i = 0; i < R; ++i) {
+      const __m512 xs = _mm512_set1_ps(m.xsum[(long)i * m.groups + g]);
+      bacc[i][0] = _mm512_fmadd_ps(b0, xs, bacc[i][0]);
+      bacc[i][1] = _mm512_fmadd_ps(b1, xs, bacc[i][1]);
+    }
+  }
+  const int c0 = m.cols < 16 ? m.cols : 16;
+  const int c1 = m.cols - c0;
+  const __mmask16 k0 = (__mmask16)((1u << c0) - 1);
+  const __mmask16 k1 = (__mmask16)((1u << c1) - 1);
+  for (int i = 0; i < R; ++i) {
+    float* y = m.y + (long)i * m.ldy;
+    _mm512_mask_storeu_ps(y, k0, _mm512_add_ps(acc[i][0], bacc[i][0]));
+    _mm512_mask_storeu_ps(y + 16, k1, _mm512_add_ps(acc[i][1], bacc[i][1]));
+  }
+}
+
+#include "qmm_int8_simd.inc"
+
+}  // namespace int8_avx512
+
+Int8Kernels avx512_int8_kernels() {
+  return Int8Kernels{int8_avx512::gemv_int8_any, int8_avx512::gemm_int8_any, NB};
+}
+
+}  // namespace emlx
+#endif
