@@ -13,6 +13,18 @@ defmodule EMLXAxon.Scheduler do
   (bounded by `:prefix_cache_bytes`, least recently used first out) and
   reused by later prompts that start with the same tokens.
 
+  A request may constrain its output with `:json_schema`, `:regex` or
+  `:grammar` (see "Structured output" in `EMLXAxon.TextGeneration`; the
+  scheduler needs a `:tokenizer` for them): its row's logits are masked to
+  the tokens that can continue a valid output before its sampler runs,
+  each row independently, so constrained and free requests share the
+  batch (a free request gives the tokens it would without them). A
+  constrained request ends with finish reason `:stop` once its output is
+  complete. The masks are computed on the host while the device runs the
+  step's forward pass; with a constrained row running, a step is sampled
+  only once the previous step's tokens are read back (only the forward pass
+  is queued ahead).
+
   The process drives the batch with short dirty NIF calls (one prompt chunk
   and `:steps_per_call` decode steps each), so no dirty scheduler is held for
   a whole generation, and requests, cancellations and exits are handled
@@ -28,8 +40,9 @@ defmodule EMLXAxon.Scheduler do
       last message: `finish_reason` is `:eos`, `:stop`, `:length`,
       `:max_len` or `:timeout`; `stats` holds `:prompt_tokens`,
       `:cached_tokens` (reused from the prefix cache), `:generated_tokens`,
-      `:queue_ms`, `:prefill_ms`, `:time_to_first_token_ms` and
-      `:decode_tokens_per_s`
+      `:queue_ms`, `:prefill_ms`, `:time_to_first_token_ms`,
+      `:decode_tokens_per_s` and `:constraint_ms` (host time spent on the
+      request's constraint, 0 without one)
     * `{EMLXAxon.Scheduler, ref, {:error, %EMLXAxon.Error{}}}` - the
       request failed (also the last message)
 
@@ -116,12 +129,16 @@ defmodule EMLXAxon.Scheduler do
   scheduler has a tokenizer. `opts` are the generation options of
   `EMLXAxon.Qwen3.Generate.generate/3` (`:max_new_tokens`, `:max_len`,
   `:sampler`, `:temperature`, `:top_p`, `:top_k`, `:min_p`, `:seed`,
-  `:stop`, `:eos_token_ids`, `:ignore_eos`) and `:timeout` (milliseconds
-  or `:infinity`, the default).
+  `:stop`, `:eos_token_ids`, `:ignore_eos`), `:timeout` (milliseconds
+  or `:infinity`, the default) and at most one of `:json_schema` (a map or
+  JSON text), `:regex` and `:grammar` (a Lark grammar), which constrain
+  the output.
 
   Returns `{:ok, ref}`; the tokens arrive as messages to the calling process
   (see the module documentation). `{:error, :overloaded}` when the queue is
   full; `{:error, %EMLXAxon.Error{}}` when the engine refuses the request.
+  Invalid options, and a schema, regex or grammar the engine refuses, raise
+  `ArgumentError` before the request is queued.
   """
   @spec submit(server(), [non_neg_integer()] | String.t(), keyword()) ::
           {:ok, reference()} | {:error, :overloaded | Error.t()}
@@ -302,11 +319,15 @@ defmodule EMLXAxon.Scheduler do
             "expected :timeout to be a non-negative integer or :infinity, got: #{inspect(timeout)}"
     end
 
+    where = "EMLXAxon.Scheduler.submit/3"
+    defaults = Options.generation_defaults() ++ Options.constraint_defaults()
+    opts = Options.validate!(opts, defaults, where)
+
     opts
-    |> Options.validate!(Options.generation_defaults(), "EMLXAxon.Scheduler.submit/3")
     |> Map.put(:profile_timing, false)
     |> Options.native()
     |> Map.drop([:profile_timing, :row_seeds])
+    |> Map.put(:constraint, Options.constraint!(opts, where))
   end
 
   ## Server
@@ -349,8 +370,9 @@ defmodule EMLXAxon.Scheduler do
   @impl true
   def handle_call({:submit, pid, prompt, native_opts, timeout}, _from, state) do
     with :ok <- check_load(state),
+         :ok <- check_constraint(native_opts, state.tokenizer),
          {:ok, ids} <- prompt_ids(prompt, state.tokenizer),
-         {:ok, id} <- Error.wrap(Native.scheduler_admit(state.resource, ids, native_opts)) do
+         {:ok, id} <- admit(state.resource, ids, native_opts) do
       ref = make_ref()
 
       request = %{
@@ -452,6 +474,20 @@ defmodule EMLXAxon.Scheduler do
     if map_size(state.requests) >= state.slots + state.max_queue,
       do: {:error, :overloaded},
       else: :ok
+  end
+
+  defp check_constraint(%{constraint: {kind, _text}}, nil),
+    do: {:raise, "#{inspect(kind)} needs a scheduler started with a :tokenizer"}
+
+  defp check_constraint(_native_opts, _tokenizer), do: :ok
+
+  # A schema, regex or grammar the engine refuses is the caller's argument
+  # error; the engine compiles it before queueing anything.
+  defp admit(resource, ids, native_opts) do
+    case Error.wrap(Native.scheduler_admit(resource, ids, native_opts)) do
+      {:error, %Error{kind: :invalid_constraint, message: message}} -> {:raise, message}
+      result -> result
+    end
   end
 
   defp prompt_ids(text, %Tokenizer{} = tokenizer) when is_binary(text),

@@ -168,16 +168,17 @@ defmodule EMLXAxon.TextGeneration do
       `EMLXAxon.Scheduler` serving the same `state` (and started with a
       `:tokenizer`). Each input is then submitted as its own request, joining
       the scheduler's running batch, with its own seed (its input's `:seed`,
-      else the `:seed` option) and the generation options above; `:timeout`
-      applies to each request. Outputs have the usual shape, without padding
-      (`token_summary.padding` is 0), and `metadata` holds the request's own
-      counts and timings (with `:queue_ms` and `:cached_tokens`, the prompt
-      tokens reused from the scheduler's prefix cache). `:chunk_size` and
+      else the `:seed` option), its own constraint (its input's
+      `:json_schema`, `:regex` or `:grammar`, else the option's) and the
+      generation options above; `:timeout` applies to each request. Outputs
+      have the usual shape, without padding (`token_summary.padding` is 0),
+      and `metadata` holds the request's own counts and timings (with
+      `:queue_ms`, `:cached_tokens`, the prompt tokens reused from the
+      scheduler's prefix cache, and `:constraint_ms`). `:chunk_size` and
       `:profile_timing` do not apply (the scheduler's own `:steps_per_call`
-      sets how often text arrives). Constraints (`:json_schema`, `:regex`,
-      `:grammar`), an `EMLXAxon.Stream` and a `state` other than the
-      scheduler's raise `ArgumentError`; a full queue raises `EMLXAxon.Error`
-      (kind `:overloaded`). When the call ends early (an `emit_fun` that
+      sets how often text arrives). An `EMLXAxon.Stream` and a `state`
+      other than the scheduler's raise `ArgumentError`; a full queue raises
+      `EMLXAxon.Error` (kind `:overloaded`). When the call ends early (an `emit_fun` that
       raises, an error), its requests are cancelled (default `nil`)
     * `:stream_done` - with a streaming serving, end the stream with
       `{:done, %{token_summary: summary, results: [result], metadata: metadata}}`

@@ -153,14 +153,6 @@ defmodule EMLXAxon.TextGenerationSchedulerTest do
     %{tokenizer: tok, state: state, server: server} = ctx
     opts = @opts ++ [scheduler: server]
 
-    assert_raise ArgumentError, ~r/:json_schema, :regex and :grammar/, fn ->
-      TextGeneration.run(tok, state, @plain_text, opts ++ [json_schema: %{type: "object"}])
-    end
-
-    assert_raise ArgumentError, ~r/:json_schema, :regex and :grammar/, fn ->
-      TextGeneration.run(tok, state, [@plain_text, %{text: "a", regex: "[0-9]+"}], opts)
-    end
-
     stream = EMLXAxon.Stream.new!(:cpu)
 
     assert_raise ArgumentError, ~r/EMLXAxon.Stream/, fn ->

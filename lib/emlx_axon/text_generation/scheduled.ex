@@ -2,8 +2,8 @@ defmodule EMLXAxon.TextGeneration.Scheduled do
   @moduledoc false
   # Runs EMLXAxon.TextGeneration's encoded requests through an
   # EMLXAxon.Scheduler: each input is its own scheduler request (with its
-  # own seed), its tokens are gathered (and streamed) from the scheduler's
-  # messages, and the outputs have the shape of a direct run.
+  # own seed and constraint), its tokens are gathered (and streamed) from
+  # the scheduler's messages, and the outputs have the shape of a direct run.
 
   alias EMLXAxon.{Error, Scheduler}
   alias EMLXAxon.TextGeneration.Output
@@ -27,13 +27,7 @@ defmodule EMLXAxon.TextGeneration.Scheduled do
   scheduler cannot do, or `state` is not the scheduler's model.
   """
   @spec check!(Scheduler.server(), EMLXAxon.Qwen3.Model.State.t(), [map()], map()) :: :ok
-  def check!(scheduler, state, requests, opts) do
-    if opts.constraint || Enum.any?(requests, &Map.get(&1, :constraint)) do
-      raise ArgumentError,
-            ":json_schema, :regex and :grammar cannot be used with :scheduler " <>
-              "(the scheduler does not constrain its rows); leave out :scheduler to use them"
-    end
-
+  def check!(scheduler, state, _requests, opts) do
     if opts.mlx_stream do
       raise ArgumentError,
             "an EMLXAxon.Stream (:stream or :mlx_stream) cannot be used with :scheduler: " <>
@@ -75,7 +69,8 @@ defmodule EMLXAxon.TextGeneration.Scheduled do
     started = System.monotonic_time()
     base = Enum.map(@request_keys, &{&1, Map.fetch!(opts, &1)})
     rows = Map.new(Enum.with_index(requests), fn {_request, i} -> {i, {[], [], nil, nil}} end)
-    refs = submit_all(scheduler, Enum.with_index(requests), base, opts.seed, %{})
+    defaults = {opts.seed, opts.constraint}
+    refs = submit_all(scheduler, Enum.with_index(requests), base, defaults, %{})
 
     try do
       rows = await(scheduler, refs, rows, emit)
@@ -90,12 +85,21 @@ defmodule EMLXAxon.TextGeneration.Scheduled do
     end
   end
 
-  defp submit_all(_scheduler, [], _base, _seed, refs), do: refs
+  defp submit_all(_scheduler, [], _base, _defaults, refs), do: refs
 
-  defp submit_all(scheduler, [{request, index} | rest], base, seed, refs) do
+  # `defaults`: the options' seed and constraint, for inputs without their own.
+  defp submit_all(scheduler, [{request, index} | rest], base, defaults, refs) do
+    {seed, constraint} = defaults
+
     result =
       try do
-        Scheduler.submit(scheduler, request.ids, [seed: request.seed || seed] ++ base)
+        constraint = List.wrap(Map.get(request, :constraint) || constraint)
+
+        Scheduler.submit(
+          scheduler,
+          request.ids,
+          [seed: request.seed || seed] ++ constraint ++ base
+        )
       catch
         kind, reason ->
           cancel_all(scheduler, refs)
@@ -104,7 +108,7 @@ defmodule EMLXAxon.TextGeneration.Scheduled do
 
     case result do
       {:ok, ref} ->
-        submit_all(scheduler, rest, base, seed, Map.put(refs, ref, index))
+        submit_all(scheduler, rest, base, defaults, Map.put(refs, ref, index))
 
       {:error, error} ->
         cancel_all(scheduler, refs)
@@ -178,7 +182,8 @@ defmodule EMLXAxon.TextGeneration.Scheduled do
       time_to_first_token_ms: float(stats[:time_to_first_token_ms]),
       total_ms: total_ms,
       queue_ms: float(stats[:queue_ms]),
-      cached_tokens: Map.get(stats, :cached_tokens, 0)
+      cached_tokens: Map.get(stats, :cached_tokens, 0),
+      constraint_ms: float(stats[:constraint_ms])
     }
 
     row = %{

@@ -3,18 +3,17 @@
 use std::sync::Mutex;
 
 use emlx_axon_engine::device::on_large_stack;
-use emlx_axon_engine::{
-    ConstraintSpec, GenerateOptions, Generation, RowOptions, SamplerConfig, SamplerKind,
-};
+use emlx_axon_engine::{GenerateOptions, Generation, RowOptions, SamplerConfig, SamplerKind};
 use rustler::{Atom, NifMap, ResourceArc, Term};
 
+use crate::constraint::constraint_spec;
 use crate::error::{guard, NifError, NifResult};
 use crate::model::ModelResource;
 use crate::stream::StreamResource;
 use crate::tokenizer::TokenizerResource;
 
 mod atoms {
-    rustler::atoms! { row_seeds, row_constraints, json_schema, regex, grammar, greedy, top_p_cpu, top_p_gpu, cont, done, ok, eos, stop, length, max_len }
+    rustler::atoms! { row_seeds, row_constraints, greedy, top_p_cpu, top_p_gpu, cont, done, ok, eos, stop, length, max_len }
 }
 
 pub struct GenerationResource {
@@ -101,22 +100,9 @@ fn row_options(opts: Term) -> Result<Vec<RowOptions>, rustler::Error> {
     let rows = seeds.len().max(constraints.len());
     (0..rows)
         .map(|i| {
-            let constraint = match constraints.get(i).cloned().flatten() {
-                None => None,
-                Some((kind, text)) if kind == atoms::json_schema() => {
-                    Some(ConstraintSpec::JsonSchema(text))
-                }
-                Some((kind, text)) if kind == atoms::regex() => Some(ConstraintSpec::Regex(text)),
-                Some((kind, text)) if kind == atoms::grammar() => Some(ConstraintSpec::Lark(text)),
-                Some(_) => {
-                    return Err(rustler::Error::RaiseTerm(Box::new(
-                        "a row constraint must be {:json_schema | :regex | :grammar, text}",
-                    )))
-                }
-            };
             Ok(RowOptions {
                 seed: seeds.get(i).copied().flatten(),
-                constraint,
+                constraint: constraint_spec(constraints.get(i).cloned().flatten())?,
             })
         })
         .collect()

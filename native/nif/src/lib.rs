@@ -6,6 +6,7 @@
 //! runs on a dirty scheduler; those that evaluate MLX graphs do so on a
 //! thread with a large stack (`device::on_large_stack`).
 
+mod constraint;
 mod error;
 mod generation;
 mod memory;

@@ -10,6 +10,7 @@ use emlx_axon_engine::{
 };
 use rustler::{Atom, NifMap, ResourceArc};
 
+use crate::constraint::constraint_spec;
 use crate::error::{guard, NifError, NifResult};
 use crate::generation::sampler_kind;
 use crate::model::ModelResource;
@@ -58,6 +59,8 @@ pub struct RequestOptions {
     stop: Vec<String>,
     eos_token_ids: Option<Vec<u32>>,
     ignore_eos: bool,
+    /// `nil` or `{:json_schema | :regex | :grammar, text}`.
+    constraint: Option<(Atom, String)>,
 }
 
 #[rustler::nif(schedule = "DirtyCpu")]
@@ -92,8 +95,9 @@ fn scheduler_admit(
     resource: ResourceArc<SchedulerResource>,
     prompt: Vec<u32>,
     o: RequestOptions,
-) -> NifResult<u64> {
-    guard(|| {
+) -> Result<NifResult<u64>, rustler::Error> {
+    let constraint = constraint_spec(o.constraint)?;
+    Ok(guard(|| {
         let options = GenerateOptions {
             max_new_tokens: o.max_new_tokens,
             max_len: o.max_len,
@@ -111,8 +115,13 @@ fn scheduler_admit(
             stop: o.stop,
             ..GenerateOptions::default()
         };
-        resource.with(|s| Ok(s.admit(prompt, options)?))
-    })
+        // Compiling a grammar evaluates no MLX graph, but can recurse deeply.
+        resource.with(|s| {
+            Ok(on_large_stack(|| {
+                s.admit_constrained(prompt, options, constraint)
+            })?)
+        })
+    }))
 }
 
 /// Whether the request was still there.
@@ -130,6 +139,7 @@ pub struct StatsOut {
     prefill_ms: f64,
     time_to_first_token_ms: f64,
     decode_tokens_per_s: f64,
+    constraint_ms: f64,
 }
 
 impl From<RequestStats> for StatsOut {
@@ -142,6 +152,7 @@ impl From<RequestStats> for StatsOut {
             prefill_ms: s.prefill_ms,
             time_to_first_token_ms: s.time_to_first_token_ms,
             decode_tokens_per_s: s.decode_tokens_per_s,
+            constraint_ms: s.constraint_ms,
         }
     }
 }

@@ -1,0 +1,28 @@
+//! Constraints as Elixir gives them: `{:json_schema | :regex | :grammar,
+//! text}`, read the same way for generations and the scheduler.
+
+use emlx_axon_engine::ConstraintSpec;
+use rustler::Atom;
+
+mod atoms {
+    rustler::atoms! { json_schema, regex, grammar }
+}
+
+/// `nil` or `{kind, text}` -> the engine's spec; another kind raises.
+pub(crate) fn constraint_spec(
+    term: Option<(Atom, String)>,
+) -> Result<Option<ConstraintSpec>, rustler::Error> {
+    Ok(match term {
+        None => None,
+        Some((kind, text)) if kind == atoms::json_schema() => {
+            Some(ConstraintSpec::JsonSchema(text))
+        }
+        Some((kind, text)) if kind == atoms::regex() => Some(ConstraintSpec::Regex(text)),
+        Some((kind, text)) if kind == atoms::grammar() => Some(ConstraintSpec::Lark(text)),
+        Some(_) => {
+            return Err(rustler::Error::RaiseTerm(Box::new(
+                "a constraint must be {:json_schema | :regex | :grammar, text}",
+            )))
+        }
+    })
+}
