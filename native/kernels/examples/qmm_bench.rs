@@ -1,22 +1,88 @@
-//! Throughput of each kernel variant on random data in MLX's layout.
+//! Throughput of the quantized products on random data in MLX's layout:
+//! float32 activations against int8 activations, per variant, batch and
+//! thread count.
 //!
-//! cargo run --release -p emlx_axon_kernels --example qmm_bench -- [ROWS COLS BITS GROUP]
-//! Prints one line per (variant, batch, threads): milliseconds per product,
-//! GB/s of weight read and GFLOP/s.
+//! cargo run --release -p emlx_axon_kernels --example qmm_bench -- [ROWS COLS BITS GROUP] [--all-variants]
+//!
+//! Without a shape, the projections of the Qwen3-0.6B-shaped bench checkpoint
+//! (hidden 1024, 16 x 128 query heads, 8 x 128 key/value heads, MLP 3072,
+//! 4 bits, groups of 64; q/k/v and gate/up stacked as the engine loads them;
+//! the tied output head at batch 1 only). Batches 1 (decode), 128 and 512
+//! (prefill), threads 1 and 2; the selected variant only unless
+//! `--all-variants`. Prints one line per case: milliseconds per product,
+//! GB/s of weights read (packed values + scales + biases) and GFLOP/s, for
+//! each activation precision, and the int8 speed-up.
 
 use std::time::Instant;
 
-use emlx_axon_kernels::{qmm_with, Isa, QuantizedMatrix};
+use emlx_axon_kernels::{qmm_int8_with, qmm_with, Isa, QuantizedMatrix};
+
+struct Shape {
+    name: &'static str,
+    n: usize,
+    k: usize,
+    bits: i32,
+    group: i32,
+    decode_only: bool,
+}
 
 fn main() {
-    let args: Vec<usize> = std::env::args()
-        .skip(1)
-        .map(|a| a.parse().expect("ROWS COLS BITS GROUP are numbers"))
-        .collect();
-    let (n, k, bits, group) = match args[..] {
-        [n, k, b, g] => (n, k, b as i32, g as i32),
-        _ => (3072, 1024, 4, 64),
+    let mut all_variants = false;
+    let mut numbers = Vec::new();
+    for a in std::env::args().skip(1) {
+        if a == "--all-variants" {
+            all_variants = true;
+        } else {
+            numbers.push(
+                a.parse::<usize>()
+                    .expect("ROWS COLS BITS GROUP are numbers"),
+            );
+        }
+    }
+    let shapes = match numbers[..] {
+        [n, k, b, g] => vec![Shape {
+            name: "custom",
+            n,
+            k,
+            bits: b as i32,
+            group: g as i32,
+            decode_only: false,
+        }],
+        _ => {
+            let s = |name, n, k, decode_only| Shape {
+                name,
+                n,
+                k,
+                bits: 4,
+                group: 64,
+                decode_only,
+            };
+            vec![
+                s("qkv", 4096, 1024, false),
+                s("o", 1024, 2048, false),
+                s("gate_up", 6144, 1024, false),
+                s("down", 1024, 3072, false),
+                s("lm_head", 151936, 1024, true),
+            ]
+        }
     };
+    let isas: Vec<Isa> = if all_variants {
+        Isa::ALL.into_iter().filter(|i| i.supported()).collect()
+    } else {
+        vec![Isa::selected()]
+    };
+    println!(
+        "variants: {}; int8 on AVX-512 uses VNNI: {}",
+        isas.iter().map(|i| i.name()).collect::<Vec<_>>().join(", "),
+        emlx_axon_kernels::int8_uses_vnni()
+    );
+    for shape in &shapes {
+        bench_shape(shape, &isas);
+    }
+}
+
+fn bench_shape(shape: &Shape, isas: &[Isa]) {
+    let (n, k, bits, group) = (shape.n, shape.k, shape.bits, shape.group);
     // A fixed pseudo-random pattern: the speed does not depend on the values.
     let mut state = 0x2545F4914F6CDD1Du64;
     let mut next = || {
@@ -40,30 +106,52 @@ fn main() {
         bits,
         group_size: group,
     };
+    // Packed values and float32 scales and biases.
     let weight_bytes = (w.len() * 4 + groups * 8) as f64;
-    for isa in Isa::ALL.into_iter().filter(|i| i.supported()) {
-        for m in [1usize, 16, 128] {
+    let batches: &[usize] = if shape.decode_only {
+        &[1]
+    } else {
+        &[1, 128, 512]
+    };
+    for &isa in isas {
+        for &m in batches {
             if isa == Isa::Scalar && m > 16 {
                 continue;
             }
             let x: Vec<f32> = (0..m * k).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
             let mut y = vec![0f32; m * n];
             for threads in [1usize, 2] {
-                qmm_with(isa, threads, &x, &matrix, &mut y).unwrap();
-                let reps = (2_000_000_000 / (m * n * k)).clamp(3, 300);
-                let start = Instant::now();
-                for _ in 0..reps {
-                    qmm_with(isa, threads, &x, &matrix, &mut y).unwrap();
-                }
-                let s = start.elapsed().as_secs_f64() / reps as f64;
+                let f32_s = time(|| qmm_with(isa, threads, &x, &matrix, &mut y).unwrap());
+                let int8_s = time(|| qmm_int8_with(isa, threads, &x, &matrix, &mut y).unwrap());
+                let line = |s: f64| {
+                    format!(
+                        "{:8.3} ms {:6.1} GB/s {:6.1} GFLOP/s",
+                        s * 1e3,
+                        weight_bytes / s / 1e9,
+                        2.0 * (m * n * k) as f64 / s / 1e9
+                    )
+                };
                 println!(
-                    "{:7} m={m:4} threads={threads}: {:8.3} ms  {:6.1} GB/s weights  {:7.1} GFLOP/s",
+                    "{:7} {:7} {n:6}x{k:4} m={m:3} t={threads}: f32 {} | int8 {} | x{:.2}",
                     isa.name(),
-                    s * 1e3,
-                    weight_bytes / s / 1e9,
-                    2.0 * (m * n * k) as f64 / s / 1e9
+                    shape.name,
+                    line(f32_s),
+                    line(int8_s),
+                    f32_s / int8_s
                 );
             }
         }
     }
+}
+
+/// Seconds per call: one warm-up call, then repeated for at least 0.4 s.
+fn time(mut f: impl FnMut()) -> f64 {
+    f();
+    let start = Instant::now();
+    let mut reps = 0u32;
+    while reps < 3 || start.elapsed().as_secs_f64() < 0.4 {
+        f();
+        reps += 1;
+    }
+    start.elapsed().as_secs_f64() / reps as f64
 }
