@@ -68,7 +68,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         max_new_tokens: 8,
         ..GenerateOptions::default()
     };
-    let mut generation = Generation::start(model.clone(), None, None, &[prompt.clone()], warm_up)?;
+    let mut generation = Generation::start(
+        model.clone(),
+        None,
+        None,
+        std::slice::from_ref(&prompt),
+        warm_up,
+    )?;
     while !generation.is_done() {
         generation.next(16)?;
     }

@@ -293,6 +293,23 @@ fn batches_force_per_step_and_keep_free_rows_exact() {
     assert_eq!(fast.stats.forced_tokens[1], 0);
     assert!(fast.stats.forced_tokens[0] > 0, "{:?}", fast.stats);
 
+    // Sampled rows of a batch take the same tokens too, forced or masked.
+    for kind in [SamplerKind::TopPGpu, SamplerKind::TopPCpu] {
+        let sampled = Case {
+            model: &model,
+            tokenizer: &tokenizer,
+            prompts: vec![prompt(&tokenizer); 3],
+            constraints: vec![Some(spec.clone()), None, Some(spec.clone())],
+            sampler: seeded(kind),
+            max_new_tokens: 120,
+            stop: vec![],
+        };
+        let (fast, _) = sampled.both();
+        check_order(&fast.texts[0]);
+        check_order(&fast.texts[2]);
+        assert!(fast.stats.forced_tokens[0] > 0 && fast.stats.forced_tokens[2] > 0);
+    }
+
     // The constrained row's tokens, in a batch (one forced token a step)
     // and alone (forced runs in one pass), are the same.
     let long = Case {

@@ -1,11 +1,12 @@
 //! The batch's grammar-constrained rows: their parser states, the additive
 //! logit bias their masks become, and the tokens their grammars force.
 //!
-//! A forced token (the only one a grammar allows) is taken without a mask
-//! or a sample (fast-forward). A single row runs ahead: it takes every
-//! forced token after its sampled one, and all of them go through the model
-//! in one forward pass. In a batch, where rows must stay aligned in the
-//! cache, a row takes one forced token per step in place of its sample.
+//! A forced token (the only one a grammar allows) is taken without
+//! computing a mask (fast-forward). A single row runs ahead: it takes every
+//! forced token after its sampled one, unsampled, and all of them go
+//! through the model in one forward pass. In a batch, where rows must stay
+//! aligned in the cache, a row takes one forced token per step, in place of
+//! what the batch's sampler drew for it.
 
 use std::time::Instant;
 
@@ -183,18 +184,11 @@ impl Constraints {
         Ok(())
     }
 
-    /// Whether some unfinished row needs a mask this step (it is
-    /// constrained and its token is not forced).
-    pub fn needs_mask(&self, rows: &[Row]) -> bool {
-        self.rows
-            .iter()
-            .zip(&self.next_forced)
-            .zip(rows)
-            .any(|((c, f), r)| c.is_some() && f.is_none() && r.finish.is_none())
-    }
-
-    /// `[B, V]` float32 additive bias: each masked row's mask (0 or -inf),
-    /// zeros for the other rows so their logits keep their values.
+    /// `[B, V]` float32 additive bias: each constrained row's mask (0 or
+    /// -inf), zeros for the other rows so their logits keep their values.
+    /// A row whose token is forced gets its token alone, with no mask to
+    /// compute: its sample is replaced anyway, and a one-token row is what
+    /// the sampler's sort handles fastest.
     pub fn bias(
         &mut self,
         rows: &[Row],
@@ -207,11 +201,21 @@ impl Constraints {
         self.bias.clear();
         self.bias.resize(batch * vocab, 0.0);
         for (i, (c, row)) in self.rows.iter_mut().zip(rows).enumerate() {
-            if let (Some(c), None, None) = (c, row.finish, self.next_forced[i]) {
-                let out = &mut self.bias[i * vocab..(i + 1) * vocab];
-                if !c.write_bias(eos, ignore_eos, out)? {
-                    // The row ends before taking this step's token.
-                    out.fill(0.0);
+            let (Some(c), None) = (c, row.finish) else {
+                continue;
+            };
+            let out = &mut self.bias[i * vocab..(i + 1) * vocab];
+            match self.next_forced[i] {
+                Some(token) if (token as usize) < vocab => {
+                    out.fill(f32::NEG_INFINITY);
+                    out[token as usize] = 0.0;
+                }
+                Some(_) => {}
+                None => {
+                    if !c.write_bias(eos, ignore_eos, out)? {
+                        // The row ends before taking this step's token.
+                        out.fill(0.0);
+                    }
                 }
             }
         }
@@ -230,8 +234,8 @@ impl Constraints {
         let ids: Vec<u32> = self.next_forced.iter().map(|f| f.unwrap_or(0)).collect();
         let n = ids.len() as i32;
         Ok(mlx_rs::ops::select(
-            &Array::from_slice(&forced, &[n]),
-            &Array::from_slice(&ids, &[n]),
+            Array::from_slice(&forced, &[n]),
+            Array::from_slice(&ids, &[n]),
             &sampled,
         )?)
     }

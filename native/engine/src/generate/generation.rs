@@ -206,7 +206,7 @@ impl Generation {
     /// Logits `[B, 1, V]` -> next tokens `[B]` (uint32), queued on the device.
     fn sample(&mut self, logits: &Array) -> Result<Array> {
         let mut logits = logits.reshape(&[logits.dim(0), logits.dim(-1)])?;
-        if self.constraints.needs_mask(&self.rows) {
+        if self.constraints.active(&self.rows) {
             // The device computes the logits while the host computes masks.
             transforms::async_eval([&logits])?;
             let bias = self.constraints.bias(
