@@ -1,6 +1,7 @@
 //! Constrained rows of the running batch: each one's allowed tokens become
 //! an additive logit bias (0 or -inf) on its own row, computed on the host
-//! while the device runs the step's forward pass. Rows without a
+//! (rows spread over the cores) while the device runs the step's forward
+//! pass. Rows without a
 //! constraint get zeros, which leave their logits exactly as they were.
 
 use std::time::Instant;
@@ -33,27 +34,56 @@ pub(super) fn mask_logits(
     let vocab = logits.dim(-1) as usize;
     buffer.clear();
     buffer.resize(rows * vocab, 0.0);
-    for (i, request) in requests.iter_mut().enumerate() {
-        let Some(Request {
-            constraint: Some(constraint),
-            eos,
-            options,
-            constraint_ms,
-            ..
-        }) = request.as_deref_mut()
-        else {
-            continue;
-        };
-        let started = Instant::now();
-        let out = &mut buffer[i * vocab..(i + 1) * vocab];
-        if !constraint.write_bias(eos, options.ignore_eos, out)? {
-            // Complete: the row ends before taking this step's token.
-            out.fill(0.0);
-        }
-        *constraint_ms += started.elapsed().as_secs_f64() * 1e3;
+    let mut jobs: Vec<(&mut [f32], &mut Request)> = buffer
+        .chunks_mut(vocab)
+        .zip(requests.iter_mut())
+        .filter_map(|(out, r)| r.as_deref_mut().map(|r| (out, r)))
+        .filter(|(_, r)| r.constraint.is_some())
+        .collect();
+    // Rows' grammars are independent: several are computed at once.
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(jobs.len());
+    if threads <= 1 {
+        jobs.iter_mut().try_for_each(|(out, r)| write_row(out, r))?;
+    } else {
+        let per_thread = jobs.len().div_ceil(threads);
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = jobs
+                .chunks_mut(per_thread)
+                .map(|part| {
+                    scope.spawn(move || part.iter_mut().try_for_each(|(out, r)| write_row(out, r)))
+                })
+                .collect();
+            handles.into_iter().try_for_each(|h| {
+                h.join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            })
+        })?;
     }
     // In the logits' dtype (0 and -inf are exact in any float type), so a
     // free row's sampler sees its logits unchanged, not promoted.
     let bias = Array::from_slice(buffer, &[rows as i32, vocab as i32]).as_dtype(logits.dtype())?;
     Ok(logits.add(&bias)?)
+}
+
+/// Writes one constrained row's bias into `out` and counts its time.
+fn write_row(out: &mut [f32], request: &mut Request) -> Result<()> {
+    let Request {
+        constraint: Some(constraint),
+        eos,
+        options,
+        constraint_ms,
+        ..
+    } = request
+    else {
+        return Ok(());
+    };
+    let started = Instant::now();
+    if !constraint.write_bias(eos, options.ignore_eos, out)? {
+        // Complete: the row ends before taking this step's token.
+        out.fill(0.0);
+    }
+    *constraint_ms += started.elapsed().as_secs_f64() * 1e3;
+    Ok(())
 }
