@@ -148,7 +148,7 @@ impl Model {
                 let path = format!("{p}.{name}");
                 Linear::load(w, &path, i, o, bias, plan(&path), ways)
             };
-            let attn = Attention::load(&mut weights, c, &p, &plan, dtype, ways)?;
+            let attn = Attention::load(&mut weights, c, &p, plan, dtype, ways)?;
             let (gate, up) = (format!("{p}.mlp.gate_proj"), format!("{p}.mlp.up_proj"));
             let member = |prefix| Member {
                 prefix,
