@@ -196,7 +196,7 @@ Int8Kernels int8_kernels_for(Isa isa) {
 // Up to this many rows of x, the weights are read as stored (one pass over
 // them from memory, each row of W reused from L1 for the few rows of x);
 // beyond, blocks of weight rows are repacked once and reused for many.
-constexpr int kGemvMaxRows = 4;
+constexpr int kGemvMaxRows = 2;
 // Rows of W per SIMD matrix-vector step.
 constexpr int kGemvRowAlign = 8;
 constexpr long kMinParallelWork = 1L << 17;

@@ -18,18 +18,22 @@ static inline __m256i dot_nibbles(__m256i w, __m256i xv) {
 }
 
 template <int BITS>
-static inline __m256i block_partial(const uint8_t* w, __m256i xv) {
-  const __m128i mask = _mm_set1_epi8(0x0F);
+static inline __m256i block_weights(const uint8_t* w) {
   if (BITS == 4) {
     // Low nibbles pair with the block's even activations, high with the odd.
     const __m128i b = _mm_loadu_si128((const __m128i*)w);
-    return dot_nibbles(
-        _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask)), xv);
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
   }
-  const __m256i b = _mm256_loadu_si256((const __m256i*)w);
-  const __m256i m256 = _mm256_set1_epi8(0x0F);
-  const __m256i lo = _mm256_and_si256(b, m256);
-  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m256);
+  return _mm256_loadu_si256((const __m256i*)w);
+}
+
+template <int BITS>
+static inline __m256i block_dot(__m256i wv, __m256i xv) {
+  if (BITS == 4) return dot_nibbles(wv, xv);
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_and_si256(wv, mask);
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), mask);
   return _mm256_add_epi32(dot_nibbles(lo, xv), _mm256_slli_epi32(dot_nibbles(hi, xv), 4));
 }
 
@@ -38,6 +42,11 @@ static inline __m256i block_partial(const uint8_t* w, __m256i xv) {
 // 4-bit: 4 int16 sums + 4 block sums + 4 accumulators + weights, x and a
 // constant fit the 16 registers; 8-bit needs two int16 sums per row.
 #define IMR(BITS) ((BITS) == 4 ? 4 : 2)
+
+template <int BITS>
+static inline bool pack_weights_fast(const emlx::QmmArgs&, int, int, uint8_t*) {
+  return false;
+}
 
 static inline int load4(const int8_t* p) {
   int v;

@@ -15,16 +15,18 @@ namespace emlx {
 namespace int8_avx512 {
 
 template <int BITS>
-static inline __m256i block_partial(const uint8_t* w, __m256i xv) {
-  __m256i wv;
+static inline __m256i block_weights(const uint8_t* w) {
   if (BITS == 4) {
     // Low nibbles pair with the block's even activations, high with the odd.
     const __m128i b = _mm_loadu_si128((const __m128i*)w);
     const __m128i mask = _mm_set1_epi8(0x0F);
-    wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
-  } else {
-    wv = _mm256_loadu_si256((const __m256i*)w);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
   }
+  return _mm256_loadu_si256((const __m256i*)w);
+}
+
+template <int BITS>
+static inline __m256i block_dot(__m256i wv, __m256i xv) {
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv, xv);
 }
 
@@ -33,6 +35,39 @@ static inline __m256i block_partial(const uint8_t* w, __m256i xv) {
 // 4 x 2 integer sums + 4 x 2 block sums + 4 x 2 accumulators + 2 weight
 // vectors fit the 32 registers.
 #define IMR(BITS) 4
+
+// A full block of NB rows by gathers: one 4-byte gather over 16 rows gives
+// a quad of 8-bit weights, or for 4-bit weights two quads (low nibbles: the
+// block's even elements, high nibbles: the odd ones).
+template <int BITS>
+static inline bool pack_weights_fast(const emlx::QmmArgs& a, int n, int rows, uint8_t* pw) {
+  const long row_bytes = (long)a.K * BITS / 8;
+  if (rows != NB || 16 * row_bytes > 0x7FFFFFFFL) return false;
+  const int blocks = a.K / emlx::kXBlock;
+  const int block_bytes = emlx::kXBlock * BITS / 8;
+  const __m512i index = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32((int)row_bytes));
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  for (int h = 0; h < NB / 16; ++h) {
+    const uint8_t* base = (const uint8_t*)a.w + (long)(n + h * 16) * row_bytes;
+    for (int c = 0; c < blocks; ++c) {
+      const uint8_t* src = base + (long)c * block_bytes;
+      uint8_t* dst = pw + ((long)c * 8 * NB + h * 16) * 4;
+      for (int j = 0; j < block_bytes / 4; ++j) {
+        const __m512i v = _mm512_i32gather_epi32(index, (const void*)(src + j * 4), 1);
+        if (BITS == 4) {
+          _mm512_store_si512((void*)(dst + (long)j * NB * 4), _mm512_and_si512(v, mask));
+          _mm512_store_si512((void*)(dst + (long)(j + 4) * NB * 4),
+                             _mm512_and_si512(_mm512_srli_epi32(v, 4), mask));
+        } else {
+          _mm512_store_si512((void*)(dst + (long)j * NB * 4), v);
+        }
+      }
+    }
+  }
+  return true;
+}
 
 static inline int load4(const int8_t* p) {
   int v;

@@ -2,14 +2,15 @@
 //! float32 activations against int8 activations, per variant, batch and
 //! thread count.
 //!
-//! cargo run --release -p emlx_axon_kernels --example qmm_bench -- [ROWS COLS BITS GROUP] [--all-variants]
+//! cargo run --release -p emlx_axon_kernels --example qmm_bench -- [ROWS COLS BITS GROUP]
+//!     [--all-variants] [--batches 1,4,16]
 //!
 //! Without a shape, the projections of the Qwen3-0.6B-shaped bench checkpoint
 //! (hidden 1024, 16 x 128 query heads, 8 x 128 key/value heads, MLP 3072,
 //! 4 bits, groups of 64; q/k/v and gate/up stacked as the engine loads them;
 //! the tied output head at batch 1 only). Batches 1 (decode), 128 and 512
-//! (prefill), threads 1 and 2; the selected variant only unless
-//! `--all-variants`. Prints one line per case: milliseconds per product,
+//! (prefill) unless `--batches`, threads 1 and 2; the selected variant only
+//! unless `--all-variants`. Prints one line per case: milliseconds per product,
 //! GB/s of weights read (packed values + scales + biases) and GFLOP/s, for
 //! each activation precision, and the int8 speed-up.
 
@@ -28,10 +29,19 @@ struct Shape {
 
 fn main() {
     let mut all_variants = false;
+    let mut batches: Option<Vec<usize>> = None;
     let mut numbers = Vec::new();
-    for a in std::env::args().skip(1) {
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
         if a == "--all-variants" {
             all_variants = true;
+        } else if a == "--batches" {
+            let list = args.next().expect("--batches takes a list");
+            batches = Some(
+                list.split(',')
+                    .map(|b| b.parse().expect("--batches takes numbers"))
+                    .collect(),
+            );
         } else {
             numbers.push(
                 a.parse::<usize>()
@@ -77,11 +87,11 @@ fn main() {
         emlx_axon_kernels::int8_uses_vnni()
     );
     for shape in &shapes {
-        bench_shape(shape, &isas);
+        bench_shape(shape, &isas, batches.as_deref());
     }
 }
 
-fn bench_shape(shape: &Shape, isas: &[Isa]) {
+fn bench_shape(shape: &Shape, isas: &[Isa], batches: Option<&[usize]>) {
     let (n, k, bits, group) = (shape.n, shape.k, shape.bits, shape.group);
     // A fixed pseudo-random pattern: the speed does not depend on the values.
     let mut state = 0x2545F4914F6CDD1Du64;
@@ -108,14 +118,14 @@ fn bench_shape(shape: &Shape, isas: &[Isa]) {
     };
     // Packed values and float32 scales and biases.
     let weight_bytes = (w.len() * 4 + groups * 8) as f64;
-    let batches: &[usize] = if shape.decode_only {
-        &[1]
-    } else {
-        &[1, 128, 512]
+    let batches: &[usize] = match batches {
+        Some(list) => list,
+        None if shape.decode_only => &[1],
+        None => &[1, 128, 512],
     };
     for &isa in isas {
         for &m in batches {
-            if isa == Isa::Scalar && m > 16 {
+            if isa == Isa::Scalar && m > 17 {
                 continue;
             }
             let x: Vec<f32> = (0..m * k).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
