@@ -164,7 +164,8 @@ defmodule EMLXAxon.TextGeneration do
       anywhere: an `EMLXAxon.Stream` to run on
     * `:mlx_stream` - an `EMLXAxon.Stream` to run on (for a streaming
       serving, where `:stream` is `true`)
-    * `:scheduler` - in `run/4` and `stream/5`: the pid or name of an
+    * `:scheduler` - in `run/4` and `stream/5` (for `serving/3`, see its
+      "With a scheduler"): the pid or name of an
       `EMLXAxon.Scheduler` serving the same `state` (and started with a
       `:tokenizer`). Each input is then submitted as its own request, joining
       the scheduler's running batch, with its own seed (its input's `:seed`,
@@ -282,6 +283,41 @@ defmodule EMLXAxon.TextGeneration do
   Started with `partitions: true`, each partition gets its own
   `EMLXAxon.Stream`, so partitions decode concurrently; set the number of
   partitions with `defn_options: [max_concurrency: n]`.
+
+  ## With a scheduler
+
+  Without a scheduler, an execution generates its whole batch before the
+  serving (or its partition) takes the next one, so a request that comes
+  while a long batch decodes waits for all of it. With `scheduler:` (the
+  pid or name of an `EMLXAxon.Scheduler` started with the same `state` and
+  a `:tokenizer`, or a list of them) executions only hand their rows to a
+  scheduler and return at once: each caller then submits its inputs to that
+  scheduler, where they join its running batch between decode steps, and
+  waits for its own tokens. So a request is not held back by a batch that
+  is decoding, also with a single partition: it starts as soon as the
+  scheduler has a free slot. What changes:
+
+    * outputs are those of `run/4` with `scheduler:` (no padding, each
+      input's own timings in `metadata`, `:queue_ms` and `:cached_tokens`);
+      inputs, options, per-input seeds and constraints, `tools:`, streaming
+      and `stream_done:` work as without a scheduler
+    * partition `i` (of `partitions: true` and `defn_options:
+      [max_concurrency: n]`) uses the `rem(i, length(schedulers))`-th
+      scheduler; a caller's inputs all go to the scheduler of the partition
+      that took its first input
+    * the scheduler's own `:slots`, `:capacity` and `:max_queue` bound what
+      runs at once; `:compile`'s `:sequence_length` buckets, `:chunk_size`
+      and `:profile_timing` do not apply, and `:stream`/`:mlx_stream` (an
+      `EMLXAxon.Stream`) raise `ArgumentError`; a full scheduler queue
+      raises `EMLXAxon.Error` (kind `:overloaded`) in the caller
+    * the tokens are received by the process that runs the client
+      postprocessing: the caller's own for `Nx.Serving.run/2` and a local
+      `Nx.Serving.batched_run/2`; for a caller on another node, the process
+      `Nx.Serving` runs on the serving's node for it, which sends the result
+      (or, streaming, each piece) back. When that process exits its
+      requests are dropped (a remote caller's exit does not end it: its
+      requests run to their end), and reading only part of a stream cancels
+      the rest
 
   ## Examples
 

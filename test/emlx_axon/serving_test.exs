@@ -4,7 +4,14 @@ if Code.ensure_loaded?(Nx.Serving) do
   defmodule EMLXAxon.TextGeneration.ServingTest do
     use ExUnit.Case, async: false
 
-    alias EMLXAxon.{Error, TestFixtures, TestForeignTokenizers, TestJSON, TextGeneration}
+    alias EMLXAxon.{
+      Error,
+      Scheduler,
+      TestFixtures,
+      TestForeignTokenizers,
+      TestJSON,
+      TextGeneration
+    }
 
     @moduletag :fixtures
 
@@ -385,9 +392,9 @@ if Code.ensure_loaded?(Nx.Serving) do
       state: state
     } do
       messages = [%{role: "user", content: "What is the weather in Paris?"}]
-      grammar = EMLXAxon.ToolCalls.grammar(@tools)
+      grammar = EMLXAxon.ToolCalls.grammar(@tools, max_calls: 1)
       input = %{messages: messages, grammar: grammar}
-      opts = [max_new_tokens: 80, tools: @tools]
+      opts = [max_new_tokens: 120, tools: @tools]
 
       %{results: [expected]} = TextGeneration.run(tokenizer, state, input, opts)
       assert [_ | _] = calls = expected.tool_calls
@@ -412,6 +419,240 @@ if Code.ensure_loaded?(Nx.Serving) do
       events = streaming |> Nx.Serving.run(input) |> Enum.to_list()
       assert {:done, %{results: [^expected]}} = List.last(events)
       assert IO.iodata_to_binary(Enum.drop(events, -1)) == expected.text
+    end
+
+    describe "with a scheduler" do
+      setup %{tokenizer: tokenizer, state: state} do
+        start = fn id ->
+          start_supervised!(
+            {Scheduler, model: state, tokenizer: tokenizer, slots: 8, prefix_cache_bytes: 0},
+            id: id
+          )
+        end
+
+        %{scheduler: start.(:first), other: start.(:second)}
+      end
+
+      # What a direct run and a scheduled one agree on (padding and timings
+      # differ by design).
+      defp comparable(outputs) when is_list(outputs), do: Enum.map(outputs, &comparable/1)
+
+      defp comparable(%{results: [result]}) do
+        result
+        |> Map.drop([:token_summary])
+        |> Map.put(:input, result.token_summary.input)
+      end
+
+      # The scheduler drops a request of a caller that went away at its next
+      # step: wait for it (some seconds at most).
+      defp idle?(scheduler, tries \\ 100) do
+        case Scheduler.occupancy(scheduler) do
+          %{running: 0, waiting: 0} ->
+            true
+
+          _ when tries > 0 ->
+            Process.sleep(50)
+            idle?(scheduler, tries - 1)
+
+          _ ->
+            false
+        end
+      end
+
+      defp start_serving(serving, opts \\ []) do
+        name = :"serving_#{System.unique_integer([:positive])}"
+
+        start_supervised!(
+          {Nx.Serving, [serving: serving, name: name, batch_size: 4, batch_timeout: 20] ++ opts}
+        )
+
+        name
+      end
+
+      test "gives run/4's outputs, locally and through distributed batched_run", ctx do
+        %{tokenizer: tokenizer, state: state, scheduler: scheduler} = ctx
+        inputs = [@plain, @chat, "Hello", [@plain, "Hi"], %{text: "1, 2, 3,", seed: 4}]
+        expected = Enum.map(inputs, &TextGeneration.run(tokenizer, state, &1, @opts))
+        serving = TextGeneration.serving(tokenizer, state, @opts ++ [scheduler: scheduler])
+
+        assert comparable(Enum.map(inputs, &Nx.Serving.run(serving, &1))) == comparable(expected)
+
+        assert %{metadata: %{batch_size: 2}, results: [%{token_summary: %{padding: 0}}]} =
+                 hd(Nx.Serving.run(serving, [@plain, @chat]))
+
+        name = start_serving(serving)
+
+        for call <- [name, {:local, name}, {:distributed, name}] do
+          actual =
+            inputs
+            |> Enum.map(&Task.async(fn -> Nx.Serving.batched_run(call, &1) end))
+            |> Task.await_many(60_000)
+
+          assert comparable(actual) == comparable(expected), inspect(call)
+        end
+
+        assert idle?(scheduler)
+      end
+
+      test "partitions map to schedulers", ctx do
+        %{tokenizer: tokenizer, state: state, scheduler: first, other: second} = ctx
+        inputs = [@plain, @chat, "Hello", "Hi"] |> List.duplicate(3) |> Enum.concat()
+        expected = Enum.map(inputs, &TextGeneration.run(tokenizer, state, &1, @opts))
+
+        serving =
+          TextGeneration.serving(
+            tokenizer,
+            state,
+            @opts ++ [scheduler: [first, second], defn_options: [max_concurrency: 2]]
+          )
+
+        name = start_serving(serving, partitions: true)
+
+        actual =
+          inputs
+          |> Enum.map(&Task.async(fn -> Nx.Serving.batched_run(name, &1) end))
+          |> Task.await_many(60_000)
+
+        assert comparable(actual) == comparable(expected)
+        alias TextGeneration.Serving.Scheduled
+
+        assert Enum.map(0..3, &Scheduled.scheduler([first, second], &1)) == [
+                 first,
+                 second,
+                 first,
+                 second
+               ]
+      end
+
+      test "streams text as it arrives, locally and through distributed batched_run", ctx do
+        %{tokenizer: tokenizer, state: state, scheduler: scheduler} = ctx
+        opts = @opts ++ [scheduler: scheduler, stream: true]
+
+        for input <- [@plain, @chat] do
+          %{results: [expected]} = TextGeneration.run(tokenizer, state, input, @opts)
+          serving = TextGeneration.serving(tokenizer, state, opts)
+          chunks = serving |> Nx.Serving.run(input) |> Enum.to_list()
+          assert length(chunks) >= 2 and Enum.all?(chunks, &(is_binary(&1) and &1 != ""))
+          assert IO.iodata_to_binary(chunks) == expected.generated_text
+
+          serving = TextGeneration.serving(tokenizer, state, opts ++ [stream_done: true])
+          name = start_serving(serving)
+
+          for call <- [name, {:distributed, name}] do
+            events = call |> Nx.Serving.batched_run(input) |> Enum.to_list()
+            assert {:done, %{token_summary: summary, results: [result]}} = List.last(events)
+            assert comparable(%{results: [result]}) == comparable(%{results: [expected]})
+            assert summary == %{input: expected.token_summary.input, output: 16, padding: 0}
+            assert IO.iodata_to_binary(Enum.drop(events, -1)) == expected.generated_text
+          end
+        end
+
+        # Reading part of the stream cancels the rest of the request.
+        long =
+          TextGeneration.serving(
+            tokenizer,
+            state,
+            opts ++ [max_new_tokens: 2000, ignore_eos: true]
+          )
+
+        assert [_] = long |> Nx.Serving.run(@plain) |> Enum.take(1)
+        assert idle?(scheduler)
+
+        assert_raise ArgumentError, ~r/one input at a time/, fn ->
+          Nx.Serving.run(TextGeneration.serving(tokenizer, state, opts), ["a", "b"])
+        end
+      end
+
+      test "a request sent while a long batch decodes is not held back by it", ctx do
+        %{tokenizer: tokenizer, state: state, scheduler: scheduler} = ctx
+        long = [max_new_tokens: 400, ignore_eos: true, stream: true]
+
+        # Four callers merged into one long batch, then one more caller
+        # while that batch decodes: when does its first token come, and
+        # when does the long batch end?
+        race = fn serving ->
+          name = start_serving(serving)
+          test = self()
+          ref = make_ref()
+
+          batch =
+            for input <- [@plain, "Hello", "Hi", "1, 2, 3,"] do
+              Task.async(fn ->
+                name
+                |> Nx.Serving.batched_run(input)
+                |> Stream.each(fn _ -> send(test, {ref, :decoding}) end)
+                |> Stream.run()
+
+                System.monotonic_time(:millisecond)
+              end)
+            end
+
+          assert_receive {^ref, :decoding}, 60_000
+          sent = System.monotonic_time(:millisecond)
+
+          late =
+            Task.async(fn ->
+              [_] = name |> Nx.Serving.batched_run("Late") |> Enum.take(1)
+              System.monotonic_time(:millisecond)
+            end)
+
+          first_token = Task.await(late, 120_000)
+          batch_end = batch |> Task.await_many(120_000) |> Enum.max()
+          {first_token - sent, batch_end - sent}
+        end
+
+        {first, batch_left} =
+          race.(TextGeneration.serving(tokenizer, state, long ++ [scheduler: scheduler]))
+
+        assert first * 4 < batch_left,
+               "first token after #{first} ms, the batch ended #{batch_left} ms after the request"
+
+        # Without a scheduler the request waits for the running execution.
+        {first, batch_left} = race.(TextGeneration.serving(tokenizer, state, long))
+
+        assert first * 2 > batch_left,
+               "first token after #{first} ms, the batch ended #{batch_left} ms after the request"
+      end
+
+      test "per-input constraints and tool calls", ctx do
+        %{tokenizer: tokenizer, state: state, scheduler: scheduler} = ctx
+        messages = [%{role: "user", content: "What is the weather in Paris?"}]
+        called = %{messages: messages, grammar: EMLXAxon.ToolCalls.grammar(@tools, max_calls: 1)}
+        inputs = [called, %{text: @plain, json_schema: @schema}, "Hello"]
+        opts = [max_new_tokens: 120, tools: @tools]
+        expected = TextGeneration.run(tokenizer, state, inputs, opts)
+        serving = TextGeneration.serving(tokenizer, state, opts ++ [scheduler: scheduler])
+        actual = Nx.Serving.run(serving, inputs)
+        assert comparable(actual) == comparable(expected)
+        assert [_ | _] = hd(hd(actual).results).tool_calls
+        assert_constrained(inputs, actual)
+      end
+
+      test "errors", %{tokenizer: tokenizer, state: state, scheduler: scheduler} do
+        assert_raise ArgumentError, ~r/cannot be used with :scheduler/, fn ->
+          TextGeneration.serving(tokenizer, state,
+            scheduler: scheduler,
+            stream: EMLXAxon.Stream.new(:cpu)
+          )
+        end
+
+        assert_raise ArgumentError, ~r/expected :scheduler to be the pid or name/, fn ->
+          TextGeneration.serving(tokenizer, state, scheduler: [])
+        end
+
+        serving = TextGeneration.serving(tokenizer, state, @opts ++ [scheduler: scheduler])
+
+        assert_raise ArgumentError, ~r/invalid regex/, fn ->
+          Nx.Serving.run(serving, %{text: "x", regex: "(a"})
+        end
+
+        other = TestFixtures.model("qwen3-4bit-g128")
+        serving = TextGeneration.serving(tokenizer, other, @opts ++ [scheduler: scheduler])
+
+        assert_raise ArgumentError, ~r/serves a different model/, fn ->
+          Nx.Serving.run(serving, @plain)
+        end
+      end
     end
 
     test "errors", %{tokenizer: tokenizer, state: state} do
@@ -693,6 +934,118 @@ defmodule EMLXAxon.TextGeneration.ServingLogicTest do
         assert_raise ArgumentError, message, fn ->
           Constraints.check!(tokenizer, state, good ++ [%{constraint: constraint}])
         end
+      end
+    end
+  end
+
+  describe "a serving over a scheduler" do
+    @describetag :fixtures
+
+    alias EMLXAxon.Scheduler
+    alias EMLXAxon.TextGeneration.Serving.Scheduled
+
+    setup do
+      name = "qwen3-4bit-g64"
+      tokenizer = TestFixtures.tokenizer(name)
+      state = TestFixtures.model(name)
+
+      scheduler =
+        start_supervised!(
+          {Scheduler, model: state, tokenizer: tokenizer, slots: 4, prefix_cache_bytes: 0}
+        )
+
+      %{tokenizer: tokenizer, state: state, scheduler: scheduler}
+    end
+
+    defp request!(tokenizer, state, input, opts) do
+      {[request], false} = Input.requests!(tokenizer, state, input, opts)
+      request
+    end
+
+    test "partitions take the schedulers in turn" do
+      assert Enum.map(0..4, &Scheduled.scheduler([:a, :b], &1)) == [:a, :b, :a, :b, :a]
+      assert Scheduled.scheduler(:a, 3) == :a
+      assert Config.serving!(scheduler: [:a, {:global, :b}]).scheduler == [:a, {:global, :b}]
+
+      for bad <- [[], "llm", [:a, 1]] do
+        assert_raise ArgumentError, ~r/expected :scheduler to be the pid or name/, fn ->
+          Config.serving!(scheduler: bad)
+        end
+      end
+
+      assert_raise ArgumentError, ~r/cannot be used with :scheduler/, fn ->
+        Config.serving!(scheduler: :a, mlx_stream: EMLXAxon.Stream.new(:cpu), stream: true)
+      end
+    end
+
+    test "a caller's requests give run/4's outputs, with tool calls", ctx do
+      %{tokenizer: tokenizer, state: state, scheduler: scheduler} = ctx
+      digit = %{"type" => "integer", "minimum" => 0, "maximum" => 9}
+
+      parameters = %{
+        "type" => "object",
+        "properties" => %{"x" => digit},
+        "required" => ["x"],
+        "additionalProperties" => false
+      }
+
+      tools = [
+        %{"type" => "function", "function" => %{"name" => "f", "parameters" => parameters}}
+      ]
+
+      grammar = EMLXAxon.ToolCalls.grammar(tools, max_calls: 1)
+      inputs = [@plain, %{messages: @chat, grammar: grammar}]
+      run_opts = [max_new_tokens: 80, tools: tools, scheduler: scheduler]
+      opts = Config.serving!(run_opts)
+      {requests, true} = Input.requests!(tokenizer, state, inputs, opts)
+      expected = TextGeneration.run(tokenizer, state, inputs, run_opts)
+      outputs = Scheduled.run!(scheduler, state, requests, opts)
+      assert Enum.map(outputs, & &1.results) == Enum.map(expected, & &1.results)
+      assert [%{name: "f", arguments: %{"x" => x}}] = hd(List.last(outputs).results).tool_calls
+      assert x in 0..9
+    end
+
+    test "a stream submits when read, gives the text as it comes, then the output", ctx do
+      %{tokenizer: tokenizer, state: state, scheduler: scheduler} = ctx
+      opts = Config.serving!(max_new_tokens: 24, stream: true, stream_done: true)
+      request = request!(tokenizer, state, @plain, opts)
+      %{results: [expected]} = TextGeneration.run(tokenizer, state, @plain, max_new_tokens: 24)
+
+      stream = Scheduled.stream(scheduler, state, request, opts)
+      assert %{running: 0, waiting: 0} = Scheduler.occupancy(scheduler)
+      events = Enum.to_list(stream)
+      {pieces, [{:done, output}]} = Enum.split(events, -1)
+      assert length(pieces) >= 2 and Enum.all?(pieces, &(is_binary(&1) and &1 != ""))
+      assert IO.iodata_to_binary(pieces) == expected.text
+      assert hd(output.results).token_ids == expected.token_ids
+      assert output.token_summary == %{input: 10, output: 24, padding: 0}
+
+      # Without :stream_done, text only.
+      opts = %{opts | stream_done: false}
+      assert Enum.join(Scheduled.stream(scheduler, state, request, opts)) == expected.text
+    end
+
+    test "halting a stream early cancels its request; errors raise in the reader", ctx do
+      %{tokenizer: tokenizer, state: state, scheduler: scheduler} = ctx
+      opts = Config.serving!(max_new_tokens: 2000, ignore_eos: true, stream: true)
+      request = request!(tokenizer, state, @plain, opts)
+      assert [_, _] = scheduler |> Scheduled.stream(state, request, opts) |> Enum.take(2)
+
+      assert Enum.any?(1..100, fn _ ->
+               Process.sleep(20)
+               match?(%{running: 0, waiting: 0}, Scheduler.occupancy(scheduler))
+             end)
+
+      bad = Map.put(request, :constraint, {:regex, "(a"})
+
+      assert_raise ArgumentError, ~r/invalid regex/, fn ->
+        scheduler |> Scheduled.stream(state, bad, opts) |> Enum.to_list()
+      end
+
+      other = TestFixtures.model("qwen3-4bit-g128")
+
+      assert_raise ArgumentError, ~r/different model/, fn ->
+        scheduler |> Scheduled.stream(other, request, opts) |> Enum.to_list()
       end
     end
   end

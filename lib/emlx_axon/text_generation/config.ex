@@ -29,7 +29,8 @@ defmodule EMLXAxon.TextGeneration.Config do
                         stream_done: false,
                         defn_options: [],
                         compile: nil,
-                        preallocate_params: false
+                        preallocate_params: false,
+                        scheduler: nil
                       ]
 
   @loader_options [:dtype, :quantize]
@@ -55,7 +56,25 @@ defmodule EMLXAxon.TextGeneration.Config do
       end
 
     chunk_size = opts.chunk_size || if(streaming?, do: @stream_chunk_size, else: @run_chunk_size)
+    schedulers!(opts.scheduler, mlx_stream)
     %{opts | stream: streaming?, mlx_stream: mlx_stream, chunk_size: chunk_size}
+  end
+
+  # A serving's :scheduler: one, or one per partition.
+  defp schedulers!(nil, _mlx_stream), do: :ok
+
+  defp schedulers!(schedulers, mlx_stream) do
+    case schedulers do
+      [_ | _] -> Enum.each(schedulers, &scheduler!/1)
+      [] -> scheduler!([])
+      scheduler -> scheduler!(scheduler)
+    end
+
+    if mlx_stream do
+      raise ArgumentError,
+            "an EMLXAxon.Stream (:stream or :mlx_stream) cannot be used with :scheduler: " <>
+              "the scheduler runs on the stream it was started on"
+    end
   end
 
   @doc "Validates `run/4`'s options (`streaming?` for `stream/5`)."

@@ -4,14 +4,23 @@ if Code.ensure_loaded?(Nx.Serving) do
     # The Nx.Serving behind EMLXAxon.TextGeneration.serving/3, compiled only
     # where Nx is available. It is a thin adapter: what travels between the
     # callers and the executions, and how, is decided by plain modules that
-    # need no Nx (Serving.Batch, Serving.Execution, Serving.Results,
-    # Serving.Events); this module only moves their binaries in and out of
-    # tensors and implements the Nx.Serving callbacks.
+    # need no Nx (Serving.Batch, Serving.Constraints, Serving.Execution,
+    # Serving.Results, Serving.Events, and Serving.Scheduled for a serving
+    # over EMLXAxon.Scheduler); this module only moves their binaries in and
+    # out of tensors and implements the Nx.Serving callbacks.
 
     @behaviour Nx.Serving
 
     alias EMLXAxon.TextGeneration.{Input, Output}
-    alias EMLXAxon.TextGeneration.Serving.{Batch, Constraints, Events, Execution, Results}
+
+    alias EMLXAxon.TextGeneration.Serving.{
+      Batch,
+      Constraints,
+      Events,
+      Execution,
+      Results,
+      Scheduled
+    }
 
     @hook :chunk
 
@@ -20,22 +29,32 @@ if Code.ensure_loaded?(Nx.Serving) do
       # Generation runs outside Nx.Defn: the Evaluator only materializes
       # batches, and its :max_concurrency sets the number of partitions.
       defn_options = Keyword.put(opts.defn_options, :compiler, Nx.Defn.Evaluator)
-      opts = %{opts | mlx_stream: opts.mlx_stream || EMLXAxon.Stream.current()}
-      arg = %{tokenizer: tokenizer, state: state, opts: opts}
       # The serving's own constraint fails here rather than in an execution.
       Constraints.check!(tokenizer, state, [%{constraint: opts.constraint}])
+
+      serving =
+        if opts.scheduler do
+          scheduled(tokenizer, state, opts, defn_options)
+        else
+          direct(tokenizer, state, opts, defn_options)
+        end
+
+      case opts.compile[:batch_size] do
+        nil -> serving
+        batch_size -> Nx.Serving.batch_size(serving, batch_size)
+      end
+    end
+
+    # Each execution generates its batch.
+    defp direct(tokenizer, state, opts, defn_options) do
+      opts = %{opts | mlx_stream: opts.mlx_stream || EMLXAxon.Stream.current()}
+      arg = %{tokenizer: tokenizer, state: state, opts: opts}
 
       serving =
         __MODULE__
         |> Nx.Serving.new(arg, defn_options)
         |> Nx.Serving.process_options(batch_keys: Batch.batch_keys(opts))
         |> Nx.Serving.client_preprocessing(&preprocess(&1, tokenizer, state, opts))
-
-      serving =
-        case opts.compile[:batch_size] do
-          nil -> serving
-          batch_size -> Nx.Serving.batch_size(serving, batch_size)
-        end
 
       if opts.stream do
         serving
@@ -46,9 +65,36 @@ if Code.ensure_loaded?(Nx.Serving) do
       end
     end
 
+    # Each execution hands its rows to its partition's scheduler and returns
+    # at once; callers wait for their tokens in the client postprocessing
+    # (see Serving.Scheduled for why the caller submits). The batch carries
+    # only the rows' count; each caller keeps its own requests. A streaming
+    # serving streams the execution's result (no hooks): the process reading
+    # it is the one that receives the tokens.
+    defp scheduled(tokenizer, state, opts, defn_options) do
+      arg = %{tokenizer: tokenizer, state: state, opts: opts}
+
+      serving =
+        __MODULE__
+        |> Nx.Serving.new(arg, defn_options)
+        |> Nx.Serving.client_preprocessing(&preprocess_scheduled(&1, tokenizer, state, opts))
+
+      if opts.stream do
+        serving
+        |> Nx.Serving.streaming()
+        |> Nx.Serving.client_postprocessing(&postprocess_scheduled_stream(&1, &2, state, opts))
+      else
+        Nx.Serving.client_postprocessing(serving, &postprocess_scheduled(&1, &2, state, opts))
+      end
+    end
+
     ## Nx.Serving callbacks
 
     @impl true
+    def init(_type, %{opts: %{scheduler: scheduler}} = arg, _partitions) when scheduler != nil do
+      {:ok, arg}
+    end
+
     def init(type, arg, partitions) do
       %{opts: %{mlx_stream: given}} = arg
       count = length(partitions)
@@ -76,6 +122,13 @@ if Code.ensure_loaded?(Nx.Serving) do
     end
 
     @impl true
+    def handle_batch(batch, partition, %{opts: %{scheduler: scheduler}} = state)
+        when scheduler != nil do
+      rows = batch.size + batch.pad
+      partitions = :binary.copy(<<partition::signed-native-32>>, rows)
+      {:execute, fn -> {%{"partition" => tensor({{:s, 32}, {rows}, partitions})}, %{}} end, state}
+    end
+
     def handle_batch(batch, partition, state) do
       stream = Map.fetch!(state.streams, partition)
       hook = Map.fetch!(state.hooks, partition)
@@ -119,6 +172,39 @@ if Code.ensure_loaded?(Nx.Serving) do
       batch = [inputs] |> Nx.Batch.concatenate() |> Nx.Batch.key(Batch.key(requests, width))
       {batch, multi?}
     end
+
+    defp preprocess_scheduled(input, tokenizer, state, opts) do
+      {requests, multi?} = Input.requests!(tokenizer, state, input, opts)
+
+      if opts.stream and multi? do
+        raise ArgumentError,
+              "a streaming serving takes one input at a time, " <>
+                "call it with each input of the list separately"
+      end
+
+      # The scheduler checks each input's constraint when the caller submits it.
+      n = length(requests)
+      rows = tensor({{:s, 32}, {n}, :binary.copy(<<0::signed-native-32>>, n)})
+      {Nx.Batch.concatenate([%{"row" => rows}]), {requests, multi?}}
+    end
+
+    # A caller's rows may be split over executions of different partitions:
+    # they all go to the scheduler of the partition that ran the first.
+    defp postprocess_scheduled({output, _metadata}, {requests, multi?}, state, opts) do
+      scheduler = Scheduled.scheduler(opts.scheduler, first_partition(output))
+      outputs = Scheduled.run!(scheduler, state, requests, opts)
+      if multi?, do: outputs, else: hd(outputs)
+    end
+
+    defp postprocess_scheduled_stream(events, {[request], _multi?}, state, opts) do
+      Elixir.Stream.flat_map(events, fn {:batch, output, _metadata} ->
+        scheduler = Scheduled.scheduler(opts.scheduler, first_partition(output))
+        Scheduled.stream(scheduler, state, request, opts)
+      end)
+    end
+
+    defp first_partition(%{"partition" => partitions}),
+      do: partitions |> Nx.slice_along_axis(0, 1) |> Nx.to_flat_list() |> hd()
 
     defp postprocess({output, _metadata}, multi?, tokenizer, opts) do
       outputs = outputs(output, tokenizer, opts)
