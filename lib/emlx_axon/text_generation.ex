@@ -315,9 +315,10 @@ defmodule EMLXAxon.TextGeneration do
       `Nx.Serving.batched_run/2`; for a caller on another node, the process
       `Nx.Serving` runs on the serving's node for it, which sends the result
       (or, streaming, each piece) back. When that process exits its
-      requests are dropped (a remote caller's exit does not end it: its
-      requests run to their end), and reading only part of a stream cancels
-      the rest
+      requests are dropped, and reading only part of a stream cancels the
+      rest; for a remote caller neither happens (`Nx.Serving`'s process
+      there reads the whole stream and outlives the caller), so its
+      requests run to their end
 
   ## Examples
 
