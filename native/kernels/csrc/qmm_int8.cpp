@@ -108,6 +108,7 @@ void quantize_activations(const QmmArgs& a, int m0, int m1, int8_t* q, float* sc
       // A NaN makes the block's scale NaN, and so every output it feeds, as
       // in the float32 path (an infinity makes it infinite, and the products NaN).
       const float d = nan ? NAN : amax / 127.0f;
+      // A scale that is not finite (NaN, infinity) gives q = 0 throughout.
       const float id = d > 0.0f ? 1.0f / d : 0.0f;
       scale[(long)m * blocks + c] = d;
       int8_t* qb = q + (long)m * K + c * kXBlock;
@@ -206,7 +207,7 @@ constexpr int kGemvChunksPerThread = 2;
 
 }  // namespace
 
-Int8Kernels scalar_int8_kernels() { return Int8Kernels{rows_any, rows_any, 1}; }
+Int8Kernels scalar_int8_kernels() { return Int8Kernels{quantize_activations, rows_any, rows_any, 1}; }
 
 void qmm_int8(const QmmArgs& a, Isa isa, int max_threads) {
   const Int8Kernels k = int8_kernels_for(isa);
@@ -227,7 +228,7 @@ void qmm_int8(const QmmArgs& a, Isa isa, int max_threads) {
   auto quantize = [&](int t) {
     const int m0 = (int)((long)a.M * t / qtasks);
     const int m1 = (int)((long)a.M * (t + 1) / qtasks);
-    quantize_activations(a, m0, m1, q.data(), scale.data(), sum.data());
+    k.quantize(a, m0, m1, q.data(), scale.data(), sum.data());
   };
   if (qtasks == 1)
     quantize(0);

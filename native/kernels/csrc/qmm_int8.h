@@ -28,7 +28,12 @@ struct Int8Activations {
 // scalar one, so all variants give identical results.
 using Int8RowsFn = void (*)(const QmmArgs&, const Int8Activations&, int n0, int n1);
 
+// Fills q, scale and sum of rows m0..m1 of x (see Int8Activations); every
+// variant's quantizer gives identical results.
+using QuantizeFn = void (*)(const QmmArgs&, int m0, int m1, int8_t* q, float* scale, float* sum);
+
 struct Int8Kernels {
+  QuantizeFn quantize;
   Int8RowsFn gemv;  // reads the weights as stored; for few rows of x
   Int8RowsFn gemm;  // repacks blocks of weight rows, reused over many rows of x
   int gemm_rows;  // n0 of a gemm call is a multiple of this
@@ -36,8 +41,10 @@ struct Int8Kernels {
 
 // One micro-tile of the SIMD matrix product: rows of x from xq (row i at
 // xq + i * K, its block scales at xs + i * blocks, its group sums at
-// xsum + i * groups) against one packed block of weight rows (see
-// qmm_int8_simd.inc), into y (row stride ldy, `cols` columns stored).
+// xsum + i * groups) against groups g0..g1 of one packed block of weight
+// rows (see qmm_int8_simd.inc), into y (row stride ldy, `cols` columns
+// stored). y holds the running sums between slices: read unless g0 is 0,
+// final (biases added) when g1 is the last group.
 struct Int8MicroArgs {
   const int8_t* xq;
   int K;
@@ -46,6 +53,7 @@ struct Int8MicroArgs {
   const float* xsum;
   int groups;
   int per_group;
+  int g0, g1;
   const uint8_t* pw;
   const float* ps;
   const float* pb;
@@ -59,6 +67,8 @@ Int8Kernels scalar_int8_kernels();
 Int8Kernels avx2_int8_kernels();
 Int8Kernels avx512_int8_kernels();  // needs AVX512-VNNI on top of the AVX-512 variant's set
 bool vnni_supported();
+void quantize_activations_avx2(const QmmArgs& a, int m0, int m1, int8_t* q, float* scale,
+                               float* sum);
 #endif
 
 enum Activations { kActivationsF32 = 0, kActivationsInt8 = 1 };
@@ -72,7 +82,7 @@ Activations selected_activations();
 // on an AVX-512 CPU without it, the AVX2 int8 kernels run.
 void qmm_int8(const QmmArgs& args, Isa isa, int max_threads);
 
-// Fills q, scale and sum of rows m0..m1 of x (see Int8Activations).
+// The portable quantizer (the reference the others match).
 void quantize_activations(const QmmArgs& a, int m0, int m1, int8_t* q, float* scale, float* sum);
 
 }  // namespace emlx

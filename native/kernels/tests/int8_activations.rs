@@ -14,8 +14,10 @@ use emlx_axon_kernels::{qmm_int8_with, qmm_with, Activations, Isa};
 /// 2-row tiles past the first).
 const BATCHES: [usize; 4] = [1, 3, 17, 128];
 /// (rows, cols): rows not a multiple of 8 or 32 weight rows per tile, nor of
-/// the threads' split; cols multiples of 128 (every group size) but not of 256.
-const SHAPES: [(usize, usize); 2] = [(70, 384), (301, 1152)];
+/// the threads' split; cols multiples of 128 (every group size) but not of
+/// 256, and long enough (1152, 3200) that the matrix products take K in
+/// several slices (AVX-512: 768 columns, AVX2: 3072).
+const SHAPES: [(usize, usize); 3] = [(70, 384), (301, 1152), (45, 3200)];
 
 fn run(c: &Case, isa: Isa, threads: usize) -> Vec<f32> {
     let x = c.x.as_slice::<f32>();
@@ -91,7 +93,7 @@ fn every_variant_matches_a_float64_evaluation_of_the_int8_algebra() {
                 }
             }
         });
-        assert!(checked >= 2 * 3 * 2 * 4 * 2);
+        assert!(checked >= 2 * 3 * 3 * 4 * 2);
     })
 }
 
@@ -168,6 +170,36 @@ fn zero_and_constant_activation_blocks() {
             for (a, b) in y.iter().zip(&c.mlx) {
                 assert!((a - b).abs() <= 1e-5 * scale, "{isa:?}: {a} vs {b}");
             }
+        }
+    })
+}
+
+#[test]
+fn every_variant_quantizes_subnormal_and_huge_blocks_alike() {
+    on_cpu(|| {
+        // Blocks whose scale is subnormal (1 / scale overflows to infinity),
+        // whose values straddle float32's range, or are exact halves of a
+        // step: the SIMD quantizers must round and clamp as the portable one.
+        let mut c = case(13, 3, 70, 256, 4, 64, false);
+        let mut x = c.x.as_slice::<f32>().to_vec();
+        for (i, v) in x.iter_mut().enumerate() {
+            *v = match (i / 32) % 4 {
+                0 => (i % 7) as f32 * 1e-40 - 3e-40,
+                1 => ((i % 5) as f32 - 2.0) * 1e37,
+                2 => (i % 32) as f32 * 0.5 - 7.5,
+                _ => *v,
+            };
+        }
+        c.x = mlx_rs::Array::from_slice(&x, &[3, 256]);
+        let scalar = run(&c, Isa::Scalar, 1);
+        for isa in Isa::ALL.into_iter().filter(|i| i.supported()) {
+            let y = run(&c, isa, 1);
+            assert!(
+                y.iter()
+                    .zip(&scalar)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{isa:?} differs from scalar"
+            );
         }
     })
 }
