@@ -16,7 +16,7 @@ use mlx_rs::{Array, Dtype};
 use crate::cache::KvStore;
 use crate::config::{Arch, ModelConfig};
 use crate::error::Result;
-use crate::layers::{Linear, LinearGroup, LoadPlan, Member, Workers};
+use crate::layers::{Linear, LinearGroup, LoadPlan, Member, RmsNorm, Workers};
 use crate::rope::Rope;
 use crate::weights::Weights;
 
@@ -29,9 +29,9 @@ pub enum AttentionMask {
 struct QkNorm {
     q: Array,
     k: Array,
-    /// `[heads + kv_heads, head_dim]`: `q` for the query heads, `k` for the
-    /// key heads, to normalize both in one op.
-    both: Array,
+    /// Weights `[heads + kv_heads, head_dim]`: `q` for the query heads, `k`
+    /// for the key heads, to normalize both at once.
+    both: RmsNorm,
 }
 
 pub(crate) struct Attention {
@@ -39,8 +39,11 @@ pub(crate) struct Attention {
     qkv: LinearGroup,
     o: Linear,
     norm: Option<QkNorm>,
-    /// The softmax scale as MLX's attention applies it, in the compute dtype.
+    /// The softmax scale as MLX's attention applies it, in the compute
+    /// dtype, as a scalar and shaped like a one-token batch-1 step's queries
+    /// (`[1, kv_heads, heads / kv_heads, head_dim]`, no broadcast needed).
     scale: Array,
+    scale_step: Array,
 }
 
 impl Attention {
@@ -96,23 +99,33 @@ impl Attention {
                         .as_dtype(dtype)?)
                 };
                 let (q, k) = (take("q_norm")?, take("k_norm")?);
-                let both = concatenate(
-                    &[
-                        broadcast_to(&q, &[c.num_heads, hd])?,
-                        broadcast_to(&k, &[c.num_kv_heads, hd])?,
-                    ],
-                    0,
+                let both = RmsNorm::new(
+                    concatenate(
+                        &[
+                            broadcast_to(&q, &[c.num_heads, hd])?,
+                            broadcast_to(&k, &[c.num_kv_heads, hd])?,
+                        ],
+                        0,
+                    )?,
+                    c.rms_norm_eps,
                 )?;
                 Some(QkNorm { q, k, both })
             }
             Arch::Qwen2 => None,
         };
         let scale = Array::from_f32((hd as f32).powf(-0.5)).as_dtype(dtype)?;
+        let step = [1, c.num_kv_heads, c.num_heads / c.num_kv_heads, hd];
+        let scale_step = Array::from_slice(
+            &vec![(hd as f32).powf(-0.5); (c.num_heads * hd) as usize],
+            &step,
+        )
+        .as_dtype(dtype)?;
         Ok(Attention {
             qkv,
             o,
             norm,
             scale,
+            scale_step,
         })
     }
 
@@ -120,9 +133,10 @@ impl Attention {
         let mut all = self.qkv.arrays();
         all.extend(self.o.arrays());
         if let Some(n) = &self.norm {
-            all.extend([&n.q, &n.k, &n.both]);
+            all.extend([&n.q, &n.k]);
+            all.extend(n.both.arrays());
         }
-        all.push(&self.scale);
+        all.extend([&self.scale, &self.scale_step]);
         all
     }
 
@@ -153,17 +167,17 @@ impl Attention {
             .forward(x, workers)?
             .reshape(&[b, l, nq + 2 * nkv, hd])?;
         let heads_first = |y: Array| y.transpose_axes(&[0, 2, 1, 3]);
+        // Queries stay `[B, L, nq, hd]` on a CPU stream (see `unmasked_on_cpu`).
         let (q, k) = match rope {
             Rope::Table { .. } => {
                 let qk = heads.index((.., .., ..nq + nkv, ..));
                 let qk = match &self.norm {
-                    // The fast op's own steps on a CPU: normalize, then weigh.
-                    Some(n) => rms_norm(&qk, None, eps)?.multiply(&n.both)?,
+                    Some(n) => n.both.forward(&qk, true)?,
                     None => qk,
                 };
                 let qk = rope.rotate_heads_last(&qk)?;
                 (
-                    heads_first(qk.index((.., .., ..nq, ..)))?,
+                    qk.index((.., .., ..nq, ..)),
                     heads_first(qk.index((.., .., nq.., ..)))?,
                 )
             }
@@ -186,14 +200,19 @@ impl Attention {
         let v = heads_first(heads.index((.., .., nq + nkv.., ..)))?;
         let (keys, values) = cache.update(layer, &k, &v)?;
         let scale = (hd as f32).powf(-0.5);
-        let out = match (mask, rope) {
-            (AttentionMask::None, Rope::Table { .. }) => {
-                self.unmasked_on_cpu(c, &q, &keys, &values)?
+        let q = match rope {
+            Rope::Table { .. } if matches!(mask, AttentionMask::None) => {
+                let out = self.unmasked_on_cpu(c, &q, &keys, &values)?;
+                return self.o.forward(&out, workers);
             }
-            (AttentionMask::None, _) => {
+            Rope::Table { .. } => heads_first(q)?,
+            Rope::Fused(_) => q,
+        };
+        let out = match mask {
+            AttentionMask::None => {
                 scaled_dot_product_attention(&q, &keys, &values, scale, None, None)?
             }
-            (AttentionMask::Causal, _) => scaled_dot_product_attention(
+            AttentionMask::Causal => scaled_dot_product_attention(
                 &q,
                 &keys,
                 &values,
@@ -201,7 +220,7 @@ impl Attention {
                 ScaledDotProductAttentionMask::Causal,
                 None,
             )?,
-            (AttentionMask::Array(m), _) => {
+            AttentionMask::Array(m) => {
                 scaled_dot_product_attention(&q, &keys, &values, scale, m, None)?
             }
         };
@@ -214,8 +233,8 @@ impl Attention {
     /// MLX's attention without a mask as its CPU path computes it (scale the
     /// queries, scores, precise softmax, weighted values), with each key
     /// head's query heads folded into the rows of one product rather than a
-    /// product per query head: `q` `[B, nq, L, hd]`, `keys`/`values`
-    /// `[B, nkv, S, hd]` -> `[B, nq, L, hd]`.
+    /// product per query head: `q` `[B, L, nq, hd]`, `keys`/`values`
+    /// `[B, nkv, S, hd]` -> `[B, L, nq * hd]`. One token needs no transposes.
     fn unmasked_on_cpu(
         &self,
         c: &ModelConfig,
@@ -223,14 +242,28 @@ impl Attention {
         keys: &Array,
         values: &Array,
     ) -> Result<Array> {
-        let (b, l) = (q.dim(0), q.dim(2));
+        let (b, l) = (q.dim(0), q.dim(1));
         let (nq, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
-        let q = self
-            .scale
-            .multiply(q)?
-            .reshape(&[b, nkv, (nq / nkv) * l, hd])?;
+        let folded = [b, nkv, (nq / nkv) * l, hd];
+        let q = if l == 1 {
+            q.reshape(&folded)?
+        } else {
+            q.transpose_axes(&[0, 2, 1, 3])?.reshape(&folded)?
+        };
+        let q = if q.shape() == self.scale_step.shape() {
+            self.scale_step.multiply(&q)?
+        } else {
+            self.scale.multiply(&q)?
+        };
         let scores = matmul(&q, keys.swap_axes(-1, -2)?)?;
         let weights = softmax_axis(&scores, -1, true)?;
-        Ok(matmul(&weights, values)?.reshape(&[b, nq, l, hd])?)
+        let out = matmul(&weights, values)?;
+        Ok(if l == 1 {
+            out.reshape(&[b, 1, nq * hd])?
+        } else {
+            out.reshape(&[b, nq, l, hd])?
+                .transpose_axes(&[0, 2, 1, 3])?
+                .reshape(&[b, l, nq * hd])?
+        })
     }
 }

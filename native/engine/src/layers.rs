@@ -327,6 +327,72 @@ impl Linear {
     }
 }
 
+/// RMSNorm over the last axis with a weight of shape `rows x dim` (`rows`
+/// leading axes of the normalized arrays, usually none).
+///
+/// On a GPU stream this is MLX's fused kernel. On a CPU stream MLX expands
+/// its `rms_norm` into about 11 ops, 3 of them broadcasts of its constants
+/// and weight; here the same expansion runs with those already shaped like
+/// a one-token batch-1 step's arrays, which then need no broadcast.
+pub struct RmsNorm {
+    /// `[dim]`, or `[rows, dim]`.
+    weight: Array,
+    /// `weight` as `[1, 1, (rows,) dim]`.
+    weight_step: Array,
+    /// float32 `1 / dim` and `eps`, as `[1, 1, (rows,) 1]`.
+    inv_dim: Array,
+    eps_step: Array,
+    eps: f32,
+}
+
+impl RmsNorm {
+    /// `weight`: `[dim]` or `[rows, dim]`, in the compute dtype.
+    pub fn new(weight: Array, eps: f32) -> Result<Self> {
+        let mut step = vec![1, 1];
+        step.extend_from_slice(weight.shape());
+        let weight_step = weight.reshape(&step)?;
+        *step.last_mut().unwrap() = 1;
+        // As MLX's `mean` makes its normalizer: 1 / n in double, then float32.
+        let dim = weight.shape()[weight.ndim() - 1];
+        let count = step.iter().product::<i32>() as usize;
+        let constant = |v: f32| Array::from_slice(&vec![v; count], &step);
+        Ok(RmsNorm {
+            inv_dim: constant((1.0 / dim as f64) as f32),
+            eps_step: constant(eps),
+            weight,
+            weight_step,
+            eps,
+        })
+    }
+
+    /// Normalizes `x` (`[B, L, (rows,) dim]`); `cpu`: the expansion for a
+    /// CPU stream, else MLX's `rms_norm`.
+    pub fn forward(&self, x: &Array, cpu: bool) -> Result<Array> {
+        if !cpu {
+            return Ok(if self.weight.ndim() == 1 {
+                mlx_rs::fast::rms_norm(x, Some(&self.weight), self.eps)?
+            } else {
+                mlx_rs::fast::rms_norm(x, None, self.eps)?.multiply(&self.weight)?
+            });
+        }
+        // MLX's fallback, step for step: float32 x * rsqrt(mean(x^2) + eps),
+        // back to x's dtype, times the weight.
+        let x32 = x.as_dtype(Dtype::Float32)?;
+        let mean = x32.square()?.sum_axis(-1, true)?.multiply(&self.inv_dim)?;
+        let normed = x32.multiply(mean.add(&self.eps_step)?.rsqrt()?)?;
+        Ok(normed.as_dtype(x.dtype())?.multiply(&self.weight_step)?)
+    }
+
+    pub fn arrays(&self) -> Vec<&Array> {
+        vec![
+            &self.weight,
+            &self.weight_step,
+            &self.inv_dim,
+            &self.eps_step,
+        ]
+    }
+}
+
 /// Projections of one input, stored as one stacked weight where their
 /// layouts allow (one product per step instead of one each), else apart.
 pub struct LinearGroup {

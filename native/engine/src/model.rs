@@ -5,7 +5,6 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use mlx_rs::fast::rms_norm;
 use mlx_rs::ops::{multiply, sigmoid};
 use mlx_rs::{Array, Dtype};
 
@@ -14,7 +13,7 @@ pub use crate::attention::AttentionMask;
 use crate::cache::KvStore;
 use crate::config::{add_missing, generation_eos_ids, Arch, ModelConfig, QuantSpec};
 use crate::error::{Error, Result};
-use crate::layers::{Embedding, Linear, LinearGroup, LoadPlan, Member, Workers};
+use crate::layers::{Embedding, Linear, LinearGroup, LoadPlan, Member, RmsNorm, Workers};
 use crate::rope::Rope;
 use crate::weights::Weights;
 
@@ -53,8 +52,8 @@ struct Mlp {
 struct Block {
     attn: Attention,
     mlp: Mlp,
-    input_norm: Array,
-    post_norm: Array,
+    input_norm: RmsNorm,
+    post_norm: RmsNorm,
 }
 
 pub struct Model {
@@ -70,7 +69,7 @@ pub struct Model {
     pub parallel_ways: usize,
     embed: Embedding,
     blocks: Vec<Block>,
-    norm: Array,
+    norm: RmsNorm,
     lm_head: Option<Linear>,
     /// What RoPE on a CPU stream turns into its cosines and sines.
     rope_probe: Array,
@@ -119,8 +118,8 @@ impl Model {
             at_load: options.quantize,
             dtype,
         };
-        let norm = |w: &mut Weights, name: &str, dim: i32| -> Result<Array> {
-            Ok(w.take(name, Some(&[dim]))?.as_dtype(dtype)?)
+        let norm = |w: &mut Weights, name: &str, dim: i32| -> Result<RmsNorm> {
+            RmsNorm::new(w.take(name, Some(&[dim]))?.as_dtype(dtype)?, c.rms_norm_eps)
         };
 
         let on_cpu = crate::device::DeviceKind::default_kind() == crate::device::DeviceKind::Cpu;
@@ -238,10 +237,10 @@ impl Model {
             all.extend(b.attn.arrays());
             all.extend(b.mlp.gate_up.arrays());
             all.extend(b.mlp.down.arrays());
-            all.push(&b.input_norm);
-            all.push(&b.post_norm);
+            all.extend(b.input_norm.arrays());
+            all.extend(b.post_norm.arrays());
         }
-        all.push(&self.norm);
+        all.extend(self.norm.arrays());
         all.push(&self.rope_probe);
         if let Some(h) = &self.lm_head {
             all.extend(h.arrays());
@@ -295,7 +294,7 @@ impl Model {
         for (i, block) in self.blocks.iter().enumerate() {
             let r = block.attn.forward(
                 c,
-                &rms_norm(&h, Some(&block.input_norm), c.rms_norm_eps)?,
+                &block.input_norm.forward(&h, cpu_ops)?,
                 cache,
                 i,
                 mask,
@@ -303,7 +302,7 @@ impl Model {
                 workers,
             )?;
             h = h.add(&r)?;
-            let x = rms_norm(&h, Some(&block.post_norm), c.rms_norm_eps)?;
+            let x = block.post_norm.forward(&h, cpu_ops)?;
             let [gate, up]: [Array; 2] = block
                 .mlp
                 .gate_up
@@ -318,7 +317,7 @@ impl Model {
             let l = h.dim(1);
             h = mlx_rs::ops::indexing::IndexOp::index(&h, (.., (l - 1).., ..));
         }
-        let h = rms_norm(&h, Some(&self.norm), c.rms_norm_eps)?;
+        let h = self.norm.forward(&h, cpu_ops)?;
         match &self.lm_head {
             Some(head) => head.forward(&h, workers),
             None => self.embed.as_linear(&h, workers),
