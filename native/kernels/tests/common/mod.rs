@@ -204,7 +204,11 @@ pub fn activation_bound(c: &Case) -> Vec<f64> {
 /// (plus float32 rounding relative to the largest output); returns the
 /// largest error relative to the largest output.
 pub fn check_against_mlx(c: &Case, ours: &[f32], what: &str) -> f64 {
-    let bound = activation_bound(c);
+    check_within_bound(c, &activation_bound(c), ours, what)
+}
+
+/// [`check_against_mlx`] with the case's [`activation_bound`] at hand.
+pub fn check_within_bound(c: &Case, bound: &[f64], ours: &[f32], what: &str) -> f64 {
     let scale = c.mlx.iter().fold(1e-6f64, |a, v| a.max(v.abs() as f64));
     let mut worst = 0f64;
     for (i, (&o, &e)) in ours.iter().zip(&c.mlx).enumerate() {
