@@ -75,12 +75,11 @@ bool vnni_supported() {
 
 namespace {
 
-// round_to_nearest_even(v) clamped to -127..127, for |v| <= 127 * (1 + 2^-22)
-// as the quantizer produces (adding and removing 1.5 * 2^23 rounds a float
-// that small to an integer in the default rounding mode, and vectorizes,
-// which a call to nearbyintf does not).
+// round_to_nearest_even(v) (the rounding mode's rounding, as the SIMD
+// quantizer's) clamped to -127..127. rintf rather than a faster trick: the
+// compiler may not fuse x * id into anything (an FMA would round once).
 inline int8_t quantize_one(float v) {
-  float r = (v + 12582912.0f) - 12582912.0f;
+  float r = rintf(v);
   r = r > 127.0f ? 127.0f : r;
   r = r < -127.0f ? -127.0f : r;
   // Only a NaN or an infinity of x gets here out of range; it reaches y

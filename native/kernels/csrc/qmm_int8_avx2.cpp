@@ -126,8 +126,8 @@ static void micro_int8(const emlx::Int8MicroArgs& m) {
 
 // The portable quantizer's results (qmm_int8.cpp), 32 elements at a time:
 // the maximum is exact in any order, x * id is the same one multiply, and
-// roundps rounds like the portable code's rounding trick (both follow the
-// rounding mode, round-to-nearest-even by default).
+// roundps rounds like the portable code's rintf (both follow the rounding
+// mode, round-to-nearest-even by default).
 void quantize_activations_avx2(const QmmArgs& a, int m0, int m1, int8_t* q, float* scale,
                                float* sum) {
   const int K = a.K;
