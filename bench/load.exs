@@ -15,6 +15,12 @@
 # Scenario 2: S - 1 requests of 64 tokens start together; one more arrives
 # 300 ms later. Reported: its time to first token against the busy batch's
 # total time.
+#
+# Scenario 3: two requests, one after the other on an idle scheduler, share
+# a 1,000-token system prompt and differ in their last 24 tokens. Reported:
+# each one's time to first token, with the prefix cache and without it
+# (a second scheduler with `prefix_cache_bytes: 0`), and the second's as a
+# share of the first's.
 
 defmodule EMLXAxon.LoadBench do
   alias EMLXAxon.Scheduler
@@ -30,7 +36,7 @@ defmodule EMLXAxon.LoadBench do
   ]
 
   def main(argv) do
-    {opts, _, _} = OptionParser.parse(argv, strict: @switches)
+    {opts, _, _} = OptionParser.parse(argv -- ["--"], strict: @switches)
     model = opts[:model] || Path.expand("../.cache/fixtures/qwen3-4bit-g64", __DIR__)
     n = opts[:requests] || 24
     gap = opts[:gap_ms] || 40
@@ -98,7 +104,35 @@ defmodule EMLXAxon.LoadBench do
       )
     end
 
+    IO.puts("\nScenario 3: a second request with the same 1,000-token system prompt")
+    system = Enum.map(1..1000, fn _ -> :rand.uniform(vocab - 1) end)
+
+    [first, second] =
+      for _ <- 1..2, do: system ++ Enum.map(1..24, fn _ -> :rand.uniform(vocab - 1) end)
+
+    {:ok, cold} = Scheduler.start_link(model: state, slots: slots, prefix_cache_bytes: 0)
+    Scheduler.generate(cold, warm.prompt, max_new_tokens: 4, ignore_eos: true)
+
+    for {name, s} <- [{"prefix cache on", server}, {"prefix cache off", cold}] do
+      [a, b] = for p <- [first, second], do: first_token_ms(s, p)
+
+      IO.puts(
+        "  #{String.pad_trailing(name, 16)} first request #{round(a)} ms, second #{round(b)} ms " <>
+          "(#{Float.round(b / a * 100, 1)}% of the first)"
+      )
+    end
+
+    Scheduler.stop(cold)
     Scheduler.stop(server)
+  end
+
+  # Time to first token of one request on an otherwise idle scheduler.
+  defp first_token_ms(server, prompt) do
+    t0 = now()
+    {:ok, ref} = Scheduler.submit(server, prompt, max_new_tokens: 2, ignore_eos: true)
+    first = receive_first(ref)
+    receive_done(ref)
+    first - t0
   end
 
   # Each request in its own process, submitted at its arrival time.
