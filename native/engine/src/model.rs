@@ -174,6 +174,11 @@ impl Model {
                     d,
                 )?,
             });
+            // The layer's separate q/k/v and gate/up tensors, freed once
+            // stacked, would stay in MLX's buffer cache in sizes later work
+            // rarely asks for: back to the system, so that loading peaks
+            // near one copy of the checkpoint.
+            crate::memory::clear_cache()?;
         }
         let final_norm = norm(&mut weights, "model.norm.weight", d)?;
         let lm_head = if c.tie_word_embeddings {
