@@ -352,7 +352,7 @@ mod tests {
             let y = model
                 .forward_ops(&ids, &mut cache, &mask, false, &[], cpu_ops)
                 .unwrap();
-            y.eval().unwrap();
+            let y = y.as_dtype(Dtype::Float32).unwrap();
             out.push(y.as_slice::<f32>().to_vec());
             ids = Array::from_slice(&[7 + step * 11], &[1, 1]);
             mask = AttentionMask::None;
@@ -360,24 +360,29 @@ mod tests {
         out
     }
 
-    /// The CPU's hand-expanded RoPE, q/k norm and unmasked attention give
-    /// exactly the logits of MLX's fast ops (on a CPU stream, their own
-    /// expansion): Qwen3 with q/k norms, Qwen2 with biases and traditional
-    /// RoPE, a dense checkpoint.
+    /// The CPU's hand-expanded RMSNorm, RoPE, q/k norm and unmasked
+    /// attention give exactly the logits of MLX's fast ops (on a CPU stream,
+    /// their own expansion): Qwen3 with q/k norms, Qwen2 with biases and
+    /// traditional RoPE, a dense checkpoint, bfloat16 compute.
     #[test]
     fn cpu_ops_give_the_fast_ops_logits_exactly() {
         let lease = Lease::new(DeviceKind::Cpu).unwrap();
-        for name in ["qwen3-4bit-g64", "qwen2-rope-traditional", "qwen3-bf16"] {
+        for (name, dtype) in [
+            ("qwen3-4bit-g64", Dtype::Float32),
+            ("qwen2-rope-traditional", Dtype::Float32),
+            ("qwen3-bf16", Dtype::Float32),
+            ("qwen3-4bit-g64", Dtype::Bfloat16),
+        ] {
             lease.stream().run(|| {
                 let options = LoadOptions {
-                    dtype: Some(Dtype::Float32),
+                    dtype: Some(dtype),
                     cpu_parallel: Some(false),
                     ..LoadOptions::default()
                 };
                 let model = Model::load(&fixture(name), &options).unwrap();
                 let (cpu, fast) = (logits(&model, true), logits(&model, false));
                 for (step, (a, b)) in cpu.iter().zip(&fast).enumerate() {
-                    assert!(a == b, "{name}: step {step} differs");
+                    assert!(a == b, "{name} ({dtype:?}): step {step} differs");
                 }
             });
         }
