@@ -19,16 +19,17 @@ import statistics
 import sys
 from pathlib import Path
 
-PEER_ORDER = ["rust", "rust-1t", "elixir", "elixir-textgen", "mlx-lm", "llama.cpp"]
+PEER_ORDER = ["rust", "rust-1t", "rust-int8", "elixir", "elixir-textgen", "mlx-lm", "llama.cpp"]
 PEER_NAMES = {
     "rust": "Rust engine",
     "rust-1t": "Rust engine, 1 thread",
+    "rust-int8": "Rust engine, int8 activations (opt-in)",
     "llama.cpp": "llama.cpp (Q4_0 GGUF)",
     "elixir": "Elixir (Generate.generate)",
     "elixir-textgen": "Elixir (TextGeneration.stream)",
     "mlx-lm": "mlx-lm",
 }
-OURS = ["rust", "rust-1t", "elixir", "elixir-textgen"]
+OURS = ["rust", "rust-1t", "rust-int8", "elixir", "elixir-textgen"]
 
 
 def median(values):
@@ -344,6 +345,11 @@ def goals_section(s, settings):
         out.append(f"- Engine {what} >= {goal}x llama.cpp, both on {threads} threads "
                    f"({settings.get('prefill_len') if what == 'prefill' else settings.get('tokens')} tokens): "
                    f"{fmt_ratio(lr)}: {verdict}.")
+        li = ratio(m.med(metric, "rust-int8"), m.med(metric, "llama.cpp"))
+        if li is not None:
+            out.append(f"- The same with the engine's opt-in int8 activations (llama.cpp's Q4_0 technique; "
+                       f"greedy ids may differ from float32): {fmt_ratio(li)}: "
+                       f"{'met' if li >= goal else '**not met**'}.")
     peak = m.med("peak RSS during decode", "rust")
     ckpt = settings.get("checkpoint_bytes")
     if peak and ckpt and "llama.cpp" in s["peers"]:
@@ -555,7 +561,7 @@ def plot(summaries, path):
 
     n = len(summaries)
     fig, axes = plt.subplots(n, 2, figsize=(12, 4.2 * n), squeeze=False, gridspec_kw={"width_ratios": [3, 1]})
-    colors = {"rust": "#c0392b", "rust-1t": "#e59866", "elixir": "#8e44ad", "elixir-textgen": "#bb8fce",
+    colors = {"rust": "#c0392b", "rust-1t": "#e59866", "rust-int8": "#f1c40f", "elixir": "#8e44ad", "elixir-textgen": "#bb8fce",
               "mlx-lm": "#2e86c1", "llama.cpp": "#229954"}
     for row, s in enumerate(summaries):
         m, peers, sizes = s["metrics"], s["peers"], s["sizes"] or [1]
