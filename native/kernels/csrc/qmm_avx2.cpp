@@ -50,6 +50,7 @@ static inline F16 cvt16(__m128i b) {
 
 Kernels avx2_kernels() { return Kernels{avx2::gemv_any, avx2::gemm_any}; }
 GemmColsFn avx2_gemm() { return avx2::gemm_cols; }
+GemmColsFn avx2_gemm_small() { return avx2::gemm_small; }
 
 }  // namespace emlx
 #endif

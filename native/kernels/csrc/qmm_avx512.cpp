@@ -52,6 +52,7 @@ static inline F16 cvt16(__m128i b) {
 
 Kernels avx512_kernels() { return Kernels{avx512::gemv_any, avx512::gemm_any}; }
 GemmColsFn avx512_gemm() { return avx512::gemm_cols; }
+GemmColsFn avx512_gemm_small() { return avx512::gemm_small; }
 
 }  // namespace emlx
 #endif

@@ -29,11 +29,18 @@ void gemm_reference(const GemmArgs& g, int n0, int n1) {
 
 namespace {
 
-GemmColsFn gemm_for(int isa) {
+// Up to this many rows a product skips packing: attention at decode time
+// (a head group's queries against the cache) would spend more on the packing
+// buffers and copies than on the multiply-adds.
+constexpr int kSmallRows = 4;
+
+// The scalar reference is unpacked already, so it serves every shape.
+GemmColsFn gemm_for(int isa, bool small) {
 #if defined(__x86_64__)
-  if (isa == kAvx512) return avx512_gemm();
-  if (isa == kAvx2) return avx2_gemm();
+  if (isa == kAvx512) return small ? avx512_gemm_small() : avx512_gemm();
+  if (isa == kAvx2) return small ? avx2_gemm_small() : avx2_gemm();
 #endif
+  (void)small;
   return gemm_reference;
 }
 
@@ -41,6 +48,11 @@ GemmColsFn gemm_for(int isa) {
 constexpr int kColAlign = 32;
 // Below this many multiply-adds a product stays on one thread.
 constexpr long kMinParallelWork = 1L << 16;
+// The unpacked few-row product streams B once, bound by memory: a second
+// thread paid only on products of millions of multiply-adds, and only
+// where each thread keeps whole cache lines of B's rows (wide column chunks).
+constexpr long kMinParallelSmall = 1L << 21;
+constexpr int kSmallColAlign = 256;
 
 }  // namespace
 
@@ -54,18 +66,20 @@ void sgemm(const GemmArgs& g, int isa, int max_threads) {
       for (int j = 0; j < g.N; ++j) c[j] *= g.beta;
   }
   if (g.K <= 0 || g.alpha == 0.0f) return;
-  const GemmColsFn fn = gemm_for(isa);
+  const bool small = g.M <= kSmallRows;
+  const GemmColsFn fn = gemm_for(isa, small);
   Pool& pool = Pool::shared();
   int threads = pool.size();
   if (max_threads > 0) threads = std::min(threads, max_threads);
-  if ((long)g.M * g.N * g.K < kMinParallelWork) threads = 1;
-  const int units = (g.N + kColAlign - 1) / kColAlign;
+  if ((long)g.M * g.N * g.K < (small ? kMinParallelSmall : kMinParallelWork)) threads = 1;
+  const int align = small ? kSmallColAlign : kColAlign;
+  const int units = (g.N + align - 1) / align;
   threads = std::max(1, std::min(threads, units));
   // Chunks taken in turn by whichever thread is free (see qmm).
   const int tasks = threads == 1 ? 1 : std::min(units, threads * 4);
   auto task = [&](int t) {
-    const int n0 = std::min(g.N, (int)((long)units * t / tasks) * kColAlign);
-    const int n1 = std::min(g.N, (int)((long)units * (t + 1) / tasks) * kColAlign);
+    const int n0 = std::min(g.N, (int)((long)units * t / tasks) * align);
+    const int n1 = std::min(g.N, (int)((long)units * (t + 1) / tasks) * align);
     if (n0 < n1) fn(g, n0, n1);
   };
   if (tasks == 1)

@@ -32,6 +32,9 @@ void gemm_reference(const GemmArgs& g, int n0, int n1);
 #if defined(__x86_64__)
 GemmColsFn avx2_gemm();
 GemmColsFn avx512_gemm();
+// The same product for a few rows, unpacked (see kSmallRows).
+GemmColsFn avx2_gemm_small();
+GemmColsFn avx512_gemm_small();
 #endif
 
 // The whole product on the selected variant, split over the pool.

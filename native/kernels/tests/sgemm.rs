@@ -32,6 +32,15 @@ fn every_variant_matches_a_float64_reference() {
         (37, 70, 300),
         (130, 96, 129),
         (64, 513, 40),
+        // Few rows (decode attention), unpacked: K and N off the vector
+        // widths, and both sides of the row threshold.
+        (1, 200, 128),
+        (2, 128, 200),
+        (2, 5, 3),
+        (3, 37, 19),
+        (4, 70, 33),
+        (4, 16, 513),
+        (5, 33, 17),
     ];
     for isa in Isa::ALL.into_iter().filter(|i| i.supported()) {
         for (si, &(m, n, k)) in shapes.iter().enumerate() {
@@ -141,42 +150,105 @@ fn beta_zero_ignores_what_c_held() {
     .is_err());
 }
 
+/// A few-row product split over threads (large enough to be split) gives the
+/// same bits as on one thread: each element is summed in one fixed order.
+#[test]
+fn few_rows_give_the_same_bits_on_any_thread_count() {
+    // Over the size where the product is split (a few million multiply-adds).
+    let (n, k) = (4100, 523);
+    for isa in Isa::ALL.into_iter().filter(|i| i.supported()) {
+        for m in 1..=4 {
+            for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+                let (lda, ldb) = (if ta { m } else { k } + 1, if tb { k } else { n } + 5);
+                let a = data(if ta { k } else { m } * lda, 21);
+                let b = data(if tb { n } else { k } * ldb, 22);
+                let run = |threads: usize| {
+                    let mut c = vec![0f32; m * n];
+                    sgemm_with(
+                        isa,
+                        threads,
+                        (m, n, k),
+                        0.75,
+                        &Operand {
+                            data: &a,
+                            trans: ta,
+                            ld: lda,
+                        },
+                        &Operand {
+                            data: &b,
+                            trans: tb,
+                            ld: ldb,
+                        },
+                        0.0,
+                        &mut c,
+                        n,
+                    )
+                    .unwrap();
+                    c
+                };
+                let one = run(1);
+                for threads in [2, 3, 0] {
+                    assert_eq!(
+                        one,
+                        run(threads),
+                        "{isa:?} m={m} ta={ta} tb={tb} threads={threads}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// MLX's matmul gives bit for bit what our product gives, which the wheel's
 /// BLAS (another summation order) would not: libmlx is bound to ours.
 #[test]
 fn mlx_matmul_runs_on_our_sgemm() {
     on_cpu(|| {
         use mlx_rs::{ops::matmul, Array};
-        let (m, n, k) = (37, 70, 300);
-        let a = data(m * k, 11);
-        let b = data(k * n, 12);
-        let ours_mlx = matmul(
-            Array::from_slice(&a, &[m as i32, k as i32]),
-            Array::from_slice(&b, &[k as i32, n as i32]),
-        )
-        .unwrap();
-        ours_mlx.eval().unwrap();
-        let mut c = vec![0f32; m * n];
-        sgemm_with(
-            Isa::selected(),
-            0,
-            (m, n, k),
-            1.0,
-            &Operand {
-                data: &a,
-                trans: false,
-                ld: k,
-            },
-            &Operand {
-                data: &b,
-                trans: false,
-                ld: n,
-            },
-            0.0,
-            &mut c,
-            n,
-        )
-        .unwrap();
-        assert_eq!(ours_mlx.as_slice::<f32>(), &c[..]);
+        // A general product, and the few-row ones of decode attention:
+        // scores = q kᵀ (kᵀ a transposed view) and out = p v.
+        for (m, n, k, kt) in [
+            (37, 70, 300, false),
+            (2, 200, 128, true),
+            (1, 133, 128, true),
+            (2, 128, 200, false),
+            (1, 128, 77, false),
+        ] {
+            let a = data(m * k, 11);
+            let b = data(k * n, 12);
+            let b_arr = if kt {
+                Array::from_slice(&b, &[n as i32, k as i32]).t()
+            } else {
+                Array::from_slice(&b, &[k as i32, n as i32])
+            };
+            let ours_mlx = matmul(Array::from_slice(&a, &[m as i32, k as i32]), b_arr).unwrap();
+            ours_mlx.eval().unwrap();
+            let mut c = vec![0f32; m * n];
+            sgemm_with(
+                Isa::selected(),
+                0,
+                (m, n, k),
+                1.0,
+                &Operand {
+                    data: &a,
+                    trans: false,
+                    ld: k,
+                },
+                &Operand {
+                    data: &b,
+                    trans: kt,
+                    ld: if kt { k } else { n },
+                },
+                0.0,
+                &mut c,
+                n,
+            )
+            .unwrap();
+            assert_eq!(
+                ours_mlx.as_slice::<f32>(),
+                &c[..],
+                "m={m} n={n} k={k} kt={kt}"
+            );
+        }
     })
 }
