@@ -143,6 +143,10 @@ defmodule EMLXAxon.Native do
   def generation_stats(_generation), do: err()
   def generation_free(_generation), do: err()
 
+  ## Constraints
+
+  def constraint_check(_tokenizer, _constraint), do: err()
+
   ## Scheduler (continuous batching)
 
   def scheduler_new(_model, _tokenizer, _opts), do: err()

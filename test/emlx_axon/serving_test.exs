@@ -915,7 +915,7 @@ defmodule EMLXAxon.TextGeneration.ServingLogicTest do
       %{tokenizer: TestFixtures.tokenizer(name), state: TestFixtures.model(name)}
     end
 
-    test "the engine's refusals are ArgumentErrors", %{tokenizer: tokenizer, state: state} do
+    test "the engine's refusals are ArgumentErrors", %{tokenizer: tokenizer} do
       good = [
         %{constraint: {:json_schema, ~s({"type": "object"})}},
         %{constraint: nil},
@@ -923,7 +923,7 @@ defmodule EMLXAxon.TextGeneration.ServingLogicTest do
         %{constraint: {:grammar, "start: \"x\""}}
       ]
 
-      assert Constraints.check!(tokenizer, state, good) == :ok
+      assert Constraints.check!(tokenizer, good) == :ok
 
       for {constraint, message} <- [
             {{:json_schema, "{oops"}, ~r/not valid JSON/},
@@ -932,7 +932,7 @@ defmodule EMLXAxon.TextGeneration.ServingLogicTest do
             {{:json_schema, ~s({"dependentSchemas": {"a": {}}})}, ~r/dependentSchemas/}
           ] do
         assert_raise ArgumentError, message, fn ->
-          Constraints.check!(tokenizer, state, good ++ [%{constraint: constraint}])
+          Constraints.check!(tokenizer, good ++ [%{constraint: constraint}])
         end
       end
     end

@@ -30,7 +30,7 @@ if Code.ensure_loaded?(Nx.Serving) do
       # batches, and its :max_concurrency sets the number of partitions.
       defn_options = Keyword.put(opts.defn_options, :compiler, Nx.Defn.Evaluator)
       # The serving's own constraint fails here rather than in an execution.
-      Constraints.check!(tokenizer, state, [%{constraint: opts.constraint}])
+      Constraints.check!(tokenizer, [%{constraint: opts.constraint}])
 
       serving =
         if opts.scheduler do
@@ -160,7 +160,7 @@ if Code.ensure_loaded?(Nx.Serving) do
                 "call it with each input of the list separately"
       end
 
-      Constraints.check!(tokenizer, state, requests)
+      Constraints.check!(tokenizer, requests)
       width = Batch.width!(requests, opts)
       n = length(requests)
 

@@ -1,8 +1,12 @@
 //! Constraints as Elixir gives them: `{:json_schema | :regex | :grammar,
 //! text}`, read the same way for generations and the scheduler.
 
+use emlx_axon_engine::constraint::RowConstraint;
 use emlx_axon_engine::ConstraintSpec;
-use rustler::Atom;
+use rustler::{Atom, ResourceArc};
+
+use crate::error::{guard, NifError, NifResult};
+use crate::tokenizer::TokenizerResource;
 
 mod atoms {
     rustler::atoms! { json_schema, regex, grammar }
@@ -24,5 +28,24 @@ pub(crate) fn constraint_spec(
                 "a constraint must be {:json_schema | :regex | :grammar, text}",
             )))
         }
+    })
+}
+
+/// Compiles `constraint` for the tokenizer and drops it: checks that the
+/// engine takes a schema, regex or grammar without any model work.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn constraint_check(
+    tok: ResourceArc<TokenizerResource>,
+    constraint: (Atom, String),
+) -> NifResult<bool> {
+    let Ok(Some(spec)) = constraint_spec(Some(constraint)) else {
+        return Err(NifError::new(
+            "invalid_argument",
+            "a constraint must be {:json_schema | :regex | :grammar, text}",
+        ));
+    };
+    guard(|| {
+        RowConstraint::new(&tok.tokenizer, &spec)?;
+        Ok(true)
     })
 }
