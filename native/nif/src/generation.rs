@@ -1,7 +1,5 @@
 //! Chunked generation: start (prefill), next (decode a chunk), stats, free.
 
-use std::sync::Mutex;
-
 use emlx_axon_engine::device::on_large_stack;
 use emlx_axon_engine::{GenerateOptions, Generation, RowOptions, SamplerConfig, SamplerKind};
 use rustler::{Atom, NifMap, ResourceArc, Term};
@@ -9,6 +7,7 @@ use rustler::{Atom, NifMap, ResourceArc, Term};
 use crate::constraint::constraint_spec;
 use crate::error::{guard, NifError, NifResult};
 use crate::model::ModelResource;
+use crate::slot::Slot;
 use crate::stream::StreamResource;
 use crate::tokenizer::TokenizerResource;
 
@@ -17,7 +16,7 @@ mod atoms {
 }
 
 pub struct GenerationResource {
-    generation: Mutex<Option<Generation>>,
+    generation: Slot<Generation>,
 }
 
 #[rustler::resource_impl]
@@ -25,11 +24,7 @@ impl rustler::Resource for GenerationResource {}
 
 impl GenerationResource {
     fn with<T>(&self, f: impl FnOnce(&mut Generation) -> NifResult<T>) -> NifResult<T> {
-        let mut slot = self.generation.lock().unwrap_or_else(|p| p.into_inner());
-        match slot.as_mut() {
-            Some(generation) => f(generation),
-            None => Err(NifError::new("released", "the generation was freed")),
-        }
+        self.generation.with(f)
     }
 }
 
@@ -149,7 +144,7 @@ fn generation_start(
             )
         })?;
         Ok(ResourceArc::new(GenerationResource {
-            generation: Mutex::new(Some(generation)),
+            generation: Slot::new(generation, ("released", "the generation was freed")),
         }))
     }))
 }
@@ -224,10 +219,6 @@ fn generation_stats(resource: ResourceArc<GenerationResource>) -> NifResult<Stat
 /// Frees the KV cache now rather than when the resource is collected.
 #[rustler::nif(schedule = "DirtyCpu")]
 fn generation_free(resource: ResourceArc<GenerationResource>) -> Atom {
-    resource
-        .generation
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .take();
+    resource.generation.free();
     atoms::ok()
 }

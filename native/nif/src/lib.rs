@@ -12,6 +12,7 @@ mod generation;
 mod memory;
 mod model;
 mod scheduler;
+mod slot;
 mod stream;
 mod tokenizer;
 

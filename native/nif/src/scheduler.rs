@@ -2,8 +2,6 @@
 //! `scheduler_step` is a short dirty call (one prompt chunk and a few decode
 //! steps) returning what every request produced.
 
-use std::sync::Mutex;
-
 use emlx_axon_engine::device::on_large_stack;
 use emlx_axon_engine::{
     FinishReason, GenerateOptions, RequestStats, SamplerConfig, Scheduler, SchedulerConfig,
@@ -11,9 +9,10 @@ use emlx_axon_engine::{
 use rustler::{Atom, NifMap, ResourceArc};
 
 use crate::constraint::constraint_spec;
-use crate::error::{guard, NifError, NifResult};
+use crate::error::{guard, NifResult};
 use crate::generation::sampler_kind;
 use crate::model::ModelResource;
+use crate::slot::Slot;
 use crate::tokenizer::TokenizerResource;
 
 mod atoms {
@@ -21,7 +20,7 @@ mod atoms {
 }
 
 pub struct SchedulerResource {
-    scheduler: Mutex<Option<Scheduler>>,
+    scheduler: Slot<Scheduler>,
 }
 
 #[rustler::resource_impl]
@@ -29,11 +28,7 @@ impl rustler::Resource for SchedulerResource {}
 
 impl SchedulerResource {
     fn with<T>(&self, f: impl FnOnce(&mut Scheduler) -> NifResult<T>) -> NifResult<T> {
-        let mut slot = self.scheduler.lock().unwrap_or_else(|p| p.into_inner());
-        match slot.as_mut() {
-            Some(scheduler) => f(scheduler),
-            None => Err(NifError::new("released", "the scheduler was freed")),
-        }
+        self.scheduler.with(f)
     }
 }
 
@@ -85,7 +80,7 @@ fn scheduler_new(
             )
         })?;
         Ok(ResourceArc::new(SchedulerResource {
-            scheduler: Mutex::new(Some(scheduler)),
+            scheduler: Slot::new(scheduler, ("released", "the scheduler was freed")),
         }))
     })
 }
@@ -236,10 +231,6 @@ fn scheduler_clear_prefix_cache(resource: ResourceArc<SchedulerResource>) -> Nif
 /// Frees the slots' KV cache now rather than when the resource is collected.
 #[rustler::nif(schedule = "DirtyCpu")]
 fn scheduler_free(resource: ResourceArc<SchedulerResource>) -> Atom {
-    resource
-        .scheduler
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .take();
+    resource.scheduler.free();
     atoms::ok()
 }

@@ -3,19 +3,18 @@
 //! closed or garbage-collected, so dropped streams leak neither MLX streams
 //! nor their threads.
 
-use std::sync::Mutex;
-
 use emlx_axon_engine::device::{DeviceKind, Lease, MlxStream};
 use rustler::{Atom, NifMap, ResourceArc};
 
 use crate::error::{guard, NifError, NifResult};
+use crate::slot::Slot;
 
 mod atoms {
     rustler::atoms! { cpu, gpu, default, ok }
 }
 
 pub struct StreamResource {
-    stream: Mutex<Option<Lease>>,
+    stream: Slot<Lease>,
     kind: DeviceKind,
     index: i32,
 }
@@ -26,12 +25,7 @@ impl rustler::Resource for StreamResource {}
 impl StreamResource {
     /// The stream, or an error once it was closed.
     pub fn get(&self) -> NifResult<MlxStream> {
-        self.stream
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .map(|lease| lease.stream().clone())
-            .ok_or_else(|| NifError::new("closed_stream", "the stream was closed"))
+        self.stream.with(|lease| Ok(lease.stream().clone()))
     }
 }
 
@@ -53,7 +47,7 @@ fn stream_new(device: Atom) -> NifResult<ResourceArc<StreamResource>> {
         let lease = Lease::new(kind)?;
         Ok(ResourceArc::new(StreamResource {
             index: lease.stream().index(),
-            stream: Mutex::new(Some(lease)),
+            stream: Slot::new(lease, ("closed_stream", "the stream was closed")),
             kind,
         }))
     })
@@ -61,11 +55,7 @@ fn stream_new(device: Atom) -> NifResult<ResourceArc<StreamResource>> {
 
 #[rustler::nif]
 fn stream_close(resource: ResourceArc<StreamResource>) -> Atom {
-    resource
-        .stream
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .take();
+    resource.stream.free();
     atoms::ok()
 }
 
@@ -84,10 +74,6 @@ fn stream_info(resource: ResourceArc<StreamResource>) -> NifResult<StreamInfo> {
             DeviceKind::Gpu => atoms::gpu(),
         },
         index: resource.index,
-        closed: resource
-            .stream
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_none(),
+        closed: resource.stream.is_freed(),
     })
 }
