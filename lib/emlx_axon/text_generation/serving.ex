@@ -151,7 +151,7 @@ if Code.ensure_loaded?(Nx.Serving) do
 
     ## Client side
 
-    defp preprocess(input, tokenizer, state, opts) do
+    defp requests!(input, tokenizer, state, opts) do
       {requests, multi?} = Input.requests!(tokenizer, state, input, opts)
 
       if opts.stream and multi? do
@@ -159,6 +159,12 @@ if Code.ensure_loaded?(Nx.Serving) do
               "a streaming serving takes one input at a time, " <>
                 "call it with each input of the list separately"
       end
+
+      {requests, multi?}
+    end
+
+    defp preprocess(input, tokenizer, state, opts) do
+      {requests, multi?} = requests!(input, tokenizer, state, opts)
 
       Constraints.check!(tokenizer, requests)
       width = Batch.width!(requests, opts)
@@ -174,13 +180,7 @@ if Code.ensure_loaded?(Nx.Serving) do
     end
 
     defp preprocess_scheduled(input, tokenizer, state, opts) do
-      {requests, multi?} = Input.requests!(tokenizer, state, input, opts)
-
-      if opts.stream and multi? do
-        raise ArgumentError,
-              "a streaming serving takes one input at a time, " <>
-                "call it with each input of the list separately"
-      end
+      {requests, multi?} = requests!(input, tokenizer, state, opts)
 
       # The scheduler checks each input's constraint when the caller submits it.
       n = length(requests)
