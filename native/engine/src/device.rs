@@ -3,7 +3,7 @@
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::{mpsc, Arc, Mutex};
 
-use mlx_rs::{Device, Stream};
+use mlx_rs::{Array, Device, Stream};
 use once_cell::sync::Lazy;
 
 use crate::error::Result;
@@ -31,6 +31,60 @@ pub fn install_error_handler() {
             )
         };
     });
+}
+
+static GPU_RUNTIME: std::sync::Once = std::sync::Once::new();
+
+/// Starts MLX's device runtime before the first stream of our own is made
+/// on the GPU. MLX's CUDA backend initializes the CUDA runtime when its
+/// scheduler starts (so that the runtime is torn down last at exit), but a
+/// stream made with `mlx_stream_new_thread_unsafe` first creates the static
+/// table of its command encoders and only then touches CUDA. The runtime,
+/// started inside, then registers its exit teardown after that table's: at
+/// exit it is gone when the table's encoders synchronize their streams,
+/// which throws from a destructor and aborts a process that was exiting
+/// normally ("cudaStreamSynchronize failed: driver shutting down"). Reading
+/// MLX's memory figures creates its allocator, which starts the scheduler
+/// (and the CUDA runtime) first. On a CPU-only libmlx it only reads a number.
+fn start_gpu_runtime_first() {
+    GPU_RUNTIME.call_once(|| {
+        let mut bytes = 0usize;
+        // SAFETY: the getter writes the one usize it is given.
+        unsafe { mlx_sys::mlx_get_active_memory(&mut bytes) };
+    });
+}
+
+/// Makes every one of `arrays` (evaluated first if need be) readable from
+/// the host in place, now, on the calling thread. For a model's weights,
+/// before the model is shared between threads.
+///
+/// MLX's CUDA backend keeps what a GPU kernel computed in device memory and
+/// moves a buffer to unified memory the first time anything reads it from
+/// the host: a CPU stream's op, or our own CPU kernels. That move replaces
+/// the buffer's pointer and frees the device copy without any lock. For an
+/// array shared between threads, such as a model weight computed at load
+/// (a cast, a quantization, a stacked projection), two CPU streams reading
+/// it at once both copy it and both free the same device memory, and a GPU
+/// stream can queue a kernel on the pointer being freed: wrong tokens,
+/// crashes, and illegal memory accesses later in unrelated work. Moved once
+/// here, before any sharing, such a buffer stays put (a move of a buffer
+/// already in unified memory does nothing), and GPU kernels read unified
+/// memory as they read the checkpoint's own tensors, which MLX places there
+/// when it copies them in. On the CPU every buffer is host memory already.
+pub fn share_with_host(arrays: &[&Array]) -> Result<()> {
+    install_error_handler();
+    mlx_rs::transforms::eval(arrays.iter().copied())?;
+    for array in arrays {
+        // SAFETY: `array` is evaluated, so it has a buffer; asking for its
+        // data pointer is what moves the buffer, and nothing reads it here.
+        let data = unsafe { mlx_sys::mlx_array_data_uint8(array.as_ptr()) };
+        if data.is_null() && array.size() > 0 {
+            return Err(crate::error::Error::Mlx(
+                "MLX could not make a weight readable from the host".into(),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Whether libmlx was built with a GPU backend (CUDA or Metal) and has a device.
@@ -89,6 +143,9 @@ unsafe impl Sync for MlxStream {}
 impl MlxStream {
     pub fn new(kind: DeviceKind) -> Result<Self> {
         install_error_handler();
+        if kind == DeviceKind::Gpu {
+            start_gpu_runtime_first();
+        }
         let device_type = match kind {
             DeviceKind::Cpu => mlx_sys::mlx_device_type__MLX_CPU,
             DeviceKind::Gpu => mlx_sys::mlx_device_type__MLX_GPU,
@@ -139,6 +196,20 @@ impl MlxStream {
     pub fn run<T>(&self, f: impl FnOnce() -> T) -> T {
         let _gate = self.gate.lock().unwrap_or_else(|p| p.into_inner());
         mlx_rs::with_stream(&self.stream, f)
+    }
+
+    /// Makes this stream MLX's own default on the calling thread, for the
+    /// work MLX creates without a stream argument (a compiled function's
+    /// replay); mlx-rs's `with_stream` only reaches mlx-rs's ops.
+    pub(crate) fn make_thread_default(&self) -> Result<()> {
+        // SAFETY: plain FFI on a live handle; MLX copies the stream.
+        let status = unsafe { mlx_sys::mlx_set_default_stream(self.stream.as_ptr()) };
+        if status != 0 {
+            return Err(crate::error::Error::Mlx(
+                "could not make a stream the thread's default".into(),
+            ));
+        }
+        Ok(())
     }
 
     /// Runs `f` on this stream without the gate, for a caller that holds it
@@ -343,6 +414,7 @@ pub fn mlx_version() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use mlx_rs::ops::indexing::IndexOp;
 
     /// Uses about `depth` * 64 KiB of stack.
     fn deep(depth: usize) -> u64 {
@@ -410,6 +482,24 @@ mod tests {
             .expect("an idle worker");
         assert_eq!(pooled_streams(DeviceKind::Cpu), made);
         drop((again, worker));
+    }
+
+    #[test]
+    fn shared_arrays_keep_their_values_and_are_evaluated() {
+        let lease = Lease::new(DeviceKind::default_kind()).unwrap();
+        lease.stream().run(|| {
+            let base = mlx_rs::Array::from_slice(&[1.5f32, -2.0, 3.25, 4.0], &[2, 2]);
+            // Lazily computed, and a view of a computed buffer.
+            let doubled = base.multiply(mlx_rs::Array::from_f32(2.0)).unwrap();
+            let row = doubled.index((1..2, ..));
+            let empty = mlx_rs::Array::from_slice::<f32>(&[], &[0]);
+            share_with_host(&[&doubled, &row, &base, &empty]).unwrap();
+            // Twice is harmless: a buffer already readable stays put.
+            share_with_host(&[&doubled, &row]).unwrap();
+            assert_eq!(doubled.as_slice::<f32>(), &[3.0, -4.0, 6.5, 8.0]);
+            assert_eq!(row.as_slice::<f32>(), &[6.5, 8.0]);
+            assert_eq!(base.as_slice::<f32>(), &[1.5, -2.0, 3.25, 4.0]);
+        });
     }
 
     #[test]

@@ -38,6 +38,26 @@ fn as_dtype_of(a: &Array, x: &Array) -> Result<Array> {
     Ok(a.as_dtype(x.dtype())?)
 }
 
+/// Whether a quantized product with `in_dim` inputs per row is computed
+/// from the dequantized weight rather than by MLX's `quantized_matmul`: on
+/// a GPU stream, when one quantization group spans a whole input row.
+///
+/// MLX 0.32's CUDA backend sends exactly those products (of more than one
+/// row, or with more than 16,384 outputs) to its CUTLASS sm90 kernel, which
+/// it compiles at first use against the CUDA headers of the nvidia pip
+/// wheels; where those lack `crt/mma.h` (as on the NVIDIA H200 machine this
+/// was found on) the kernel cannot be built, and every such product fails,
+/// in float32 and bfloat16 alike. Only models no wider than a group (128
+/// inputs: small test checkpoints) have such layers, so the cost is small,
+/// and all their products take this way, prompt and decode steps alike:
+/// `x @ dequantize(w).T` is the same sum, over the same weight values
+/// (`scale * q + bias`, in the activations' dtype), as a plain matmul, with
+/// a float32 matmul's own precision (the sm90 kernel would compute float32
+/// in TF32).
+fn dequantized_on_gpu(in_dim: i32, spec: &QuantSpec, on_cpu_stream: bool) -> bool {
+    !on_cpu_stream && in_dim <= spec.group_size
+}
+
 /// How the loader should treat a module's weight.
 #[derive(Debug, Clone, Copy)]
 pub struct LoadPlan {
@@ -120,7 +140,12 @@ impl Weight {
             } => {
                 // MLX's op wants scales in the activations' dtype.
                 let (scales, biases) = (as_dtype_of(scales, x)?, as_dtype_of(biases, x)?);
-                quantized_matmul(x, w, &scales, &biases, true, spec.group_size, spec.bits)?
+                if dequantized_on_gpu(x.dim(-1), spec, crate::rope::on_cpu_stream()) {
+                    let dense = dequantize(w, &scales, &biases, spec.group_size, spec.bits)?;
+                    matmul(x, dense.t())?
+                } else {
+                    quantized_matmul(x, w, &scales, &biases, true, spec.group_size, spec.bits)?
+                }
             }
         })
     }
@@ -634,6 +659,62 @@ mod tests {
             })
             .collect();
         (group, apart)
+    }
+
+    /// On a GPU stream, a product whose input rows fit in one quantization
+    /// group takes the dequantized way; every other one, and every product
+    /// on a CPU stream, MLX's `quantized_matmul`.
+    #[test]
+    fn only_products_one_group_wide_are_dequantized_on_a_gpu() {
+        let g = |group| QuantSpec::new(4, group).unwrap();
+        assert!(dequantized_on_gpu(128, &g(128), false));
+        assert!(dequantized_on_gpu(64, &g(128), false));
+        assert!(dequantized_on_gpu(64, &g(64), false));
+        assert!(!dequantized_on_gpu(128, &g(64), false));
+        assert!(!dequantized_on_gpu(256, &g(128), false));
+        assert!(!dequantized_on_gpu(1024, &g(32), false));
+        assert!(!dequantized_on_gpu(128, &g(128), true));
+    }
+
+    /// What the dequantized way computes equals MLX's quantized product on
+    /// the same weights, up to float32 rounding, for both bit widths, one
+    /// and several rows, and a batch.
+    #[test]
+    fn the_dequantized_product_matches_mlxs_quantized_matmul() {
+        let lease = Lease::new(DeviceKind::Cpu).unwrap();
+        lease.stream().run(|| {
+            for bits in [4, 8] {
+                for shape in [&[1, 1, 128][..], &[1, 9, 128], &[3, 5, 128]] {
+                    let key = mlx_rs::random::key(bits as u64).unwrap();
+                    let dense =
+                        mlx_rs::random::normal::<f32>(&[200, 128], None, 0.05, &key).unwrap();
+                    let (w, scales, biases) = quantize(&dense, 128, bits).unwrap();
+                    let weight = Weight::Quantized {
+                        w: w.clone(),
+                        scales: scales.clone(),
+                        biases: biases.clone(),
+                        spec: QuantSpec::new(bits, 128).unwrap(),
+                    };
+                    let x = mlx_rs::random::normal::<f32>(shape, None, None, None).unwrap();
+                    // The CPU stream's own product, as a reference.
+                    let theirs =
+                        quantized_matmul(&x, &w, &scales, &biases, true, 128, bits).unwrap();
+                    let dense = dequantize(&w, &scales, &biases, 128, bits).unwrap();
+                    let ours = matmul(&x, dense.t()).unwrap();
+                    assert_eq!(ours.shape(), theirs.shape());
+                    let (ours, theirs) = (ours.as_slice::<f32>(), theirs.as_slice::<f32>());
+                    let scale = theirs.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+                    let worst = ours
+                        .iter()
+                        .zip(theirs)
+                        .fold(0f32, |m, (a, b)| m.max((a - b).abs() / scale));
+                    assert!(worst < 1e-5, "bits {bits} shape {shape:?}: {worst}");
+                    // On this CPU stream the layer itself keeps MLX's op.
+                    let layer = weight.apply_transposed(&x).unwrap();
+                    assert_eq!(layer.as_slice::<f32>(), theirs);
+                }
+            }
+        });
     }
 
     /// Members of one quantization share a stacked weight, whose outputs are
