@@ -7,12 +7,30 @@ Usage:
         [--dtype float32|bfloat16|float16] [--tokens N] [--batch-tokens N]
         [--batch 1,4,8] [--measures decode,prefill,batch,profile]
         [--warmup K] [--warmup-mode full|light] [--runs R] [--label mlx-lm]
+        [--path generate_step|stream_generate|cli]
 
-Decoding uses mlx_lm.generate.generate_step, which yields exactly
-`max_tokens` tokens and never looks at EOS, with mlx-lm's greedy sampler;
-batches use mlx_lm.generate.BatchGenerator (the engine of batch_generate)
-with no stop tokens and a completion batch as large as the batch. Definitions
-(wall clock, identical to the engine's):
+Three ways into mlx-lm (--path):
+  generate_step    (default) mlx_lm.generate.generate_step, which yields
+                   exactly `max_tokens` tokens and never looks at EOS, with
+                   mlx-lm's greedy sampler; batches use
+                   mlx_lm.generate.BatchGenerator (the engine of
+                   batch_generate) with no stop tokens and a completion
+                   batch as large as the batch
+  stream_generate  mlx_lm.stream_generate with the checkpoint's tokenizer,
+                   as applications call it (detokenizing as it goes), its
+                   EOS set emptied as `mlx_lm benchmark` does; decode and
+                   prefill only
+  cli              `python -m mlx_lm generate` as users run it: one fresh
+                   process for the decode prompt and one for the prefill
+                   prompt per run, the prompts given as text (the ids
+                   decoded; the row says whether mlx-lm re-encodes them to
+                   the same ids) with --ignore-chat-template; speeds are
+                   mlx-lm's own printed figures, its generation rate
+                   rescaled by (tokens - 1) / tokens to the definition
+                   below. It cannot ignore EOS: a row says how many tokens
+                   it generated
+--runs R repeats every measure R times in the same process (trials).
+Definitions (wall clock, identical to the engine's):
     decode   (tokens - 1) / (time of last token - time of first)
     prefill  prompt tokens / time to first token
     batch    rows x (tokens - 1) / (time of last step - time of first)
@@ -24,16 +42,18 @@ packed weights alone, as the engine's loader does.
 import argparse
 import json
 import os
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.generate import BatchGenerator, generate_step, stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
-from mlx_lm.utils import load_model
+from mlx_lm.utils import load_model, load_tokenizer
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -90,6 +110,12 @@ class Bench:
         self.model.set_dtype(DTYPES[dtype])
         mx.eval(self.model.parameters())
         self.load_ms = (time.perf_counter() - started) * 1e3
+        self.tokenizer = None
+        if args.path == "stream_generate":
+            started = time.perf_counter()
+            self.tokenizer = load_tokenizer(Path(args.model))
+            self.tokenizer._eos_token_ids = set()  # EOS ignored, as in `mlx_lm benchmark`
+            self.tokenizer_ms = (time.perf_counter() - started) * 1e3
         self.common = {
             "peer": args.label,
             "model": Path(args.model).name,
@@ -109,6 +135,8 @@ class Bench:
 
     def generate(self, prompt, tokens):
         """One batch-1 generation; returns (ttft_ms, decode_ms, ids)."""
+        if self.tokenizer is not None:
+            return self.generate_stream(prompt, tokens)
         started = time.perf_counter()
         first = last = None
         ids = []
@@ -118,6 +146,22 @@ class Bench:
                 first = now
             last = now
             ids.append(int(token))
+        if len(ids) != tokens:
+            raise SystemExit(f"expected {tokens} tokens, got {len(ids)}")
+        return (first - started) * 1e3, (last - first) * 1e3, ids
+
+    def generate_stream(self, prompt, tokens):
+        """generate(), through stream_generate: each response stamped as it
+        arrives, as an application reading the stream sees it."""
+        started = time.perf_counter()
+        first = last = None
+        ids = []
+        for response in stream_generate(self.model, self.tokenizer, prompt, max_tokens=tokens, sampler=self.sampler):
+            now = time.perf_counter()
+            if first is None:
+                first = now
+            last = now
+            ids.append(int(response.token))
         if len(ids) != tokens:
             raise SystemExit(f"expected {tokens} tokens, got {len(ids)}")
         return (first - started) * 1e3, (last - first) * 1e3, ids
@@ -304,6 +348,60 @@ class Bench:
         return times["whole"]
 
 
+CLI_PROMPT = re.compile(r"^Prompt: (\d+) tokens, ([\d.]+) tokens-per-sec", re.M)
+CLI_GENERATION = re.compile(r"^Generation: (\d+) tokens, ([\d.]+) tokens-per-sec", re.M)
+CLI_PEAK = re.compile(r"^Peak memory: ([\d.]+) GB", re.M)
+
+
+def run_cli(args):
+    """`python -m mlx_lm generate`, one fresh process per prompt and run,
+    its own printed figures read back."""
+    prompts = json.loads(Path(args.prompts).read_text())
+    tokenizer = load_tokenizer(Path(args.model))
+    common = {"peer": args.label, "model": Path(args.model).name, "path": "python -m mlx_lm generate",
+              "device": "gpu" if mx.default_device() == mx.gpu else "cpu"}
+
+    def invoke(ids, max_tokens):
+        text = tokenizer.decode(ids)
+        same = tokenizer.encode(text, add_special_tokens=True) == list(ids)
+        command = [sys.executable, "-m", "mlx_lm", "generate", "--model", args.model, "--prompt", "-",
+                   "--max-tokens", str(max_tokens), "--ignore-chat-template", "--temp", "0"]
+        started = time.perf_counter()
+        done = subprocess.run(command, input=text, capture_output=True, text=True)
+        wall = time.perf_counter() - started
+        out = done.stdout
+        # The statistics follow the generated text: the last match is theirs.
+        p, g, peak = (([None] + list(r.finditer(out)))[-1] for r in (CLI_PROMPT, CLI_GENERATION, CLI_PEAK))
+        if done.returncode != 0 or not (p and g):
+            sys.stderr.write(done.stderr[-2000:] + out[-500:])
+            raise SystemExit(f"python -m mlx_lm generate failed (exit {done.returncode})")
+        return {"prompt_tokens": int(p.group(1)), "prompt_tps": float(p.group(2)),
+                "generated": int(g.group(1)), "generation_tps": float(g.group(2)),
+                "mlx_peak_mb": round(float(peak.group(1)) * 1e3 / 1.048576, 1) if peak else None,
+                "process_wall_s": round(wall, 3), "prompt_ids_match": same}
+
+    for run in range(args.runs):
+        if "decode" in args.measures:
+            r = invoke(prompts["decode"], args.tokens)
+            n = r["generated"]
+            print(json.dumps(dict(
+                common, measure="decode", run=run, batch=1, tokens=n,
+                # mlx-lm counts n tokens over the span from the first to the
+                # last; the definition here counts n - 1.
+                tok_s=round(r["generation_tps"] * (n - 1) / n, 3) if n > 1 else None,
+                ttft_ms=round(r["prompt_tokens"] / r["prompt_tps"] * 1e3, 2),
+                mlx_lm_generation_tps=r["generation_tps"], complete=n == args.tokens,
+                **{k: r[k] for k in ("prompt_tokens", "mlx_peak_mb", "process_wall_s", "prompt_ids_match")},
+            )), flush=True)
+        if "prefill" in args.measures:
+            r = invoke(prompts["prefill"], 2)
+            print(json.dumps(dict(
+                common, measure="prefill", run=run, batch=1, tok_s=r["prompt_tps"],
+                ttft_ms=round(r["prompt_tokens"] / r["prompt_tps"] * 1e3, 2),
+                **{k: r[k] for k in ("prompt_tokens", "mlx_peak_mb", "process_wall_s", "prompt_ids_match")},
+            )), flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
@@ -317,16 +415,22 @@ def main():
     parser.add_argument("--warmup-mode", choices=["full", "light"], default="full")
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--label", default="mlx-lm")
+    parser.add_argument("--path", choices=["generate_step", "stream_generate", "cli"], default="generate_step")
     args = parser.parse_args()
     args.batch = [int(b) for b in args.batch.split(",") if b]
     args.measures = args.measures.split(",")
     args.batch_tokens = args.batch_tokens or args.tokens
     if args.tokens < 2 or args.batch_tokens < 2:
         raise SystemExit("--tokens and --batch-tokens must be at least 2")
+    if args.path != "generate_step":
+        args.measures = [m for m in args.measures if m in ("decode", "prefill")]
+    if args.path == "cli":
+        return run_cli(args)
 
     bench = Bench(args)
+    extra = {"tokenizer_ms": round(bench.tokenizer_ms, 1)} if bench.tokenizer is not None else {}
     bench.emit(
-        "load", load_ms=round(bench.load_ms, 1), mlx_version=mx.__version__,
+        "load", **extra, load_ms=round(bench.load_ms, 1), mlx_version=mx.__version__, path=args.path,
         prompts_sha256=bench.digest, resident_param_bytes=sum(v.nbytes for _, v in tree_flatten(bench.model.parameters())),
         rss_before_load_mb=bench.rss_before_load, **memory_fields(),
     )

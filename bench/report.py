@@ -6,7 +6,8 @@ Usage (bench/run calls it):
         [--plot bench/results.png]
 
 DIR holds one folder per checkpoint, each with REP-PEER.jsonl files (one
-per process: repetition REP of PEER), profile-PEER.jsonl, settings.json
+per process: repetition REP of PEER; with --trials, one row per measure and
+trial, a process's figure being the median of its trials), profile-PEER.jsonl, settings.json
 (the run's settings), and DIR/machine.json (machine and versions).
 Every figure comes from those files; ratios compare peers of the same run.
 """
@@ -19,9 +20,13 @@ import statistics
 import sys
 from pathlib import Path
 
-PEER_ORDER = ["rust", "rust-1t", "rust-int8", "elixir", "elixir-textgen", "mlx-lm", "llama.cpp"]
+PEER_ORDER = ["rust", "rust-eager", "rust-1t", "rust-int8", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream",
+              "mlx-lm-cli", "llama.cpp"]
 PEER_NAMES = {
     "rust": "Rust engine",
+    "rust-eager": "Rust engine, compiled decode off",
+    "mlx-lm-stream": "mlx-lm (stream_generate)",
+    "mlx-lm-cli": "mlx-lm (python -m mlx_lm generate)",
     "rust-1t": "Rust engine, 1 thread",
     "rust-int8": "Rust engine, int8 activations (opt-in)",
     "llama.cpp": "llama.cpp (Q4_0 GGUF)",
@@ -29,7 +34,9 @@ PEER_NAMES = {
     "elixir-textgen": "Elixir (TextGeneration.stream)",
     "mlx-lm": "mlx-lm",
 }
-OURS = ["rust", "rust-1t", "rust-int8", "elixir", "elixir-textgen"]
+OURS = ["rust", "rust-eager", "rust-1t", "rust-int8", "elixir", "elixir-textgen"]
+MLX_LM = ["mlx-lm", "mlx-lm-stream", "mlx-lm-cli"]
+BEST_MLX = "best mlx-lm path"
 
 
 def median(values):
@@ -113,7 +120,8 @@ class Metrics:
     """Per-peer, per-metric lists of values (one per repetition)."""
 
     def __init__(self, runs):
-        self.values = {}  # (metric, peer) -> {rep: value}
+        self.values = {}  # (metric, peer) -> {rep: value (the median of the process's trials)}
+        self.trials = {}  # (metric, peer) -> {rep: [value of each trial, in order]}
         self.units = {}
         self.ids = {}  # peer -> {rep: greedy ids of the decode measure}
         for peer, reps in runs.items():
@@ -124,7 +132,9 @@ class Metrics:
     def put(self, metric, peer, rep, value, unit=""):
         if value is None:
             return
-        self.values.setdefault((metric, peer), {})[rep] = value
+        trials = self.trials.setdefault((metric, peer), {}).setdefault(rep, [])
+        trials.append(value)
+        self.values.setdefault((metric, peer), {})[rep] = median(trials)
         self.units[metric] = unit
 
     def add_row(self, peer, rep, row):
@@ -139,7 +149,7 @@ class Metrics:
             self.dtype = row.get("dtype", getattr(self, "dtype", None))
         elif m == "decode":
             if row.get("ids") is not None:
-                self.ids.setdefault(peer, {})[rep] = list(row["ids"])
+                self.ids.setdefault(peer, {}).setdefault(rep, list(row["ids"]))
             self.put("decode, batch 1", peer, rep, row.get("tok_s"), "tok/s")
             self.put("time to first token (decode prompt)", peer, rep, row.get("ttft_ms"), "ms")
             self.put("peak RSS during decode", peer, rep, row.get("peak_rss_mb"), "MB")
@@ -163,7 +173,25 @@ class Metrics:
         return self.values.get((metric, peer), {})
 
     def med(self, metric, peer):
+        if peer == BEST_MLX:
+            values = [self.med(metric, p) for p in MLX_LM]
+            values = [v for v in values if v is not None]
+            if not values:
+                return None
+            return max(values) if higher_is_better(metric) else min(values)
         return median(self.get(metric, peer).values())
+
+    def best_mlx_peer(self, metric):
+        best = self.med(metric, BEST_MLX)
+        return next((p for p in MLX_LM if best is not None and self.med(metric, p) == best), None)
+
+    def cell(self, metric, peer, rep):
+        """A process's figure, followed by its trials when it ran several."""
+        value = self.get(metric, peer).get(rep)
+        trials = self.trials.get((metric, peer), {}).get(rep, [])
+        if len(trials) > 1:
+            return f"{fmt(value)} ({' / '.join(fmt(t) for t in trials)})"
+        return fmt(value)
 
 
 def batch_sizes(metrics):
@@ -183,6 +211,55 @@ def table(header, rows):
 
 def higher_is_better(metric):
     return "tok/s" in metric or metric.startswith("batch") or metric.startswith("decode") or metric == "prefill"
+
+
+def split_states(values, gap=1.2):
+    """Splits processes {rep: figure} into (fast, slow) at the largest ratio
+    between consecutive sorted figures, when it is at least `gap`; else
+    every process is in one state (fast)."""
+    items = sorted(values.items(), key=lambda kv: kv[1])
+    if len(items) < 2 or items[0][1] <= 0:
+        return dict(items), {}
+    ratio_at, at = max((items[i + 1][1] / items[i][1], i) for i in range(len(items) - 1))
+    if ratio_at < gap:
+        return dict(items), {}
+    return dict(items[at + 1:]), dict(items[:at + 1])
+
+
+def states_section(metrics, peers, trials):
+    """Fast and slow processes at batch-1 decode, per peer, and ratios taken
+    within each state."""
+    metric = "decode, batch 1"
+    states = {p: split_states(metrics.get(metric, p)) for p in peers if len(metrics.get(metric, p)) > 1}
+    if not states:
+        return []
+    out = ["### Fast and slow processes (decode, batch 1)", "",
+           "Each peer's processes split into a fast and a slow state at the largest gap (at least 20%) between "
+           "consecutive process figures (a process's figure is the median of its trials); no split means one state. "
+           + (f"Within a process, its {trials} trials' spread (max / min) tells whether a process keeps its state." if trials > 1 else ""),
+           ""]
+    header = ["peer", "fast processes (reps)", "fast median (tok/s)", "slow processes (reps)", "slow median (tok/s)",
+              "all (tok/s)", "largest within-process spread"]
+    rows = []
+    for p, (fast, slow) in states.items():
+        spreads = [max(t) / min(t) for t in metrics.trials.get((metric, p), {}).values() if len(t) > 1 and min(t) > 0]
+        rows.append([PEER_NAMES.get(p, p), f"{len(fast)} ({', '.join(map(str, sorted(fast)))})", fmt(median(fast.values())),
+                     f"{len(slow)} ({', '.join(map(str, sorted(slow)))})" if slow else "0", fmt(median(slow.values())),
+                     fmt(metrics.med(metric, p)), f"{max(spreads):.2f}x" if spreads else "n/a"])
+    out += [table(header, rows), ""]
+    pairs = [(p, q) for p in ("rust", "rust-eager", "elixir") if p in states for q in MLX_LM + ["rust-eager"]
+             if q in states and q != p and not (p == "elixir" and q == "rust-eager")]
+    if pairs:
+        header = ["ratio", "fast / fast", "slow / slow", "all / all"]
+        rows = []
+        for p, q in pairs:
+            (pf, ps), (qf, qs) = states[p], states[q]
+            rows.append([f"{p} / {q}", fmt_ratio(ratio(median(pf.values()), median(qf.values()))),
+                         fmt_ratio(ratio(median(ps.values()), median(qs.values()))),
+                         fmt_ratio(ratio(metrics.med(metric, p), metrics.med(metric, q)))])
+        out += ["Ratios within a state (when a peer has no slow process, its slow column is n/a):", "",
+                table(header, rows), ""]
+    return out
 
 
 def model_section(name, folder, settings):
@@ -207,6 +284,9 @@ def model_section(name, folder, settings):
     summary = {"name": name, "metrics": metrics, "peers": peers, "sizes": sizes, "profiles": profiles}
 
     lines = [f"## {name}", ""]
+    best_note = [f"{metric}: {PEER_NAMES.get(metrics.best_mlx_peer(metric), '')}" for metric in
+                 ("decode, batch 1", "time to first token (decode prompt)", "prefill")
+                 if metrics.best_mlx_peer(metric)] if sum(p in peers for p in MLX_LM) > 1 else []
     lines.append(
         f"Checkpoint `{settings.get('model_dir')}` ({fmt(settings.get('checkpoint_bytes', 0) / 2**20, 1)} MiB of "
         f"safetensors); compute dtype {settings.get('dtype') or getattr(metrics, 'dtype', None) or 'default'}; "
@@ -220,6 +300,21 @@ def model_section(name, folder, settings):
         f"warm-up: {settings.get('warmup_mode')}. Greedy, EOS ignored (every row decodes exactly the asked length). "
         f"Prompt ids sha256 `{settings.get('prompts_sha256')}`."
     )
+    if best_note:
+        lines.append(f"\"{BEST_MLX}\" is, per metric, the best median of the mlx-lm paths ({'; '.join(best_note)}).")
+    cli = [r for reps in runs.get("mlx-lm-cli", {}).values() for r in reps if r.get("measure") in ("decode", "prefill")]
+    if cli:
+        short = sum(1 for r in cli if r.get("complete") is False)
+        remapped = sum(1 for r in cli if r.get("prompt_ids_match") is False)
+        lines.append(
+            "mlx-lm (python -m mlx_lm generate) is the CLI, one process per prompt with no warm-up, as users run it; "
+            "its figures are mlx-lm's own printed rates (generation rescaled by (tokens - 1) / tokens); it takes "
+            "the prompt as text and cannot ignore EOS"
+            + (f"; {short} of its decode runs stopped at EOS before the asked length" if short else "")
+            + (f"; {remapped} of its prompts re-encoded to other ids than the others'" if remapped else
+               "; its prompts re-encode to the same ids")
+            + "."
+        )
     lines.append("")
     for peer in missing:
         reason = errors.get(f"0-{peer}", "no output").splitlines()[-3:]
@@ -231,6 +326,10 @@ def model_section(name, folder, settings):
     ratio_pairs = []
     if "mlx-lm" in peers:
         ratio_pairs += [(p, "mlx-lm") for p in peers if p in OURS]
+    if sum(p in peers for p in MLX_LM) > 1:
+        ratio_pairs += [(p, BEST_MLX) for p in ("rust", "rust-eager") if p in peers]
+    if "rust" in peers and "rust-eager" in peers:
+        ratio_pairs.append(("rust", "rust-eager"))
     if "rust" in peers:
         ratio_pairs += [(p, "rust") for p in peers if p in ("elixir", "elixir-textgen")]
     if "llama.cpp" in peers and "rust" in peers:
@@ -263,7 +362,7 @@ def model_section(name, folder, settings):
             if not values:
                 continue
             rep_rows.append(
-                [metric, p] + [fmt(values.get(r)) for r in reps] + [fmt(median(values.values()))]
+                [metric, p] + [metrics.cell(metric, p, r) for r in reps] + [fmt(median(values.values()))]
             )
     busy = [
         f"{p} rep {r} ({v:.2f} cores)"
@@ -277,7 +376,13 @@ def model_section(name, folder, settings):
             + ". Those repetitions are slower for that reason; the medians set them aside.",
             "",
         ]
-    lines += ["<details><summary>Every repetition</summary>", "", table(rep_header, rep_rows), "", "</details>", ""]
+    trials = settings.get("trials", 1) or 1
+    if trials > 1:
+        lines += [f"Every repetition (one process each; {trials} trials inside each process: the process's median, "
+                  "then each trial in order):", "", table(rep_header, rep_rows), ""]
+        lines += states_section(metrics, peers, trials)
+    else:
+        lines += ["<details><summary>Every repetition</summary>", "", table(rep_header, rep_rows), "", "</details>", ""]
 
     id_lines, summary["ids_mismatch"] = ids_section(metrics, peers, settings.get("dtype") or getattr(metrics, "dtype", None))
     lines += id_lines
@@ -290,7 +395,7 @@ def model_section(name, folder, settings):
 # ids must equal the engine's. llama.cpp runs a Q4_0 requantization of them,
 # and bf16 rounding may flip a near tie, so there a divergence is reported
 # with its position, not failed.
-SAME_WEIGHTS = ["rust-1t", "elixir", "elixir-textgen", "mlx-lm"]
+SAME_WEIGHTS = ["rust-eager", "rust-1t", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream"]
 
 
 def first_divergence(a, b):
@@ -364,6 +469,26 @@ def goals_section(s, settings):
         verdict = "met" if r >= 2 else f"**not met**: {r:.2f}x, short of 2x by {(2 - r) / 2 * 100:.0f}% " \
             f"(the engine would need {2 * mlx:.2f} tok/s, it decodes {rust:.2f})"
         out.append(f"- Engine decode >= 2x mlx-lm (batch 1): {fmt_ratio(r)}: {verdict}.")
+    if sum(p in s["peers"] for p in MLX_LM) > 1:
+        for metric, goal, what in (("decode, batch 1", 2.0, "decode (batch 1) >= 2x"),
+                                   ("time to first token (decode prompt)", 1.0, "time to first token (decode prompt) <="),
+                                   ("prefill", 1.0, "prefill >=")):
+            best, path = m.med(metric, BEST_MLX), m.best_mlx_peer(metric)
+            ours = m.med(metric, "rust")
+            rb = ratio(ours, best)
+            if rb is None:
+                continue
+            ok = rb >= goal if higher_is_better(metric) else rb <= goal
+            out.append(f"- Engine {what} the best mlx-lm path ({PEER_NAMES.get(path, path)}, {fmt(best)}): "
+                       f"{fmt(ours)}, {fmt_ratio(rb)}: {'met' if ok else '**not met**'}.")
+    ce = ratio(rust, m.med("decode, batch 1", "rust-eager"))
+    if ce is not None:
+        out.append(f"- The compiled decode step against the same engine with it off (EMLX_AXON_COMPILED_DECODE=0), "
+                   f"batch-1 decode: {fmt_ratio(ce)}.")
+    lr = ratio(m.med("load time", "rust"), m.med("load time", "mlx-lm"))
+    if lr is not None and m.med("load time", "mlx-lm") is not None:
+        out.append(f"- Engine load time <= mlx-lm's: {fmt(m.med('load time', 'rust'))} vs "
+                   f"{fmt(m.med('load time', 'mlx-lm'))} ms, {fmt_ratio(lr)}: {'met' if lr <= 1 else '**not met**'}.")
     for b in s["sizes"]:
         if b == 1:
             continue
@@ -561,7 +686,8 @@ def plot(summaries, path):
 
     n = len(summaries)
     fig, axes = plt.subplots(n, 2, figsize=(12, 4.2 * n), squeeze=False, gridspec_kw={"width_ratios": [3, 1]})
-    colors = {"rust": "#c0392b", "rust-1t": "#e59866", "rust-int8": "#f1c40f", "elixir": "#8e44ad", "elixir-textgen": "#bb8fce",
+    colors = {"rust": "#c0392b", "rust-eager": "#922b21", "mlx-lm-stream": "#5dade2", "mlx-lm-cli": "#1b4f72",
+              "rust-1t": "#e59866", "rust-int8": "#f1c40f", "elixir": "#8e44ad", "elixir-textgen": "#bb8fce",
               "mlx-lm": "#2e86c1", "llama.cpp": "#229954"}
     for row, s in enumerate(summaries):
         m, peers, sizes = s["metrics"], s["peers"], s["sizes"] or [1]
