@@ -302,6 +302,12 @@ def model_section(name, folder, settings):
     )
     if best_note:
         lines.append(f"\"{BEST_MLX}\" is, per metric, the best median of the mlx-lm paths ({'; '.join(best_note)}).")
+    # The engine's bench reports whether its decode step ran compiled, where it does.
+    compiled = {p: sorted({str(r["compiled_decode"]).lower() for reps in runs.get(p, {}).values() for r in reps
+                           if "compiled_decode" in r}) for p in ("rust", "rust-eager")}
+    if any(compiled.values()):
+        lines.append("Compiled decode step, as the engine reported it: " + "; ".join(
+            f"{PEER_NAMES[p]}: {'/'.join(v) or 'not reported'}" for p, v in compiled.items() if p in runs) + ".")
     cli = [r for reps in runs.get("mlx-lm-cli", {}).values() for r in reps if r.get("measure") in ("decode", "prefill")]
     if cli:
         short = sum(1 for r in cli if r.get("complete") is False)
