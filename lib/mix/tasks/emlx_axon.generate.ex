@@ -16,6 +16,8 @@ defmodule Mix.Tasks.EmlxAxon.Generate do
     * `--prompt TEXT` - the prompt (default: `"The capital of France is"`)
     * `--prompt-ids 1,2,3` - a tokenized prompt, instead of `--prompt`
     * `--chat` - render the prompt with the chat template, as a user message
+    * `--dtype float32|bfloat16|float16` - the compute dtype (default:
+      float32 on the CPU, bfloat16 on a GPU)
     * `--max-new-tokens N` - default 32
     * `--sampler greedy|top_p_cpu|top_p_gpu` - default `greedy`
     * `--seed N`, `--temperature F`, `--top-p F`, `--top-k N`
@@ -37,6 +39,7 @@ defmodule Mix.Tasks.EmlxAxon.Generate do
     prompt: :string,
     prompt_ids: :string,
     chat: :boolean,
+    dtype: :string,
     max_new_tokens: :integer,
     sampler: :string,
     seed: :integer,
@@ -78,8 +81,9 @@ defmodule Mix.Tasks.EmlxAxon.Generate do
       )
     end
 
+    load_opts = if dtype = opts[:dtype], do: [dtype: parse_dtype!(dtype)], else: []
     tokenizer = ok!(Tokenizer.load(model), "loading the tokenizer from #{model}")
-    state = ok!(Loader.load(model), "loading the model from #{model}")
+    state = ok!(Loader.load(model, load_opts), "loading the model from #{model}")
 
     input =
       case opts[:prompt_ids] do
@@ -187,6 +191,16 @@ defmodule Mix.Tasks.EmlxAxon.Generate do
     |> case do
       [] -> Mix.raise("--prompt-ids must not be empty")
       list -> list
+    end
+  end
+
+  @dtypes ~w(float32 bfloat16 float16)
+
+  defp parse_dtype!(name) do
+    if name in @dtypes do
+      String.to_existing_atom(name)
+    else
+      Mix.raise("--dtype must be one of #{Enum.join(@dtypes, ", ")}, got: #{name}")
     end
   end
 
