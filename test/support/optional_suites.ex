@@ -14,4 +14,21 @@ defmodule EMLXAxon.TestSuites do
     |> Enum.reject(fn {_module, _file, available?, _reason} -> available? end)
     |> Enum.map(fn {module, file, _available?, reason} -> {module, file, reason} end)
   end
+
+  @doc """
+  `[{tag, reason}]` for every test tag whose tests need something this
+  machine lacks: they are excluded, and test_helper.exs says why.
+  """
+  def excluded_tags do
+    root = EMLXAxon.TestFixtures.root()
+
+    [
+      # scripts/setup's Python environment: the mlx wheel a source build
+      # links (a machine given a built priv/native need not have it).
+      {:setup_venv, Path.wildcard(Path.join(root, ".venv/lib/*/site-packages/mlx/lib")) != [],
+       "the mlx wheel of scripts/setup's .venv is missing (run scripts/setup)"}
+    ]
+    |> Enum.reject(fn {_tag, available?, _reason} -> available? end)
+    |> Enum.map(fn {tag, _available?, reason} -> {tag, reason} end)
+  end
 end
