@@ -255,6 +255,10 @@ defmodule EMLXAxon.ReliabilityTest do
     state = Loader.load!(dir, dtype: :float32)
     weights = Path.join(dir, "model.safetensors")
     %{size: size} = File.stat!(weights)
+    opts = [max_new_tokens: length(greedy), ignore_eos: true]
+
+    # Undamaged first, so that a difference below can only be the damage's.
+    assert {:ok, %{token_ids: ^greedy}} = Generate.generate(state, ids, opts)
 
     damages = [
       # In place: the same file (inode) gets new bytes, as a mapping would see.
@@ -270,8 +274,7 @@ defmodule EMLXAxon.ReliabilityTest do
     for {damage, fun} <- damages do
       fun.()
 
-      assert {:ok, %{token_ids: ^greedy}} =
-               Generate.generate(state, ids, max_new_tokens: length(greedy)),
+      assert {:ok, %{token_ids: ^greedy}} = Generate.generate(state, ids, opts),
              "after the weights were #{damage}"
     end
 

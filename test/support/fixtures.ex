@@ -76,24 +76,6 @@ defmodule EMLXAxon.TestFixtures do
   def gpu?, do: device() == :gpu
 
   @doc """
-  Whether `result` is MLX's CUDA backend failing to compile a kernel at run
-  time. MLX 0.32.2 compiles its sm90 4-bit group-128 quantized product (the
-  one that prefills longer prompts, in float32 and bfloat16 alike) against
-  the CUDA headers of the nvidia pip wheels; where those lack `crt/mma.h`,
-  as on the NVIDIA H200 machine these tests ran on, such a model gives that
-  clear error instead of output, and the test says so instead of failing.
-  """
-  def kernel_compile_error?(result) do
-    case result do
-      {:error, %EMLXAxon.Error{kind: :mlx, message: message}} ->
-        gpu?() and message =~ "Failed to compile kernel"
-
-      _ ->
-        false
-    end
-  end
-
-  @doc """
   On a GPU, compiles MLX's CUDA kernels for the fixtures before the tests:
   MLX compiles each kernel on first use (minutes for these fixtures on a
   fresh machine, cached on disk after), which would otherwise land in
