@@ -95,17 +95,3 @@ pub fn scratch_copy(name: &str, tag: &str) -> PathBuf {
     }
     dir
 }
-
-/// Whether `e` is MLX's CUDA backend failing to compile a kernel at run
-/// time: it compiles the float32 4-bit g128 kernels from the CUDA toolkit's
-/// headers, which a pip-only CUDA lacks (`crt/mma.h`). Tests on such a GPU
-/// say so and skip the comparison instead of failing.
-pub fn kernel_unavailable(e: &emlx_axon_engine::Error) -> bool {
-    let unavailable = emlx_axon_engine::device::gpu_available()
-        && e.kind() == "mlx"
-        && e.to_string().contains("Failed to compile kernel");
-    if unavailable {
-        eprintln!("skipped on this GPU: {e}");
-    }
-    unavailable
-}
