@@ -7,9 +7,9 @@ Usage:
         [--dtype float32|bfloat16|float16] [--tokens N] [--batch-tokens N]
         [--batch 1,4,8] [--measures decode,prefill,batch,profile]
         [--warmup K] [--warmup-mode full|light] [--runs R] [--label mlx-lm]
-        [--path generate_step|stream_generate|cli]
+        [--path generate_step|stream_generate]
 
-Three ways into mlx-lm (--path):
+Two ways into mlx-lm (--path; bench/mlx_lm_cli_bench.py runs its CLI):
   generate_step    (default) mlx_lm.generate.generate_step, which yields
                    exactly `max_tokens` tokens and never looks at EOS, with
                    mlx-lm's greedy sampler; batches use
@@ -20,15 +20,6 @@ Three ways into mlx-lm (--path):
                    as applications call it (detokenizing as it goes), its
                    EOS set emptied as `mlx_lm benchmark` does; decode and
                    prefill only
-  cli              `python -m mlx_lm generate` as users run it: one fresh
-                   process for the decode prompt and one for the prefill
-                   prompt per run, the prompts given as text (the ids
-                   decoded; the row says whether mlx-lm re-encodes them to
-                   the same ids) with --ignore-chat-template; speeds are
-                   mlx-lm's own printed figures, its generation rate
-                   rescaled by (tokens - 1) / tokens to the definition
-                   below. It cannot ignore EOS: a row says how many tokens
-                   it generated
 --runs R repeats every measure R times in the same process (trials).
 Definitions (wall clock, identical to the engine's):
     decode   (tokens - 1) / (time of last token - time of first)
@@ -42,8 +33,6 @@ packed weights alone, as the engine's loader does.
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -348,60 +337,6 @@ class Bench:
         return times["whole"]
 
 
-CLI_PROMPT = re.compile(r"^Prompt: (\d+) tokens, ([\d.]+) tokens-per-sec", re.M)
-CLI_GENERATION = re.compile(r"^Generation: (\d+) tokens, ([\d.]+) tokens-per-sec", re.M)
-CLI_PEAK = re.compile(r"^Peak memory: ([\d.]+) GB", re.M)
-
-
-def run_cli(args):
-    """`python -m mlx_lm generate`, one fresh process per prompt and run,
-    its own printed figures read back."""
-    prompts = json.loads(Path(args.prompts).read_text())
-    tokenizer = load_tokenizer(Path(args.model))
-    common = {"peer": args.label, "model": Path(args.model).name, "path": "python -m mlx_lm generate",
-              "device": "gpu" if mx.default_device() == mx.gpu else "cpu"}
-
-    def invoke(ids, max_tokens):
-        text = tokenizer.decode(ids)
-        same = tokenizer.encode(text, add_special_tokens=True) == list(ids)
-        command = [sys.executable, "-m", "mlx_lm", "generate", "--model", args.model, "--prompt", "-",
-                   "--max-tokens", str(max_tokens), "--ignore-chat-template", "--temp", "0"]
-        started = time.perf_counter()
-        done = subprocess.run(command, input=text, capture_output=True, text=True)
-        wall = time.perf_counter() - started
-        out = done.stdout
-        # The statistics follow the generated text: the last match is theirs.
-        p, g, peak = (([None] + list(r.finditer(out)))[-1] for r in (CLI_PROMPT, CLI_GENERATION, CLI_PEAK))
-        if done.returncode != 0 or not (p and g):
-            sys.stderr.write(done.stderr[-2000:] + out[-500:])
-            raise SystemExit(f"python -m mlx_lm generate failed (exit {done.returncode})")
-        return {"prompt_tokens": int(p.group(1)), "prompt_tps": float(p.group(2)),
-                "generated": int(g.group(1)), "generation_tps": float(g.group(2)),
-                "mlx_peak_mb": round(float(peak.group(1)) * 1e3 / 1.048576, 1) if peak else None,
-                "process_wall_s": round(wall, 3), "prompt_ids_match": same}
-
-    for run in range(args.runs):
-        if "decode" in args.measures:
-            r = invoke(prompts["decode"], args.tokens)
-            n = r["generated"]
-            print(json.dumps(dict(
-                common, measure="decode", run=run, batch=1, tokens=n,
-                # mlx-lm counts n tokens over the span from the first to the
-                # last; the definition here counts n - 1.
-                tok_s=round(r["generation_tps"] * (n - 1) / n, 3) if n > 1 else None,
-                ttft_ms=round(r["prompt_tokens"] / r["prompt_tps"] * 1e3, 2),
-                mlx_lm_generation_tps=r["generation_tps"], complete=n == args.tokens,
-                **{k: r[k] for k in ("prompt_tokens", "mlx_peak_mb", "process_wall_s", "prompt_ids_match")},
-            )), flush=True)
-        if "prefill" in args.measures:
-            r = invoke(prompts["prefill"], 2)
-            print(json.dumps(dict(
-                common, measure="prefill", run=run, batch=1, tok_s=r["prompt_tps"],
-                ttft_ms=round(r["prompt_tokens"] / r["prompt_tps"] * 1e3, 2),
-                **{k: r[k] for k in ("prompt_tokens", "mlx_peak_mb", "process_wall_s", "prompt_ids_match")},
-            )), flush=True)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
@@ -415,7 +350,7 @@ def main():
     parser.add_argument("--warmup-mode", choices=["full", "light"], default="full")
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--label", default="mlx-lm")
-    parser.add_argument("--path", choices=["generate_step", "stream_generate", "cli"], default="generate_step")
+    parser.add_argument("--path", choices=["generate_step", "stream_generate"], default="generate_step")
     args = parser.parse_args()
     args.batch = [int(b) for b in args.batch.split(",") if b]
     args.measures = args.measures.split(",")
@@ -424,8 +359,6 @@ def main():
         raise SystemExit("--tokens and --batch-tokens must be at least 2")
     if args.path != "generate_step":
         args.measures = [m for m in args.measures if m in ("decode", "prefill")]
-    if args.path == "cli":
-        return run_cli(args)
 
     bench = Bench(args)
     extra = {"tokenizer_ms": round(bench.tokenizer_ms, 1)} if bench.tokenizer is not None else {}
