@@ -75,14 +75,27 @@ defmodule EMLXAxon.Qwen3.GenerateTest do
     # On CUDA, the first prefill of 8 or more tokens compiled MLX's CUTLASS
     # quantized kernel on the calling dirty scheduler thread, whose stack it
     # overflowed: the VM died. Each prompt length here is a new shape.
-    test "prompts of 1 to 24 tokens" do
-      state = TestFixtures.model("qwen3-4bit-g64")
-      %{"prompt_ids" => ids} = TestFixtures.reference("qwen3-4bit-g64")["prompts"]["chat"]
-      ids = Stream.cycle(ids) |> Enum.take(24)
+    # In qwen3-4bit-g128 one quantization group spans a whole input row:
+    # MLX's CUDA backend has its own kernel for such products, which the
+    # engine does not use (see layers.rs); every length, and a batch, must
+    # still run.
+    for name <- ["qwen3-4bit-g64", "qwen3-4bit-g128"] do
+      test "#{name}: prompts of 1 to 24 tokens, alone and batched" do
+        name = unquote(name)
+        state = TestFixtures.model(name)
+        %{"prompt_ids" => ids} = TestFixtures.reference(name)["prompts"]["chat"]
+        ids = Stream.cycle(ids) |> Enum.take(24)
 
-      for n <- 1..24 do
-        assert {:ok, %{token_ids: [_, _]}} =
-                 Generate.generate(state, Enum.take(ids, n), max_new_tokens: 2, ignore_eos: true)
+        for n <- 1..24 do
+          assert {:ok, %{token_ids: [_, _]}} =
+                   Generate.generate(state, Enum.take(ids, n), max_new_tokens: 2, ignore_eos: true)
+        end
+
+        assert {:ok, [%{token_ids: [_, _]}, %{token_ids: [_, _]}]} =
+                 Generate.generate(state, [Enum.take(ids, 3), Enum.take(ids, 17)],
+                   max_new_tokens: 2,
+                   ignore_eos: true
+                 )
       end
     end
   end
