@@ -338,12 +338,15 @@ fn concurrent_generations_share_one_model_and_streams() {
     use emlx_axon_engine::device::{DeviceKind, MlxStream};
     let m = model();
     let refs = reference(FIXTURE, "");
-    let streams: Vec<MlxStream> = (0..2)
-        .map(|_| MlxStream::new(DeviceKind::Cpu).unwrap())
+    // Two CPU streams and one of the default device: on a GPU build the
+    // CPU streams read weights the GPU computed at load while GPU work runs.
+    let streams: Vec<MlxStream> = [DeviceKind::Cpu, DeviceKind::Cpu, DeviceKind::default_kind()]
+        .into_iter()
+        .map(|kind| MlxStream::new(kind).unwrap())
         .collect();
-    let handles: Vec<_> = (0..8)
+    let handles: Vec<_> = (0..9)
         .map(|i| {
-            let (m, stream) = (m.clone(), streams[i % 2].clone());
+            let (m, stream) = (m.clone(), streams[i % 3].clone());
             let (prompt, expected) = (refs[i % 2].1.clone(), refs[i % 2].2.clone());
             std::thread::spawn(move || {
                 let mut g = Generation::start(
