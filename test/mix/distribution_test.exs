@@ -28,7 +28,7 @@ defmodule EMLXAxon.DistributionTest do
 
     [tarball] = Path.wildcard(Path.join(artifacts, "*.tar.gz"))
     # The backend priv/native was built for (the CPU, or CUDA on a GPU machine).
-    {:ok, %{backend: backend}} = EMLXAxon.NativeBuild.read(Path.join(@root, "priv/native"))
+    {:ok, %{backend: backend} = info} = EMLXAxon.NativeBuild.read(Path.join(@root, "priv/native"))
 
     %{"prompt_ids" => prompt, "greedy_ids" => greedy} =
       TestFixtures.reference(@model)["prompts"]["plain"]
@@ -38,6 +38,7 @@ defmodule EMLXAxon.DistributionTest do
       artifacts: artifacts,
       tarball: tarball,
       backend: backend,
+      library_path: system_library_path(Map.get(info, :system_libraries, [])),
       checksums: checksums,
       prompt: prompt,
       greedy: greedy
@@ -91,7 +92,7 @@ defmodule EMLXAxon.DistributionTest do
     {dynamic, 0} = System.cmd("readelf", ["-d", nif])
     assert dynamic =~ "Library runpath: [$ORIGIN/mlx/lib]"
 
-    {output, status} = eval(moved, generate_script(ctx), [])
+    {output, status} = eval(moved, generate_script(ctx), [{"LD_LIBRARY_PATH", ctx.library_path}])
     assert status == 0, output
     assert tokens(output) == ctx.greedy
     assert output =~ "BACKEND #{ctx.backend}"
@@ -104,7 +105,13 @@ defmodule EMLXAxon.DistributionTest do
 
     # Asking for another backend than the release's at run time is a clear error.
     other = if ctx.backend == :cpu, do: :cuda, else: :cpu
-    {output, status} = eval(moved, "EMLXAxon.mlx_info()", [{"EMLX_AXON_BACKEND", "#{other}"}])
+
+    {output, status} =
+      eval(moved, "EMLXAxon.mlx_info()", [
+        {"EMLX_AXON_BACKEND", "#{other}"},
+        {"LD_LIBRARY_PATH", ctx.library_path}
+      ])
+
     assert status != 0
 
     assert output =~
@@ -139,7 +146,8 @@ defmodule EMLXAxon.DistributionTest do
         {"EMLX_AXON_PRECOMPILED", source},
         {"MLX_PREFIX", nil},
         {"VIRTUAL_ENV", nil},
-        {"CARGO", nil}
+        {"CARGO", nil},
+        {"LD_LIBRARY_PATH", ctx.library_path}
         | clean_mix_env()
       ] ++ extra
     end
@@ -210,6 +218,22 @@ defmodule EMLXAxon.DistributionTest do
       |> Enum.uniq()
     IO.puts("MAPS " <> Enum.join(maps, ","))
     """
+  end
+
+  # The library path of a VM that runs the artifact: none of this run's own
+  # (it may name another libmlx, which would then be loaded instead of the
+  # artifact's), only the folders of the NVIDIA libraries that a CUDA build
+  # takes from the system, where this VM found them. None for the CPU.
+  defp system_library_path(libraries) do
+    dirs =
+      File.read!("/proc/self/maps")
+      |> String.split("\n")
+      |> Enum.map(&List.last(String.split(&1, " ")))
+      |> Enum.filter(&(Path.basename(&1) in libraries))
+      |> Enum.map(&Path.dirname/1)
+      |> Enum.uniq()
+
+    if dirs == [], do: nil, else: Enum.join(dirs, ":")
   end
 
   defp tokens(output) do
