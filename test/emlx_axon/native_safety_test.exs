@@ -20,7 +20,10 @@ defmodule EMLXAxon.NativeSafetyTest do
   describe "MLX errors" do
     test "a failing MLX call as the first MLX call of a fresh VM returns an error" do
       # On a CPU-only libmlx, making a GPU stream fails inside MLX itself;
-      # MLX-C's default error handler would print and exit the VM.
+      # MLX-C's default error handler would print and exit the VM. On a CUDA
+      # libmlx it succeeds, and the VM must still exit with its own status:
+      # MLX synchronizes the stream at exit, which needs CUDA's runtime
+      # still there (it was gone when the stream was MLX's first CUDA use).
       {output, status} =
         fresh_vm("""
         IO.puts("first call: " <> inspect(EMLXAxon.Native.stream_new(:gpu)))
