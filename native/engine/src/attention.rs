@@ -24,6 +24,14 @@ pub enum AttentionMask {
     None,
     Causal,
     Array(Array),
+    /// A bool mask `[B, 1, 1, S]` that is, for each row, the keys
+    /// `starts[b]..ends[b]` (`[B]` int32); one-token steps on CUDA read
+    /// the ranges directly (see [`crate::decode_attention`]).
+    Ranges {
+        mask: Array,
+        starts: Array,
+        ends: Array,
+    },
 }
 
 struct QkNorm {
@@ -220,7 +228,12 @@ impl Attention {
                 ScaledDotProductAttentionMask::Causal,
                 None,
             )?,
-            AttentionMask::Array(m) => {
+            AttentionMask::Ranges { starts, ends, .. }
+                if l == 1 && crate::decode_attention::available() =>
+            {
+                crate::decode_attention::attend(&q, &keys, &values, starts, ends)?
+            }
+            AttentionMask::Array(m) | AttentionMask::Ranges { mask: m, .. } => {
                 scaled_dot_product_attention(&q, &keys, &values, scale, m, None)?
             }
         };

@@ -84,6 +84,11 @@ impl KvCache {
             .collect()
     }
 
+    /// The buffers, for a compiled decode step to replace.
+    pub(crate) fn layers_mut(&mut self) -> &mut Vec<(Array, Array)> {
+        &mut self.layers
+    }
+
     /// Every buffer, for evaluation alongside a step's output.
     pub fn arrays(&self) -> impl Iterator<Item = &Array> {
         self.layers.iter().flat_map(|(k, v)| [k, v])

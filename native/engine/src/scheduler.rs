@@ -20,7 +20,7 @@
 
 mod constrain;
 mod prefix;
-mod slots;
+pub(crate) mod slots;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -33,6 +33,7 @@ use mlx_rs::{transforms, Array};
 use crate::cache::KvCache;
 use crate::config::add_missing;
 use crate::constraint::{ConstraintSpec, RowConstraint};
+use crate::decode_step::CompiledStep;
 use crate::device::{DeviceKind, Lease};
 use crate::error::{Error, Result};
 use crate::generate::rows::Row;
@@ -203,6 +204,9 @@ pub struct Scheduler {
     tokenizer: Option<Arc<Tokenizer>>,
     config: SchedulerConfig,
     workers: Vec<Lease>,
+    /// The compiled decode step and the stream it is traced on, when decode
+    /// steps run compiled.
+    compiled: Option<(CompiledStep, Lease)>,
     cache: SlotCache,
     slots: Vec<Option<Running>>,
     queue: VecDeque<Request>,
@@ -251,8 +255,24 @@ impl Scheduler {
         } else {
             vec![]
         };
-        let cache = SlotCache::new(&model, config.slots as i32, config.capacity as i32)?;
+        let kind = DeviceKind::default_kind();
+        let compiled = if crate::decode_step::enabled(kind) && workers.is_empty() {
+            let lease = Lease::new(kind)?;
+            Some((CompiledStep::new(&model, lease.stream().clone())?, lease))
+        } else {
+            None
+        };
+        let mut cache = match &compiled {
+            Some((_, lease)) => lease
+                .stream()
+                .run(|| SlotCache::new(&model, config.slots as i32, config.capacity as i32))?,
+            None => SlotCache::new(&model, config.slots as i32, config.capacity as i32)?,
+        };
+        if compiled.is_some() {
+            cache.bucket_attention();
+        }
         Ok(Scheduler {
+            compiled,
             prefix: PrefixCache::new(config.prefix_cache_bytes, config.prefix_min_tokens),
             slots: (0..config.slots).map(|_| None).collect(),
             model,
@@ -265,6 +285,11 @@ impl Scheduler {
             next_id: 1,
             bias: vec![],
         })
+    }
+
+    /// Whether decode steps run compiled (see [`crate::decode_step`]).
+    pub fn runs_compiled(&self) -> bool {
+        self.compiled.is_some()
     }
 
     pub fn config(&self) -> &SchedulerConfig {
@@ -405,6 +430,17 @@ impl Scheduler {
     /// `max_decode_steps` decode steps of the running batch. Returns the
     /// requests' new tokens, one event per request that produced any.
     pub fn step(&mut self, max_decode_steps: usize) -> Result<Vec<Event>> {
+        match self
+            .compiled
+            .as_ref()
+            .map(|(_, lease)| lease.stream().clone())
+        {
+            Some(stream) => stream.run(|| self.step_here(max_decode_steps)),
+            None => self.step_here(max_decode_steps),
+        }
+    }
+
+    fn step_here(&mut self, max_decode_steps: usize) -> Result<Vec<Event>> {
         let mut events: Vec<Event> = vec![];
         let result = self.step_into(max_decode_steps, &mut events);
         // Nothing stays queued between calls: the next may come on another
@@ -610,10 +646,17 @@ impl Scheduler {
             }
         };
         self.cache.set_positions(&positions)?;
-        let mask = AttentionMask::Array(self.cache.mask()?);
-        let logits = self
-            .model
-            .forward(&ids, &mut self.cache, &mask, false, &self.workers)?;
+        let logits = match &self.compiled {
+            Some((step, _)) => {
+                let (inputs, layers) = self.cache.step_inputs(ids)?;
+                step.run(inputs, layers)?
+            }
+            None => {
+                let mask = self.cache.ranges()?;
+                self.model
+                    .forward(&ids, &mut self.cache, &mask, false, &self.workers)?
+            }
+        };
         Ok(Forward {
             logits: logits.reshape(&[rows, logits.dim(-1)])?,
             rows,

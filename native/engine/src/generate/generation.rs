@@ -14,6 +14,7 @@ use super::rows::Row;
 use super::{GenerateOptions, RowDelta, Stats};
 use crate::cache::KvCache;
 use crate::config::add_missing;
+use crate::decode_step::{attend_for, CompiledStep, StepInputs};
 use crate::device::{DeviceKind, Lease, MlxStream};
 use crate::error::Result;
 use crate::model::{AttentionMask, Model};
@@ -29,6 +30,11 @@ pub struct Generation {
     stream: Option<MlxStream>,
     /// CPU worker streams for the model's split projections.
     workers: Vec<Lease>,
+    /// The compiled decode step, when decode steps run compiled.
+    compiled: Option<CompiledStep>,
+    /// A stream of our own, when the compiled step needs one and the
+    /// caller gave none (a trace is bound to its stream).
+    _own_stream: Option<Lease>,
     options: GenerateOptions,
     sampler: Sampler,
     cache: KvCache,
@@ -101,6 +107,18 @@ impl Generation {
         } else {
             vec![]
         };
+        let compiled_steps = crate::decode_step::enabled(kind) && workers.is_empty();
+        let (stream, own_stream) = match stream {
+            None if compiled_steps => {
+                let lease = Lease::new(kind)?;
+                (Some(lease.stream().clone()), Some(lease))
+            }
+            given => (given, None),
+        };
+        let compiled = match &stream {
+            Some(s) if compiled_steps => Some(CompiledStep::new(&model, s.clone())?),
+            _ => None,
+        };
         let cache = run_on(&stream, || {
             KvCache::new(&model, prompts.len() as i32, capacity)
         })?;
@@ -109,6 +127,8 @@ impl Generation {
             tokenizer,
             stream,
             workers,
+            compiled,
+            _own_stream: own_stream,
             sampler,
             cache,
             rows: prompts.iter().map(|p| Row::new(p.len())).collect(),
@@ -347,7 +367,48 @@ impl Generation {
     /// Feeds `tokens` `[B]` through the model: the next logits (lazy).
     fn forward_step(&mut self, tokens: &Array) -> Result<Array> {
         let ids = tokens.reshape(&[tokens.dim(0), 1])?;
+        if self.compiled.is_some() {
+            return self.compiled_step(ids);
+        }
         self.forward(&ids, false)
+    }
+
+    /// [`forward_step`](Self::forward_step) through the compiled step: every
+    /// row at the cache's offset, attending over a bucket of keys masked to
+    /// that offset and to each row's padding.
+    fn compiled_step(&mut self, ids: Array) -> Result<Array> {
+        let (rows, offset, capacity) = (ids.dim(0), self.cache.offset(), self.cache.capacity());
+        if offset >= capacity {
+            return Err(crate::error::Error::invalid(format!(
+                "KV cache is full ({capacity} positions)"
+            )));
+        }
+        let attend = attend_for(offset, capacity);
+        let positions = Array::from_slice(&vec![offset; rows as usize], &[rows]);
+        let scatter_at = positions.reshape(&[rows, 1, 1, 1])?;
+        let keys = arange::<_, i32>(0, attend, 1)?.reshape(&[1, 1, 1, attend])?;
+        let mut mask = le(&keys, &scatter_at)?;
+        let starts = match &self.padding {
+            Some(padding) => {
+                let pad = Array::from_slice(padding, &[rows]);
+                mask = logical_and(&mask, &ge(&keys, &pad.reshape(&[rows, 1, 1, 1])?)?)?;
+                pad
+            }
+            None => Array::from_slice(&vec![0i32; rows as usize], &[rows]),
+        };
+        self.forward_passes += 1;
+        let step = StepInputs {
+            ids,
+            ends: Array::from_slice(&vec![offset + 1; rows as usize], &[rows]),
+            positions,
+            scatter_at,
+            mask,
+            starts,
+        };
+        let compiled = self.compiled.as_ref().expect("checked by the caller");
+        let logits = compiled.run(step, self.cache.layers_mut())?;
+        crate::cache::KvStore::advance(&mut self.cache, 1);
+        Ok(logits)
     }
 
     /// Feeds `ids` `[B, L]` through the model at the cache's offset: logits
@@ -382,6 +443,11 @@ impl Generation {
             }
         }
         stats
+    }
+
+    /// Whether one-token decode steps run compiled (see [`crate::decode_step`]).
+    pub fn runs_compiled(&self) -> bool {
+        self.compiled.is_some()
     }
 
     /// Every row's generated ids so far.

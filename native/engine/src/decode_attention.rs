@@ -1,0 +1,297 @@
+//! One-token attention over a preallocated KV cache on CUDA, reading each
+//! row's keys `starts[b]..ends[b]` only.
+//!
+//! A decode step with fixed shapes (see [`crate::decode_step`]) attends over
+//! a bucket of keys through a mask, and MLX's CUDA attention kernel takes no
+//! mask: it would fall back to separate products, softmax and masking, four
+//! kernels a layer instead of one. This kernel (MLX's `cuda_kernel`, built
+//! at run time like MLX's own) takes the rows' key ranges instead. One block
+//! per (query head, row); its 32 warps take every 32nd key with an online
+//! softmax in float32, then combine. Before first use it is checked against
+//! MLX's masked attention on the device; a failure (no compiler headers, a
+//! wrong result) leaves the masked path in use. Metal keeps the masked path.
+
+use std::ffi::CString;
+
+use mlx_rs::fast::scaled_dot_product_attention;
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::ops::{arange, ge, logical_and};
+use mlx_rs::{Array, Dtype, Stream};
+use once_cell::sync::OnceCell;
+
+use crate::error::{Error, Result};
+
+const SOURCE: &str = r#"
+  constexpr int WARPS = 32;
+  constexpr int E = D / 32;
+  const int lane = threadIdx.x % 32;
+  const int w = threadIdx.x / 32;
+  const int head = blockIdx.x;
+  const int row = blockIdx.y;
+  const int heads = gridDim.x;
+  const int kv = head / GQA;
+  const float scale = rsqrtf((float)D);
+
+  float qv[E];
+  const T* qp = q + ((size_t)row * heads + head) * D + lane * E;
+  for (int e = 0; e < E; e++) qv[e] = static_cast<float>(qp[e]) * scale;
+  const T* kb = keys + row * keys_strides[0] + kv * keys_strides[1] + lane * E;
+  const T* vb = values + row * values_strides[0] + kv * values_strides[1] + lane * E;
+  const int start = starts[row];
+  const int end = ends[row];
+
+  float m = -inf;
+  float l = 0.f;
+  float acc[E];
+  for (int e = 0; e < E; e++) acc[e] = 0.f;
+  for (int j = start + w; j < end; j += WARPS) {
+    const T* kp = kb + j * keys_strides[2];
+    float s = 0.f;
+    for (int e = 0; e < E; e++) s += qv[e] * static_cast<float>(kp[e]);
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+    const float mn = fmaxf(m, s);
+    const float c = expf(m - mn);
+    const float p = expf(s - mn);
+    l = l * c + p;
+    const T* vp = vb + j * values_strides[2];
+    for (int e = 0; e < E; e++) acc[e] = acc[e] * c + p * static_cast<float>(vp[e]);
+    m = mn;
+  }
+
+  __shared__ float sm[WARPS];
+  __shared__ float sl[WARPS];
+  __shared__ float so[WARPS][D];
+  if (lane == 0) {
+    sm[w] = m;
+    sl[w] = l;
+  }
+  for (int e = 0; e < E; e++) so[w][lane * E + e] = acc[e];
+  __syncthreads();
+  const int t = threadIdx.x;
+  if (t < D) {
+    float big = -inf;
+    for (int i = 0; i < WARPS; i++) big = fmaxf(big, sm[i]);
+    float total = 0.f;
+    float o = 0.f;
+    for (int i = 0; i < WARPS; i++) {
+      const float f = sm[i] == -inf ? 0.f : expf(sm[i] - big);
+      total += sl[i] * f;
+      o += so[i][t] * f;
+    }
+    out[((size_t)row * heads + head) * D + t] = static_cast<T>(o / total);
+  }
+"#;
+
+struct Kernel(mlx_sys::mlx_fast_cuda_kernel);
+
+// SAFETY: the kernel object is immutable after creation and MLX builds its
+// module under its own lock.
+unsafe impl Send for Kernel {}
+unsafe impl Sync for Kernel {}
+
+/// The kernel once it has passed its check on this device; `None` when it
+/// cannot be used.
+static CHECKED: OnceCell<Option<Kernel>> = OnceCell::new();
+
+/// Whether this build's GPU is CUDA (MLX's Metal build has no `cuda_kernel`).
+fn cuda_build() -> bool {
+    !cfg!(feature = "metal") && crate::device::gpu_available()
+}
+
+/// Whether [`attend`] may be used on the current stream: a CUDA GPU stream
+/// where the kernel passed its check (run here on first call).
+pub fn available() -> bool {
+    if !cuda_build() || crate::rope::on_cpu_stream() {
+        return false;
+    }
+    if std::env::var("EMLX_AXON_DECODE_ATTENTION").as_deref() == Ok("0") {
+        return false;
+    }
+    CHECKED
+        .get_or_init(|| match check() {
+            Ok(kernel) => Some(kernel),
+            Err(e) => {
+                eprintln!(
+                    "emlx_axon: decode attention kernel unavailable, using masked attention ({e})"
+                );
+                None
+            }
+        })
+        .is_some()
+}
+
+fn new_kernel() -> Result<Kernel> {
+    let c = |s: &str| CString::new(s).expect("no NUL in names");
+    let names = |list: &[&str]| -> Vec<CString> { list.iter().map(|s| c(s)).collect() };
+    let (inputs, outputs) = (
+        names(&["q", "keys", "values", "starts", "ends"]),
+        names(&["out"]),
+    );
+    let (name, source, header) = (c("emlx_axon_decode_attention"), c(SOURCE), c(""));
+    // SAFETY: plain FFI; MLX copies every string before returning.
+    unsafe {
+        let mut ip: Vec<_> = inputs.iter().map(|s| s.as_ptr()).collect();
+        let mut op: Vec<_> = outputs.iter().map(|s| s.as_ptr()).collect();
+        let iv = mlx_sys::mlx_vector_string_new_data(ip.as_mut_ptr(), ip.len());
+        let ov = mlx_sys::mlx_vector_string_new_data(op.as_mut_ptr(), op.len());
+        let kernel = mlx_sys::mlx_fast_cuda_kernel_new(
+            name.as_ptr(),
+            iv,
+            ov,
+            source.as_ptr(),
+            header.as_ptr(),
+            false,
+            0,
+        );
+        mlx_sys::mlx_vector_string_free(iv);
+        mlx_sys::mlx_vector_string_free(ov);
+        if kernel.ctx.is_null() {
+            return Err(Error::Mlx(
+                "could not create the decode attention kernel".into(),
+            ));
+        }
+        Ok(Kernel(kernel))
+    }
+}
+
+/// Attention of one query per row: `q` `[rows, heads, 1, head_dim]`,
+/// `keys`/`values` `[>= rows, kv_heads, >= max(ends), head_dim]` (views of
+/// the cache, last axis contiguous), row `b` reading keys
+/// `starts[b]..ends[b]` (`[rows]` int32). Returns `[rows, heads, 1, head_dim]`.
+pub fn attend(
+    q: &Array,
+    keys: &Array,
+    values: &Array,
+    starts: &Array,
+    ends: &Array,
+) -> Result<Array> {
+    let kernel = CHECKED
+        .get()
+        .and_then(Option::as_ref)
+        .ok_or_else(|| Error::invalid("the decode attention kernel is not available"))?;
+    run(kernel, q, keys, values, starts, ends)
+}
+
+fn run(
+    kernel: &Kernel,
+    q: &Array,
+    keys: &Array,
+    values: &Array,
+    starts: &Array,
+    ends: &Array,
+) -> Result<Array> {
+    let (rows, heads, hd) = (q.dim(0), q.dim(1), q.dim(-1));
+    let kv_heads = keys.dim(1);
+    if q.dim(2) != 1 || hd % 32 != 0 || hd > 256 || heads % kv_heads != 0 {
+        return Err(Error::invalid(
+            "the decode attention kernel takes one query per row and a head size of 32..256 in steps of 32",
+        ));
+    }
+    let q = q.reshape(&[rows, heads, hd])?;
+    let out_shape = [rows, heads, hd];
+    let stream = Stream::thread_local_or_default();
+    let c = |s: &str| CString::new(s).expect("no NUL in names");
+    let (t, d, gqa) = (c("T"), c("D"), c("GQA"));
+    let dtype = q.dtype();
+    // SAFETY: FFI on live handles; the output vector is read back before it
+    // is freed and each array handle is taken over by an `Array`.
+    unsafe {
+        let config = mlx_sys::mlx_fast_cuda_kernel_config_new();
+        let mut status = mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(
+            config,
+            out_shape.as_ptr(),
+            out_shape.len(),
+            dtype.into(),
+        );
+        status |= mlx_sys::mlx_fast_cuda_kernel_config_set_grid(config, heads * 1024, rows, 1);
+        status |= mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(config, 1024, 1, 1);
+        status |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(
+            config,
+            t.as_ptr(),
+            dtype.into(),
+        );
+        status |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(config, d.as_ptr(), hd);
+        status |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(
+            config,
+            gqa.as_ptr(),
+            heads / kv_heads,
+        );
+        let handles = [
+            q.as_ptr(),
+            keys.as_ptr(),
+            values.as_ptr(),
+            starts.as_ptr(),
+            ends.as_ptr(),
+        ];
+        let inputs = mlx_sys::mlx_vector_array_new_data(handles.as_ptr(), handles.len());
+        let mut outputs = mlx_sys::mlx_vector_array_new();
+        if status == 0 {
+            status = mlx_sys::mlx_fast_cuda_kernel_apply(
+                &mut outputs,
+                kernel.0,
+                inputs,
+                config,
+                stream.as_ptr(),
+            );
+        }
+        let mut out = None;
+        if status == 0 && mlx_sys::mlx_vector_array_size(outputs) == 1 {
+            let mut a = mlx_sys::mlx_array_new();
+            if mlx_sys::mlx_vector_array_get(&mut a, outputs, 0) == 0 {
+                out = Some(Array::from_ptr(a));
+            } else {
+                mlx_sys::mlx_array_free(a);
+            }
+        }
+        mlx_sys::mlx_vector_array_free(inputs);
+        mlx_sys::mlx_vector_array_free(outputs);
+        mlx_sys::mlx_fast_cuda_kernel_config_free(config);
+        let out = out
+            .ok_or_else(|| Error::Mlx("the decode attention kernel could not be applied".into()))?;
+        Ok(out.reshape(&[rows, heads, 1, hd])?)
+    }
+}
+
+/// Runs the kernel on a small case (GQA, ragged rows, a cache wider than
+/// what is read) and compares it with MLX's masked attention.
+fn check() -> Result<Kernel> {
+    let kernel = new_kernel()?;
+    for dtype in [Dtype::Bfloat16, Dtype::Float32] {
+        let (rows, heads, kv_heads, hd, cap) = (3, 4, 2, 128, 80);
+        let key = mlx_rs::random::key(7)?;
+        let normal = |shape: &[i32], k: &Array| -> Result<Array> {
+            Ok(mlx_rs::random::normal::<f32>(shape, None, None, k)?.as_dtype(dtype)?)
+        };
+        let keys_all = normal(&[rows + 1, kv_heads, cap, hd], &key)?;
+        let values_all = normal(&[rows + 1, kv_heads, cap, hd], &mlx_rs::random::key(8)?)?;
+        let q = normal(&[rows, heads, 1, hd], &mlx_rs::random::key(9)?)?;
+        let attend_len = 64;
+        let keys = keys_all.index((..rows, .., ..attend_len, ..));
+        let values = values_all.index((..rows, .., ..attend_len, ..));
+        let starts = Array::from_slice(&[0i32, 5, 0], &[rows]);
+        let ends = Array::from_slice(&[64i32, 40, 1], &[rows]);
+        let got = run(&kernel, &q, &keys, &values, &starts, &ends)?;
+        let idx = arange::<_, i32>(0, attend_len, 1)?.reshape(&[1, 1, 1, attend_len])?;
+        let mask = logical_and(
+            &ge(&idx, &starts.reshape(&[rows, 1, 1, 1])?)?,
+            &idx.lt(&ends.reshape(&[rows, 1, 1, 1])?)?,
+        )?;
+        let scale = (hd as f32).powf(-0.5);
+        let want = scaled_dot_product_attention(&q, &keys, &values, scale, &mask, None)?;
+        let diff = got
+            .as_dtype(Dtype::Float32)?
+            .subtract(&want.as_dtype(Dtype::Float32)?)?
+            .abs()?
+            .max(None)?;
+        diff.eval()?;
+        let worst = diff.as_slice::<f32>()[0];
+        let tolerance = if dtype == Dtype::Float32 { 1e-4 } else { 3e-2 };
+        // NaN fails too.
+        if worst.is_nan() || worst > tolerance {
+            return Err(Error::Mlx(format!(
+                "it differs from MLX's attention by {worst} in {dtype:?}"
+            )));
+        }
+    }
+    Ok(kernel)
+}

@@ -1,0 +1,245 @@
+//! The compiled decode step: one token for every row of a batch, traced
+//! once by MLX's `compile` and replayed, so that a step costs no graph
+//! building and MLX fuses its elementwise work.
+//!
+//! A step's shapes must not change from step to step: every row writes its
+//! new key and value at its own position of a preallocated cache (a
+//! scatter, in place) and attends over a fixed number of keys, rounded up
+//! to [`ATTEND_BUCKET`], through a mask built from the rows' positions.
+//! Positions and the mask are arrays, so rows advance, join and leave
+//! without a new trace; only the batch size and the bucket select one.
+//!
+//! MLX keeps compiled functions in a cache of the thread that calls them,
+//! and a trace is bound to the stream it was made on. Callers run on
+//! whichever thread (BEAM dirty schedulers hop), so each [`CompiledStep`]
+//! owns a thread that makes every call: one trace per shape, and the
+//! cache entry (which holds the weights) dies with the step.
+
+use std::sync::mpsc;
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
+
+use mlx_rs::error::Exception;
+use mlx_rs::Array;
+
+use crate::cache::{KvStore, RopeOffset};
+use crate::device::{DeviceKind, MlxStream};
+use crate::error::{Error, Result};
+use crate::model::{AttentionMask, Model};
+use crate::scheduler::slots::write_rows;
+
+/// Attended keys are rounded up to a multiple of this: a new trace every
+/// 256 positions, and at most 255 masked keys read in vain.
+pub const ATTEND_BUCKET: i32 = 256;
+
+/// Whether decode steps on `kind` run compiled: on GPUs by default, where a
+/// step is bound by launching small kernels; `EMLX_AXON_COMPILED_DECODE=1`
+/// or `=0` forces it on or off on any device.
+pub fn enabled(kind: DeviceKind) -> bool {
+    match std::env::var("EMLX_AXON_COMPILED_DECODE").as_deref() {
+        Ok("1") | Ok("true") => true,
+        Ok("0") | Ok("false") => false,
+        _ => kind == DeviceKind::Gpu,
+    }
+}
+
+/// The keys a step attends to when the furthest row writes at `position`.
+pub fn attend_for(position: i32, capacity: i32) -> i32 {
+    let needed = position + 1;
+    ((needed + ATTEND_BUCKET - 1) / ATTEND_BUCKET * ATTEND_BUCKET).min(capacity)
+}
+
+/// One step's arrays besides the cache.
+pub struct StepInputs {
+    /// `[rows, 1]` token ids.
+    pub ids: Array,
+    /// `[rows]` int32: where each row's token goes (and its RoPE position).
+    pub positions: Array,
+    /// `[slots, 1, 1, 1]` int32: the positions, padded over the cache's
+    /// slots that the step does not run.
+    pub scatter_at: Array,
+    /// `[rows, 1, 1, attend]` bool: the keys each row sees, which are
+    /// `starts[b]..ends[b]` (`[rows]` int32).
+    pub mask: Array,
+    pub starts: Array,
+    pub ends: Array,
+}
+
+type Reply = std::result::Result<Vec<Array>, (Error, Vec<Array>)>;
+
+struct Job {
+    inputs: Vec<Array>,
+    reply: mpsc::SyncSender<Reply>,
+}
+
+pub struct CompiledStep {
+    jobs: Option<mpsc::Sender<Job>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl CompiledStep {
+    /// A step for `model` traced on `stream`.
+    pub fn new(model: &Arc<Model>, stream: MlxStream) -> Result<Self> {
+        let model = Arc::downgrade(model);
+        let (jobs, queue) = mpsc::channel::<Job>();
+        let thread = std::thread::Builder::new()
+            .name("emlx-decode-step".into())
+            .stack_size(crate::device::LARGE_STACK_BYTES)
+            .spawn(move || {
+                let trace = move |args: &[Array]| -> std::result::Result<Vec<Array>, Exception> {
+                    traced_step(&model, args).map_err(|e| Exception::custom(e.to_string()))
+                };
+                let mut step = mlx_rs::transforms::compile::compile(trace, false);
+                let default = stream.make_thread_default();
+                // Checks the attention kernel now: a trace cannot evaluate.
+                stream.run_leased(crate::decode_attention::available);
+                for Job { inputs, reply } in queue {
+                    if let Err(e) = &default {
+                        let _ = reply.send(Err((Error::Mlx(e.to_string()), inputs)));
+                        continue;
+                    }
+                    // The caller holds the stream's gate while it waits.
+                    let outcome = stream.run_leased(|| step(&inputs));
+                    let answer = match outcome {
+                        // Dropping our handles leaves the old cache buffers
+                        // to the graph alone, so the scatters write in place.
+                        Ok(outputs) => {
+                            drop(inputs);
+                            Ok(outputs)
+                        }
+                        Err(e) => {
+                            eprintln!("DEBUG step thread error: {e}");
+                            Err((Error::from(e), inputs))
+                        }
+                    };
+                    let _ = reply.send(answer);
+                }
+            })
+            .map_err(|e| Error::Mlx(format!("could not start the decode step's thread: {e}")))?;
+        Ok(CompiledStep {
+            jobs: Some(jobs),
+            thread: Some(thread),
+        })
+    }
+
+    /// Queues one step: returns the logits `[rows, 1, vocab]` (lazy) and
+    /// replaces `layers` (per layer `[slots, kv_heads, capacity, head_dim]`
+    /// keys and values) with their updated buffers. On failure `layers` are
+    /// left as they were.
+    pub fn run(&self, step: StepInputs, layers: &mut Vec<(Array, Array)>) -> Result<Array> {
+        let count = layers.len();
+        let mut inputs = Vec::with_capacity(INPUTS + 2 * count);
+        inputs.extend([
+            step.ids,
+            step.positions,
+            step.scatter_at,
+            step.mask,
+            step.starts,
+            step.ends,
+        ]);
+        for (k, v) in layers.drain(..) {
+            inputs.extend([k, v]);
+        }
+        let (reply, answer) = mpsc::sync_channel(1);
+        let gone = || Error::Mlx("the decode step's thread has stopped".into());
+        let jobs = self.jobs.as_ref().ok_or_else(gone)?;
+        if let Err(mpsc::SendError(job)) = jobs.send(Job { inputs, reply }) {
+            restore(layers, job.inputs);
+            return Err(gone());
+        }
+        match answer.recv().map_err(|_| gone())? {
+            Ok(outputs) if outputs.len() == 1 + 2 * count => {
+                let mut outputs = outputs.into_iter();
+                let logits = outputs.next().expect("checked length");
+                let rest: Vec<Array> = outputs.collect();
+                for pair in rest.chunks(2) {
+                    layers.push((pair[0].clone(), pair[1].clone()));
+                }
+                Ok(logits)
+            }
+            Ok(_) => Err(Error::Mlx(
+                "the compiled decode step returned the wrong number of arrays".into(),
+            )),
+            Err((e, inputs)) => {
+                restore(layers, inputs);
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Drop for CompiledStep {
+    /// Ends the thread, and with it the trace and its hold on the weights.
+    fn drop(&mut self) {
+        self.jobs.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn restore(layers: &mut Vec<(Array, Array)>, inputs: Vec<Array>) {
+    let cache = &inputs[INPUTS.min(inputs.len())..];
+    layers.extend(cache.chunks(2).map(|p| (p[0].clone(), p[1].clone())));
+}
+
+/// Arrays of a step before the cache's.
+const INPUTS: usize = 6;
+
+/// What `compile` traces: `[ids, positions, scatter_at, mask, starts, ends,
+/// k0, v0, ...]` -> `[logits, k0', v0', ...]`.
+fn traced_step(model: &Weak<Model>, args: &[Array]) -> Result<Vec<Array>> {
+    let model = model
+        .upgrade()
+        .ok_or_else(|| Error::invalid("the model was freed"))?;
+    let [ids, positions, scatter_at, mask, starts, ends, cache @ ..] = args else {
+        return Err(Error::invalid(
+            "a decode step takes ids, positions and masks",
+        ));
+    };
+    let mut cache = StepCache {
+        layers: cache
+            .chunks(2)
+            .map(|p| (p[0].clone(), p[1].clone()))
+            .collect(),
+        positions: positions.clone(),
+        scatter_at: scatter_at.clone(),
+        rows: ids.dim(0),
+        attend: mask.dim(-1),
+    };
+    let mask = AttentionMask::Ranges {
+        mask: mask.clone(),
+        starts: starts.clone(),
+        ends: ends.clone(),
+    };
+    let logits = model.forward(ids, &mut cache, &mask, false, &[])?;
+    let mut out = Vec::with_capacity(1 + 2 * cache.layers.len());
+    out.push(logits);
+    for (k, v) in cache.layers {
+        out.extend([k, v]);
+    }
+    Ok(out)
+}
+
+/// The cache as the trace sees it: every shape from the inputs', every
+/// position an array.
+struct StepCache {
+    layers: Vec<(Array, Array)>,
+    positions: Array,
+    scatter_at: Array,
+    rows: i32,
+    attend: i32,
+}
+
+impl KvStore for StepCache {
+    fn rope_offset(&self) -> RopeOffset {
+        RopeOffset::PerRow(self.positions.clone())
+    }
+
+    fn update(&mut self, layer: usize, k: &Array, v: &Array) -> Result<(Array, Array)> {
+        let (keys, values) = &mut self.layers[layer];
+        write_rows(keys, values, k, v, &self.scatter_at, self.rows, self.attend)
+    }
+
+    fn advance(&mut self, _n: i32) {}
+}
