@@ -291,7 +291,8 @@ def model_section(name, folder, settings):
         f"Checkpoint `{settings.get('model_dir')}` ({fmt(settings.get('checkpoint_bytes', 0) / 2**20, 1)} MiB of "
         f"safetensors); compute dtype {settings.get('dtype') or getattr(metrics, 'dtype', None) or 'default'}; "
         f"{settings.get('reps')} repetitions, peers interleaved "
-        f"in rotating order, each repetition a fresh process per peer (load, warm-up, then every measure once)."
+        f"in rotating order, each repetition a fresh process per peer (load, warm-up, then every measure "
+        f"{'once' if (settings.get('trials') or 1) == 1 else str(settings.get('trials')) + ' times'})."
     )
     lines.append(
         f"Decode: {settings.get('decode_len')}-token prompt, {settings.get('tokens')} new tokens; prefill: "
@@ -315,7 +316,7 @@ def model_section(name, folder, settings):
         lines.append(
             "mlx-lm (python -m mlx_lm generate) is the CLI, one process per prompt with no warm-up, as users run it; "
             "its figures are mlx-lm's own printed rates (generation rescaled by (tokens - 1) / tokens); it takes "
-            "the prompt as text and cannot ignore EOS"
+            "the prompt as text, prints text (so its ids are not compared) and cannot ignore EOS"
             + (f"; {short} of its decode runs stopped at EOS before the asked length" if short else "")
             + (f"; {remapped} of its prompts re-encoded to other ids than the others'" if remapped else
                "; its prompts re-encode to the same ids")
