@@ -759,6 +759,21 @@ def console_table(summaries):
             print(line)
 
 
+def extra_paths(summaries):
+    """A line on the peers the header's paragraph does not name, where they ran."""
+    ran = {p for s in summaries for p in s["peers"]}
+    notes = {
+        "rust-eager": "**Rust engine, compiled decode off** is the same bench binary with "
+                      "`EMLX_AXON_COMPILED_DECODE=0`",
+        "mlx-lm-stream": "**mlx-lm (stream_generate)** is `bench/mlx_lm_bench.py --path stream_generate` "
+                         "(`mlx_lm.stream_generate` with the checkpoint's tokenizer, detokenizing as it goes)",
+        "mlx-lm-cli": "**mlx-lm (python -m mlx_lm generate)** is `bench/mlx_lm_cli_bench.py` timing the CLI "
+                      "as users run it",
+    }
+    lines = [text for peer, text in notes.items() if peer in ran]
+    return ["; ".join(lines) + ".", ""] if lines else []
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", type=Path, required=True)
@@ -805,6 +820,7 @@ def main():
         "prefill = prompt tokens / time to first token. Every peer's greedy ids are checked against the engine's "
         "(\"Greedy ids across peers\"). Peak RSS is the process's VmHWM, reset before each measure.",
         "",
+    ] + extra_paths(summaries) + [
         f"![tokens/s by path and batch size]({args.plot.name})",
         "",
     ]
