@@ -54,8 +54,8 @@ fn as_dtype_of(a: &Array, x: &Array) -> Result<Array> {
 /// (`scale * q + bias`, in the activations' dtype), as a plain matmul, with
 /// a float32 matmul's own precision (the sm90 kernel would compute float32
 /// in TF32).
-fn dequantized_on_gpu(in_dim: i32, spec: &QuantSpec, on_cpu_stream: bool) -> bool {
-    !on_cpu_stream && in_dim <= spec.group_size
+fn dequantized_on_gpu(in_dim: i32, spec: &QuantSpec, on_cpu_stream: impl FnOnce() -> bool) -> bool {
+    in_dim <= spec.group_size && !on_cpu_stream()
 }
 
 /// How the loader should treat a module's weight.
@@ -140,7 +140,7 @@ impl Weight {
             } => {
                 // MLX's op wants scales in the activations' dtype.
                 let (scales, biases) = (as_dtype_of(scales, x)?, as_dtype_of(biases, x)?);
-                if dequantized_on_gpu(x.dim(-1), spec, crate::rope::on_cpu_stream()) {
+                if dequantized_on_gpu(x.dim(-1), spec, crate::rope::on_cpu_stream) {
                     let dense = dequantize(w, &scales, &biases, spec.group_size, spec.bits)?;
                     matmul(x, dense.t())?
                 } else {
@@ -667,13 +667,15 @@ mod tests {
     #[test]
     fn only_products_one_group_wide_are_dequantized_on_a_gpu() {
         let g = |group| QuantSpec::new(4, group).unwrap();
-        assert!(dequantized_on_gpu(128, &g(128), false));
-        assert!(dequantized_on_gpu(64, &g(128), false));
-        assert!(dequantized_on_gpu(64, &g(64), false));
-        assert!(!dequantized_on_gpu(128, &g(64), false));
-        assert!(!dequantized_on_gpu(256, &g(128), false));
-        assert!(!dequantized_on_gpu(1024, &g(32), false));
-        assert!(!dequantized_on_gpu(128, &g(128), true));
+        assert!(dequantized_on_gpu(128, &g(128), || false));
+        assert!(dequantized_on_gpu(64, &g(128), || false));
+        assert!(dequantized_on_gpu(64, &g(64), || false));
+        assert!(!dequantized_on_gpu(128, &g(64), || false));
+        assert!(!dequantized_on_gpu(256, &g(128), || false));
+        assert!(!dequantized_on_gpu(1024, &g(32), || false));
+        assert!(!dequantized_on_gpu(128, &g(128), || true));
+        // Wider products do not even ask which device the stream is on.
+        assert!(!dequantized_on_gpu(4096, &g(64), || unreachable!()));
     }
 
     /// What the dequantized way computes equals MLX's quantized product on
