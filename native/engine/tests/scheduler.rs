@@ -239,9 +239,11 @@ fn cancelling_mid_prefill_and_mid_decode_frees_the_slot_and_memory() {
     let model = model();
     let p = prompts();
     let mut s = Scheduler::new(model.clone(), None, config(2, 2, 0)).unwrap();
-    // Warm up the kernels and allocator with one full request.
+    // Warm up the kernels and allocator with a step of each shape this
+    // test runs (one row, two rows): a compiled step keeps a trace of each.
     let mut c = Collected::default();
     s.admit(p[0].clone(), greedy(4)).unwrap();
+    s.admit(p[1].clone(), greedy(8)).unwrap();
     c.drain(&mut s);
     let baseline = settled_active_memory();
 
