@@ -230,6 +230,9 @@ impl Model {
         // Materialize everything now: loading errors surface here rather than
         // mid-generation, and later readers only see evaluated arrays.
         mlx_rs::transforms::eval(model.arrays())?;
+        // Shared between threads from here on: every weight readable from
+        // the host now, before any CPU stream reads one (device.rs says why).
+        crate::device::share_with_host(&model.arrays())?;
         Ok(Model {
             load_ms: started.elapsed().as_secs_f64() * 1e3,
             ..model
