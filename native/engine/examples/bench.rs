@@ -263,6 +263,7 @@ struct Timed {
     ids: Vec<u32>,
     engine_prefill_ms: f64,
     engine_decode_tok_s: f64,
+    compiled_decode: bool,
 }
 
 impl Bench {
@@ -300,6 +301,7 @@ impl Bench {
         }
         let last = Instant::now();
         let stats = generation.stats();
+        let compiled_decode = generation.runs_compiled();
         let rows = generation.generated();
         let generated: Vec<usize> = rows.iter().map(Vec::len).collect();
         if generated.iter().any(|&n| n != tokens) {
@@ -312,6 +314,7 @@ impl Bench {
             ids: rows.into_iter().next().unwrap_or_default(),
             engine_prefill_ms: stats.prefill_ms,
             engine_decode_tok_s: stats.decode_tokens_per_s,
+            compiled_decode,
         })
     }
 
@@ -390,6 +393,7 @@ impl Bench {
         );
         fields.insert("kv_bytes".into(), json!(self.kv_bytes(1, prompt.len() + n)));
         fields.insert("ids".into(), json!(t.ids));
+        fields.insert("compiled_decode".into(), json!(t.compiled_decode));
         Memory::record(&mut fields);
         self.emit("decode", Some(run), Value::Object(fields));
         Ok(())
@@ -437,6 +441,7 @@ impl Bench {
             "kv_bytes".into(),
             json!(self.kv_bytes(batch, prompts[0].len() + n)),
         );
+        fields.insert("compiled_decode".into(), json!(t.compiled_decode));
         Memory::record(&mut fields);
         self.emit("batch", Some(run), Value::Object(fields));
         Ok(())

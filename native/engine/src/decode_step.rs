@@ -15,8 +15,9 @@
 //! owns a thread that makes every call: one trace per shape, and the
 //! cache entry (which holds the weights) dies with the step.
 
+use std::collections::HashMap;
 use std::sync::mpsc;
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 
 use mlx_rs::error::Exception;
@@ -77,9 +78,28 @@ pub struct CompiledStep {
     thread: Option<JoinHandle<()>>,
 }
 
+/// A model's compiled steps, by stream index.
+pub(crate) type Steps = Mutex<HashMap<i32, Arc<CompiledStep>>>;
+
+/// `model`'s compiled step on `stream`, made on first use and kept with the
+/// model: requests on a stream share one trace per shape, so only the first
+/// pays for tracing. Calls on one stream are serialized by its gate.
+pub fn for_stream(model: &Arc<Model>, stream: &MlxStream) -> Result<Arc<CompiledStep>> {
+    let mut steps = model
+        .compiled_steps
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if let Some(step) = steps.get(&stream.index()) {
+        return Ok(step.clone());
+    }
+    let step = Arc::new(CompiledStep::new(model, stream.clone())?);
+    steps.insert(stream.index(), step.clone());
+    Ok(step)
+}
+
 impl CompiledStep {
     /// A step for `model` traced on `stream`.
-    pub fn new(model: &Arc<Model>, stream: MlxStream) -> Result<Self> {
+    fn new(model: &Arc<Model>, stream: MlxStream) -> Result<Self> {
         let model = Arc::downgrade(model);
         let (jobs, queue) = mpsc::channel::<Job>();
         let thread = std::thread::Builder::new()
@@ -173,7 +193,11 @@ impl Drop for CompiledStep {
     fn drop(&mut self) {
         self.jobs.take();
         if let Some(t) = self.thread.take() {
-            let _ = t.join();
+            // The model (and so this step) may end on the step's own thread
+            // if a trace held the last reference: that thread is ending.
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
         }
     }
 }

@@ -73,6 +73,9 @@ pub struct Model {
     lm_head: Option<Linear>,
     /// What RoPE on a CPU stream turns into its cosines and sines.
     rope_probe: Array,
+    /// Compiled decode steps by stream index, made on first use (see
+    /// [`crate::decode_step::for_stream`]); their traces die with the model.
+    pub(crate) compiled_steps: crate::decode_step::Steps,
 }
 
 // SAFETY: after loading, every array of the model is evaluated and only ever
@@ -220,6 +223,7 @@ impl Model {
             norm: final_norm,
             lm_head,
             rope_probe,
+            compiled_steps: Default::default(),
         };
         // Converting or quantizing the weights allocates their final form
         // while the loaded tensors are still held.

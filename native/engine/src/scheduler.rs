@@ -206,7 +206,7 @@ pub struct Scheduler {
     workers: Vec<Lease>,
     /// The compiled decode step and the stream it is traced on, when decode
     /// steps run compiled.
-    compiled: Option<(CompiledStep, Lease)>,
+    compiled: Option<(Arc<CompiledStep>, Lease)>,
     cache: SlotCache,
     slots: Vec<Option<Running>>,
     queue: VecDeque<Request>,
@@ -258,7 +258,10 @@ impl Scheduler {
         let kind = DeviceKind::default_kind();
         let compiled = if crate::decode_step::enabled(kind) && workers.is_empty() {
             let lease = Lease::new(kind)?;
-            Some((CompiledStep::new(&model, lease.stream().clone())?, lease))
+            Some((
+                crate::decode_step::for_stream(&model, lease.stream())?,
+                lease,
+            ))
         } else {
             None
         };

@@ -31,7 +31,7 @@ pub struct Generation {
     /// CPU worker streams for the model's split projections.
     workers: Vec<Lease>,
     /// The compiled decode step, when decode steps run compiled.
-    compiled: Option<CompiledStep>,
+    compiled: Option<Arc<CompiledStep>>,
     /// A stream of our own, when the compiled step needs one and the
     /// caller gave none (a trace is bound to its stream).
     _own_stream: Option<Lease>,
@@ -116,7 +116,7 @@ impl Generation {
             given => (given, None),
         };
         let compiled = match &stream {
-            Some(s) if compiled_steps => Some(CompiledStep::new(&model, s.clone())?),
+            Some(s) if compiled_steps => Some(crate::decode_step::for_stream(&model, s)?),
             _ => None,
         };
         let cache = run_on(&stream, || {

@@ -136,9 +136,15 @@ pub(super) fn cache_capacity(
             o.max_new_tokens, o.max_len
         ))
     };
+    // Rounded up to whole buckets of attended keys: caches of recurring
+    // sizes reuse MLX's freed buffers, and a compiled step's shapes recur.
+    let bucket = crate::decode_step::ATTEND_BUCKET as usize;
     let positions = longest
         .checked_add(o.max_new_tokens.min(o.max_len))
         .ok_or_else(too_long)?;
+    let positions = positions
+        .checked_next_multiple_of(bucket)
+        .map_or(positions, |p| p.min(i32::MAX as usize).max(positions));
     let capacity = i32::try_from(positions).map_err(|_| too_long())?;
     let c = &model.config;
     let element = if model.dtype == mlx_rs::Dtype::Float32 {
