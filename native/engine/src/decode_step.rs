@@ -16,6 +16,7 @@
 //! cache entry (which holds the weights) dies with the step.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
@@ -33,10 +34,16 @@ use crate::scheduler::slots::write_rows;
 /// 256 positions, and at most 255 masked keys read in vain.
 pub const ATTEND_BUCKET: i32 = 256;
 
+/// Set when a compiled step failed: later requests run eager steps.
+static FAILED: AtomicBool = AtomicBool::new(false);
+
 /// Whether decode steps on `kind` run compiled: on GPUs by default, where a
 /// step is bound by launching small kernels; `EMLX_AXON_COMPILED_DECODE=1`
 /// or `=0` forces it on or off on any device.
 pub fn enabled(kind: DeviceKind) -> bool {
+    if FAILED.load(Ordering::Relaxed) {
+        return false;
+    }
     match std::env::var("EMLX_AXON_COMPILED_DECODE").as_deref() {
         Ok("1") | Ok("true") => true,
         Ok("0") | Ok("false") => false,
@@ -182,6 +189,11 @@ impl CompiledStep {
             )),
             Err((e, inputs)) => {
                 restore(layers, inputs);
+                // The caller runs the step eagerly instead (the cache is as
+                // it was); a step that cannot be compiled here never will be.
+                if !FAILED.swap(true, Ordering::Relaxed) {
+                    eprintln!("emlx_axon: compiled decode steps turned off: {e}");
+                }
                 Err(e)
             }
         }

@@ -206,7 +206,9 @@ pub struct Scheduler {
     workers: Vec<Lease>,
     /// The compiled decode step and the stream it is traced on, when decode
     /// steps run compiled.
-    compiled: Option<(Arc<CompiledStep>, Lease)>,
+    compiled: Option<Arc<CompiledStep>>,
+    /// The stream the compiled step is traced on, which every step runs on.
+    own_stream: Option<Lease>,
     cache: SlotCache,
     slots: Vec<Option<Running>>,
     queue: VecDeque<Request>,
@@ -256,17 +258,15 @@ impl Scheduler {
             vec![]
         };
         let kind = DeviceKind::default_kind();
-        let compiled = if crate::decode_step::enabled(kind) && workers.is_empty() {
+        let (compiled, own_stream) = if crate::decode_step::enabled(kind) && workers.is_empty() {
             let lease = Lease::new(kind)?;
-            Some((
-                crate::decode_step::for_stream(&model, lease.stream())?,
-                lease,
-            ))
+            let step = crate::decode_step::for_stream(&model, lease.stream())?;
+            (Some(step), Some(lease))
         } else {
-            None
+            (None, None)
         };
-        let mut cache = match &compiled {
-            Some((_, lease)) => lease
+        let mut cache = match &own_stream {
+            Some(lease) => lease
                 .stream()
                 .run(|| SlotCache::new(&model, config.slots as i32, config.capacity as i32))?,
             None => SlotCache::new(&model, config.slots as i32, config.capacity as i32)?,
@@ -276,6 +276,7 @@ impl Scheduler {
         }
         Ok(Scheduler {
             compiled,
+            own_stream,
             prefix: PrefixCache::new(config.prefix_cache_bytes, config.prefix_min_tokens),
             slots: (0..config.slots).map(|_| None).collect(),
             model,
@@ -433,11 +434,7 @@ impl Scheduler {
     /// `max_decode_steps` decode steps of the running batch. Returns the
     /// requests' new tokens, one event per request that produced any.
     pub fn step(&mut self, max_decode_steps: usize) -> Result<Vec<Event>> {
-        match self
-            .compiled
-            .as_ref()
-            .map(|(_, lease)| lease.stream().clone())
-        {
+        match self.own_stream.as_ref().map(|lease| lease.stream().clone()) {
             Some(stream) => stream.run(|| self.step_here(max_decode_steps)),
             None => self.step_here(max_decode_steps),
         }
@@ -649,11 +646,21 @@ impl Scheduler {
             }
         };
         self.cache.set_positions(&positions)?;
-        let logits = match &self.compiled {
-            Some((step, _)) => {
-                let (inputs, layers) = self.cache.step_inputs(ids)?;
-                step.run(inputs, layers)?
+        let compiled = match &self.compiled {
+            Some(step) => {
+                let (inputs, layers) = self.cache.step_inputs(ids.clone())?;
+                let logits = step.run(inputs, layers).ok();
+                if logits.is_none() {
+                    self.compiled = None;
+                }
+                logits
             }
+            None => None,
+        };
+        let logits = match compiled {
+            Some(logits) => logits,
+            // Eagerly: without a compiled step, or after it failed (which
+            // leaves the cache as it was and turns compiled steps off).
             None => {
                 let mask = self.cache.ranges()?;
                 self.model

@@ -368,7 +368,11 @@ impl Generation {
     fn forward_step(&mut self, tokens: &Array) -> Result<Array> {
         let ids = tokens.reshape(&[tokens.dim(0), 1])?;
         if self.compiled.is_some() {
-            return self.compiled_step(ids);
+            match self.compiled_step(ids.clone()) {
+                Ok(logits) => return Ok(logits),
+                // Left as it was: the same step, eagerly.
+                Err(_) => self.compiled = None,
+            }
         }
         self.forward(&ids, false)
     }
@@ -396,7 +400,6 @@ impl Generation {
             }
             None => Array::from_slice(&vec![0i32; rows as usize], &[rows]),
         };
-        self.forward_passes += 1;
         let step = StepInputs {
             ids,
             ends: Array::from_slice(&vec![offset + 1; rows as usize], &[rows]),
@@ -407,6 +410,7 @@ impl Generation {
         };
         let compiled = self.compiled.as_ref().expect("checked by the caller");
         let logits = compiled.run(step, self.cache.layers_mut())?;
+        self.forward_passes += 1;
         crate::cache::KvStore::advance(&mut self.cache, 1);
         Ok(logits)
     }
