@@ -394,6 +394,10 @@ impl Bench {
         fields.insert("kv_bytes".into(), json!(self.kv_bytes(1, prompt.len() + n)));
         fields.insert("ids".into(), json!(t.ids));
         fields.insert("compiled_decode".into(), json!(t.compiled_decode));
+        fields.insert(
+            "decode_attention_kernel".into(),
+            json!(emlx_axon_engine::decode_attention::checked()),
+        );
         Memory::record(&mut fields);
         self.emit("decode", Some(run), Value::Object(fields));
         Ok(())

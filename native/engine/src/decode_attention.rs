@@ -120,6 +120,11 @@ pub fn available() -> bool {
         .is_some()
 }
 
+/// Whether the kernel has been checked and passed (`None`: not checked yet).
+pub fn checked() -> Option<bool> {
+    CHECKED.get().map(Option::is_some)
+}
+
 fn new_kernel() -> Result<Kernel> {
     let c = |s: &str| CString::new(s).expect("no NUL in names");
     let names = |list: &[&str]| -> Vec<CString> { list.iter().map(|s| c(s)).collect() };

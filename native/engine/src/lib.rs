@@ -8,7 +8,7 @@ mod attention;
 pub mod cache;
 pub mod config;
 pub mod constraint;
-mod decode_attention;
+pub mod decode_attention;
 pub mod decode_step;
 pub mod device;
 pub mod error;
