@@ -33,7 +33,7 @@ const SOURCE: &str = r#"
   const float scale = rsqrtf((float)D);
 
   float qv[E];
-  const T* qp = q + ((size_t)row * heads + head) * D + lane * E;
+  const T* qp = q + row * q_strides[0] + head * q_strides[1] + lane * E;
   for (int e = 0; e < E; e++) qv[e] = static_cast<float>(qp[e]) * scale;
   const T* kb = keys + row * keys_strides[0] + kv * keys_strides[1] + lane * E;
   const T* vb = values + row * values_strides[0] + kv * values_strides[1] + lane * E;
@@ -161,7 +161,7 @@ fn new_kernel() -> Result<Kernel> {
 
 /// Attention of one query per row: `q` `[rows, heads, 1, head_dim]`,
 /// `keys`/`values` `[>= rows, kv_heads, >= max(ends), head_dim]` (views of
-/// the cache, last axis contiguous), row `b` reading keys
+/// the cache), row `b` reading keys
 /// `starts[b]..ends[b]` (`[rows]` int32). Returns `[rows, heads, 1, head_dim]`.
 pub fn attend(
     q: &Array,
@@ -192,7 +192,8 @@ fn run(
             "the decode attention kernel takes one query per row and a head size of 32..256 in steps of 32",
         ));
     }
-    let q = q.reshape(&[rows, heads, hd])?;
+    // Every input is read through its strides, except along the last axis,
+    // which MLX's ops here leave contiguous.
     let out_shape = [rows, heads, hd];
     let stream = Stream::thread_local_or_default();
     let c = |s: &str| CString::new(s).expect("no NUL in names");
@@ -269,7 +270,8 @@ fn check() -> Result<Kernel> {
         };
         let keys_all = normal(&[rows + 1, kv_heads, cap, hd], &key)?;
         let values_all = normal(&[rows + 1, kv_heads, cap, hd], &mlx_rs::random::key(8)?)?;
-        let q = normal(&[rows, heads, 1, hd], &mlx_rs::random::key(9)?)?;
+        // Queries as attention sees them: heads moved ahead of the position.
+        let q = normal(&[rows, 1, heads, hd], &mlx_rs::random::key(9)?)?.swap_axes(1, 2)?;
         let attend_len = 64;
         let keys = keys_all.index((..rows, .., ..attend_len, ..));
         let values = values_all.index((..rows, .., ..attend_len, ..));
