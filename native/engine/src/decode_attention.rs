@@ -31,6 +31,7 @@ const SOURCE: &str = r#"
   const int heads = gridDim.x;
   const int kv = head / GQA;
   const float scale = rsqrtf((float)D);
+  const float neg_inf = __int_as_float(0xff800000);
 
   float qv[E];
   const T* qp = q + row * q_strides[0] + head * q_strides[1] + lane * E;
@@ -40,7 +41,7 @@ const SOURCE: &str = r#"
   const int start = starts[row];
   const int end = ends[row];
 
-  float m = -inf;
+  float m = neg_inf;
   float l = 0.f;
   float acc[E];
   for (int e = 0; e < E; e++) acc[e] = 0.f;
@@ -69,12 +70,12 @@ const SOURCE: &str = r#"
   __syncthreads();
   const int t = threadIdx.x;
   if (t < D) {
-    float big = -inf;
+    float big = neg_inf;
     for (int i = 0; i < WARPS; i++) big = fmaxf(big, sm[i]);
     float total = 0.f;
     float o = 0.f;
     for (int i = 0; i < WARPS; i++) {
-      const float f = sm[i] == -inf ? 0.f : expf(sm[i] - big);
+      const float f = sm[i] == neg_inf ? 0.f : expf(sm[i] - big);
       total += sl[i] * f;
       o += so[i][t] * f;
     }
