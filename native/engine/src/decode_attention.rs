@@ -6,7 +6,7 @@
 //! mask: it would fall back to separate products, softmax and masking, four
 //! kernels a layer instead of one. This kernel (MLX's `cuda_kernel`, built
 //! at run time like MLX's own) takes the rows' key ranges instead. One block
-//! per (query head, row); its 32 warps take every 32nd key with an online
+//! per (query head, row); its 8 warps take every 8th key with an online
 //! softmax in float32, then combine. Before first use it is checked against
 //! MLX's masked attention on the device; a failure (no compiler headers, a
 //! wrong result) leaves the masked path in use. Metal keeps the masked path.
@@ -22,7 +22,7 @@ use once_cell::sync::OnceCell;
 use crate::error::{Error, Result};
 
 const SOURCE: &str = r#"
-  constexpr int WARPS = 32;
+  constexpr int WARPS = 8;
   constexpr int E = D / 32;
   const int lane = threadIdx.x % 32;
   const int w = threadIdx.x / 32;
@@ -83,6 +83,10 @@ const SOURCE: &str = r#"
   }
 "#;
 
+/// Threads per block: 8 warps (the source's `WARPS`), few enough for any
+/// register use of the kernel, and at least the head size for the combine.
+const THREADS: i32 = 256;
+
 struct Kernel(mlx_sys::mlx_fast_cuda_kernel);
 
 // SAFETY: the kernel object is immutable after creation and MLX builds its
@@ -99,13 +103,17 @@ fn cuda_build() -> bool {
     !cfg!(feature = "metal") && crate::device::gpu_available()
 }
 
-/// Whether [`attend`] may be used on the current stream: a CUDA GPU stream
-/// where the kernel passed its check (run here on first call).
+/// Whether [`attend`] may be used on the current stream: asked for with
+/// `EMLX_AXON_DECODE_ATTENTION=1`, a CUDA GPU stream, and the kernel passed
+/// its check (run here on first call). Opt-in: on an NVIDIA H200 with MLX
+/// 0.32.2 the kernel builds but MLX refuses to launch it
+/// (`cudaGraphAddKernelNode` "invalid argument"), and that failed launch
+/// leaves the stream failing later work.
 pub fn available() -> bool {
     if !cuda_build() || crate::rope::on_cpu_stream() {
         return false;
     }
-    if std::env::var("EMLX_AXON_DECODE_ATTENTION").as_deref() == Ok("0") {
+    if std::env::var("EMLX_AXON_DECODE_ATTENTION").as_deref() != Ok("1") {
         return false;
     }
     CHECKED
@@ -210,8 +218,8 @@ fn run(
             out_shape.len(),
             dtype.into(),
         );
-        status |= mlx_sys::mlx_fast_cuda_kernel_config_set_grid(config, heads * 1024, rows, 1);
-        status |= mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(config, 1024, 1, 1);
+        status |= mlx_sys::mlx_fast_cuda_kernel_config_set_grid(config, heads * THREADS, rows, 1);
+        status |= mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(config, THREADS, 1, 1);
         status |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(
             config,
             t.as_ptr(),

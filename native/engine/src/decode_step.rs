@@ -25,7 +25,7 @@ use mlx_rs::error::Exception;
 use mlx_rs::Array;
 
 use crate::cache::{KvStore, RopeOffset};
-use crate::device::{DeviceKind, MlxStream};
+use crate::device::MlxStream;
 use crate::error::{Error, Result};
 use crate::model::{AttentionMask, Model};
 use crate::scheduler::slots::write_rows;
@@ -37,18 +37,19 @@ pub const ATTEND_BUCKET: i32 = 256;
 /// Set when a compiled step failed: later requests run eager steps.
 static FAILED: AtomicBool = AtomicBool::new(false);
 
-/// Whether decode steps on `kind` run compiled: on GPUs by default, where a
-/// step is bound by launching small kernels; `EMLX_AXON_COMPILED_DECODE=1`
-/// or `=0` forces it on or off on any device.
-pub fn enabled(kind: DeviceKind) -> bool {
+/// Whether decode steps run compiled: only when `EMLX_AXON_COMPILED_DECODE=1`.
+/// Off by default on every device: on an NVIDIA H200 the compiled step
+/// decoded at 195 tok/s against the eager step's 348 (Qwen3-0.6B shape,
+/// bf16, batch 1), its explicit stream costing more than the trace saves
+/// (bench/RESULTS-gpu.md); on a CPU it changes nothing measurable.
+pub fn enabled() -> bool {
     if FAILED.load(Ordering::Relaxed) {
         return false;
     }
-    match std::env::var("EMLX_AXON_COMPILED_DECODE").as_deref() {
-        Ok("1") | Ok("true") => true,
-        Ok("0") | Ok("false") => false,
-        _ => kind == DeviceKind::Gpu,
-    }
+    matches!(
+        std::env::var("EMLX_AXON_COMPILED_DECODE").as_deref(),
+        Ok("1") | Ok("true")
+    )
 }
 
 /// The keys a step attends to when the furthest row writes at `position`.

@@ -258,7 +258,7 @@ impl Scheduler {
             vec![]
         };
         let kind = DeviceKind::default_kind();
-        let (compiled, own_stream) = if crate::decode_step::enabled(kind) && workers.is_empty() {
+        let (compiled, own_stream) = if crate::decode_step::enabled() && workers.is_empty() {
             let lease = Lease::new(kind)?;
             let step = crate::decode_step::for_stream(&model, lease.stream())?;
             (Some(step), Some(lease))

@@ -107,7 +107,7 @@ impl Generation {
         } else {
             vec![]
         };
-        let compiled_steps = crate::decode_step::enabled(kind) && workers.is_empty();
+        let compiled_steps = crate::decode_step::enabled() && workers.is_empty();
         let (stream, own_stream) = match stream {
             None if compiled_steps => {
                 let lease = Lease::new(kind)?;
