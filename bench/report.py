@@ -20,11 +20,12 @@ import statistics
 import sys
 from pathlib import Path
 
-PEER_ORDER = ["rust", "rust-eager", "rust-1t", "rust-int8", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream",
+PEER_ORDER = ["rust", "rust-eager", "rust-compiled", "rust-1t", "rust-int8", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream",
               "mlx-lm-cli", "llama.cpp"]
 PEER_NAMES = {
     "rust": "Rust engine",
     "rust-eager": "Rust engine, compiled decode off",
+    "rust-compiled": "Rust engine, compiled decode on (opt-in)",
     "mlx-lm-stream": "mlx-lm (stream_generate)",
     "mlx-lm-cli": "mlx-lm (python -m mlx_lm generate)",
     "rust-1t": "Rust engine, 1 thread",
@@ -34,7 +35,7 @@ PEER_NAMES = {
     "elixir-textgen": "Elixir (TextGeneration.stream)",
     "mlx-lm": "mlx-lm",
 }
-OURS = ["rust", "rust-eager", "rust-1t", "rust-int8", "elixir", "elixir-textgen"]
+OURS = ["rust", "rust-eager", "rust-compiled", "rust-1t", "rust-int8", "elixir", "elixir-textgen"]
 MLX_LM = ["mlx-lm", "mlx-lm-stream", "mlx-lm-cli"]
 BEST_MLX = "best mlx-lm path"
 
@@ -305,7 +306,7 @@ def model_section(name, folder, settings):
         lines.append(f"\"{BEST_MLX}\" is, per metric, the best median of the mlx-lm paths ({'; '.join(best_note)}).")
     # The engine's bench reports whether its decode step ran compiled, where it does.
     compiled = {p: sorted({str(r["compiled_decode"]).lower() for reps in runs.get(p, {}).values() for r in reps
-                           if "compiled_decode" in r}) for p in ("rust", "rust-eager")}
+                           if "compiled_decode" in r}) for p in ("rust", "rust-eager", "rust-compiled")}
     if any(compiled.values()):
         lines.append("Compiled decode step, as the engine reported it: " + "; ".join(
             f"{PEER_NAMES[p]}: {'/'.join(v) or 'not reported'}" for p, v in compiled.items() if p in runs) + ".")
@@ -337,6 +338,8 @@ def model_section(name, folder, settings):
         ratio_pairs += [(p, BEST_MLX) for p in ("rust", "rust-eager") if p in peers]
     if "rust" in peers and "rust-eager" in peers:
         ratio_pairs.append(("rust", "rust-eager"))
+    if "rust" in peers and "rust-compiled" in peers:
+        ratio_pairs.append(("rust-compiled", "rust"))
     if "rust" in peers:
         ratio_pairs += [(p, "rust") for p in peers if p in ("elixir", "elixir-textgen")]
     if "llama.cpp" in peers and "rust" in peers:
@@ -402,7 +405,7 @@ def model_section(name, folder, settings):
 # ids must equal the engine's. llama.cpp runs a Q4_0 requantization of them,
 # and bf16 rounding may flip a near tie, so there a divergence is reported
 # with its position, not failed.
-SAME_WEIGHTS = ["rust-eager", "rust-1t", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream"]
+SAME_WEIGHTS = ["rust-eager", "rust-compiled", "rust-1t", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream"]
 
 
 def first_divergence(a, b):
