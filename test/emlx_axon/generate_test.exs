@@ -28,12 +28,27 @@ defmodule EMLXAxon.Qwen3.GenerateTest do
       end
     end
 
+    # mlx-lm's reference ran on the CPU. On a GPU the products round
+    # differently (an NVIDIA H200 agreed on the first 8 of 16 ids): there the
+    # ids must follow the reference until a step where our pick is still
+    # among its top 4; on the CPU they must match exactly.
     test "qwen3-bf16 quantized while loading matches mlx-lm's quantized model" do
       state = TestFixtures.model("qwen3-bf16", quantize: [bits: 4, group_size: 128])
 
-      for {_prompt, %{"prompt_ids" => ids, "greedy_ids" => greedy}} <-
+      for {_prompt, %{"prompt_ids" => prompt_ids, "greedy_ids" => greedy, "top_ids" => top_ids}} <-
             TestFixtures.reference("qwen3-bf16", "reference_q4g128")["prompts"] do
-        assert {:ok, %{token_ids: ^greedy}} = Generate.generate(state, ids, @parity)
+        ids = ids!(Generate.generate(state, prompt_ids, @parity))
+
+        case Enum.find_index(Enum.zip(ids, greedy), fn {a, b} -> a != b end) do
+          nil ->
+            :ok
+
+          step ->
+            assert TestFixtures.gpu?(), "ids #{inspect(ids)} differ from #{inspect(greedy)}"
+
+            assert Enum.at(ids, step) in Enum.take(Enum.at(top_ids, step), 4),
+                   "step #{step}: #{Enum.at(ids, step)} is not in the reference's top 4"
+        end
       end
     end
 
