@@ -1,7 +1,8 @@
 //! Continuous batching: a fixed set of slots decoded together, with rows
 //! joining and leaving between steps.
 //!
-//! A request waits in a queue until a slot is free, then its prompt is run
+//! A request waits in a queue until a slot is free (the shortest prompt
+//! first, with aging so long ones are not starved), then its prompt is run
 //! through the model in bounded chunks (one chunk per [`Scheduler::step`], so
 //! running rows keep their pace) into a cache of its own; when the prompt is
 //! done its keys and values are copied into the slot and the row joins the
@@ -125,7 +126,13 @@ struct Request {
     first_token: Option<Instant>,
     last_token: Option<Instant>,
     cached_tokens: usize,
+    /// How many later requests started their prefill before this one.
+    passed_over: usize,
 }
+
+/// A waiting request passed over this many times is prefilled next,
+/// however long its prompt.
+const MAX_PASSED_OVER: usize = 8;
 
 impl Request {
     fn stats(&self) -> RequestStats {
@@ -361,6 +368,7 @@ impl Scheduler {
             first_token: None,
             last_token: None,
             cached_tokens: 0,
+            passed_over: 0,
         });
         Ok(id)
     }
@@ -456,6 +464,22 @@ impl Scheduler {
         self.decode(max_decode_steps, events)
     }
 
+    /// The waiting request to prefill next: the shortest prompt (the oldest
+    /// among equals), so that a short request is not held behind the
+    /// prefill of long ones; one passed over `MAX_PASSED_OVER` times goes
+    /// first, so long prompts are not starved.
+    fn next_request(&mut self) -> Option<Request> {
+        let i = self
+            .queue
+            .iter()
+            .position(|r| r.passed_over >= MAX_PASSED_OVER)
+            .or_else(|| (0..self.queue.len()).min_by_key(|&i| (self.queue[i].prompt.len(), i)))?;
+        for older in self.queue.iter_mut().take(i) {
+            older.passed_over += 1;
+        }
+        self.queue.remove(i)
+    }
+
     fn free_slot(&self) -> Option<usize> {
         self.slots.iter().position(Option::is_none)
     }
@@ -467,7 +491,7 @@ impl Scheduler {
             if self.free_slot().is_none() {
                 return Ok(None);
             }
-            let Some(mut request) = self.queue.pop_front() else {
+            let Some(mut request) = self.next_request() else {
                 return Ok(None);
             };
             request.prefill_started = Some(Instant::now());

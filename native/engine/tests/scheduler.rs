@@ -256,9 +256,10 @@ fn cancelling_mid_prefill_and_mid_decode_frees_the_slot_and_memory() {
     assert!(s.is_idle());
     assert!(!s.cancel(long), "a request is cancelled once");
 
-    // Mid-decode, while another row keeps going.
-    let a = s.admit(p[0].clone(), greedy(40)).unwrap();
-    let b = s.admit(p[1].clone(), greedy(12)).unwrap();
+    // Mid-decode, while another row keeps going (the shorter prompt, a's,
+    // is prefilled first).
+    let a = s.admit(p[1].clone(), greedy(40)).unwrap();
+    let b = s.admit(p[0].clone(), greedy(12)).unwrap();
     while !c.ids.contains_key(&b) {
         c.step(&mut s, 1);
     }
@@ -269,7 +270,7 @@ fn cancelling_mid_prefill_and_mid_decode_frees_the_slot_and_memory() {
     let d = s.admit(p[2].clone(), greedy(10)).unwrap();
     c.drain(&mut s);
     assert!(!c.finish.contains_key(&a));
-    assert_eq!(c.ids[&b], solo(&model, &p[1], greedy(12)));
+    assert_eq!(c.ids[&b], solo(&model, &p[0], greedy(12)));
     assert_eq!(c.ids[&d], solo(&model, &p[2], greedy(10)));
 
     let after = settled_active_memory();
@@ -434,4 +435,45 @@ fn rows_leaving_inside_a_multi_step_call_do_not_disturb_the_others() {
     assert_eq!(c.finish[&ids[3]], FinishReason::Eos);
     assert_eq!(c.finish[&ids[4]], FinishReason::MaxLen);
     assert_eq!(c.ids[&ids[4]].len(), 5);
+}
+
+/// Requests in the order their first tokens came.
+fn first_token_order(s: &mut Scheduler) -> Vec<RequestId> {
+    let mut order = vec![];
+    while !s.is_idle() {
+        for e in s.step(1).unwrap() {
+            if !e.delta.ids.is_empty() && !order.contains(&e.id) {
+                order.push(e.id);
+            }
+        }
+    }
+    order
+}
+
+#[test]
+fn the_shortest_waiting_prompt_is_prefilled_first_and_long_ones_are_not_starved() {
+    let _g = serial();
+    let model = model();
+    let p = prompts();
+    let (short, long) = (&p[2], &p[3]);
+    assert!(short.len() < long.len());
+    let mut s = Scheduler::new(model.clone(), None, config(1, 64, 0)).unwrap();
+    let first_long = s.admit(long.clone(), greedy(2)).unwrap();
+    let second_long = s.admit(long.clone(), greedy(2)).unwrap();
+    let late_short = s.admit(short.clone(), greedy(2)).unwrap();
+    assert_eq!(
+        first_token_order(&mut s),
+        [late_short, first_long, second_long]
+    );
+
+    // A long prompt passed over by 8 shorter ones goes next.
+    let waiting = s.admit(long.clone(), greedy(2)).unwrap();
+    let shorts: Vec<RequestId> = (0..10)
+        .map(|_| s.admit(short.clone(), greedy(2)).unwrap())
+        .collect();
+    let order = first_token_order(&mut s);
+    let mut expected = shorts[..8].to_vec();
+    expected.push(waiting);
+    expected.extend(&shorts[8..]);
+    assert_eq!(order, expected);
 }
