@@ -24,11 +24,10 @@ use std::thread::JoinHandle;
 use mlx_rs::error::Exception;
 use mlx_rs::Array;
 
-use crate::cache::{KvStore, RopeOffset};
 use crate::device::MlxStream;
 use crate::error::{Error, Result};
 use crate::model::{AttentionMask, Model};
-use crate::scheduler::slots::write_rows;
+use crate::scheduler::SlotCache;
 
 /// Attended keys are rounded up to a multiple of this: a new trace every
 /// 256 positions, and at most 255 masked keys read in vain.
@@ -234,49 +233,27 @@ fn traced_step(model: &Weak<Model>, args: &[Array]) -> Result<Vec<Array>> {
             "a decode step takes ids, positions and masks",
         ));
     };
-    let mut cache = StepCache {
-        layers: cache
+    let mut cache = SlotCache::traced(
+        cache
             .chunks(2)
             .map(|p| (p[0].clone(), p[1].clone()))
             .collect(),
-        positions: positions.clone(),
-        scatter_at: scatter_at.clone(),
-        rows: ids.dim(0),
-        attend: mask.dim(-1),
-    };
+        positions.clone(),
+        scatter_at.clone(),
+        ids.dim(0),
+        mask.dim(-1),
+    );
     let mask = AttentionMask::Ranges {
         mask: mask.clone(),
         starts: starts.clone(),
         ends: ends.clone(),
     };
     let logits = model.forward(ids, &mut cache, &mask, false, &[])?;
-    let mut out = Vec::with_capacity(1 + 2 * cache.layers.len());
+    let layers = cache.into_layers();
+    let mut out = Vec::with_capacity(1 + 2 * layers.len());
     out.push(logits);
-    for (k, v) in cache.layers {
+    for (k, v) in layers {
         out.extend([k, v]);
     }
     Ok(out)
-}
-
-/// The cache as the trace sees it: every shape from the inputs', every
-/// position an array.
-struct StepCache {
-    layers: Vec<(Array, Array)>,
-    positions: Array,
-    scatter_at: Array,
-    rows: i32,
-    attend: i32,
-}
-
-impl KvStore for StepCache {
-    fn rope_offset(&self) -> RopeOffset {
-        RopeOffset::PerRow(self.positions.clone())
-    }
-
-    fn update(&mut self, layer: usize, k: &Array, v: &Array) -> Result<(Array, Array)> {
-        let (keys, values) = &mut self.layers[layer];
-        write_rows(keys, values, k, v, &self.scatter_at, self.rows, self.attend)
-    }
-
-    fn advance(&mut self, _n: i32) {}
 }

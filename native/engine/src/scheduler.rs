@@ -21,7 +21,7 @@
 
 mod constrain;
 mod prefix;
-pub(crate) mod slots;
+mod slots;
 
 use std::collections::VecDeque;
 use std::sync::Arc;

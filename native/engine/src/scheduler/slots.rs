@@ -116,6 +116,35 @@ impl SlotCache {
         Ok(())
     }
 
+    /// The cache as a compiled step's trace sees it: `layers` and the step's
+    /// arrays are the trace's inputs, every shape comes from theirs.
+    pub(crate) fn traced(
+        layers: Vec<(Array, Array)>,
+        positions: Array,
+        scatter_at: Array,
+        rows: i32,
+        attend: i32,
+    ) -> Self {
+        let (slots, capacity) = layers
+            .first()
+            .map_or((rows, attend), |(k, _)| (k.dim(0), k.dim(2)));
+        SlotCache {
+            layers,
+            slots,
+            capacity,
+            rows,
+            starts: Array::from_slice(&vec![0i32; rows as usize], &[rows]),
+            positions,
+            scatter_at,
+            attend,
+            bucketed: true,
+        }
+    }
+
+    pub(crate) fn into_layers(self) -> Vec<(Array, Array)> {
+        self.layers
+    }
+
     /// Rounds the keys a step reads up to a bucket (see
     /// [`crate::decode_step`]), so that steps keep their shapes.
     pub fn bucket_attention(&mut self) {
@@ -201,7 +230,7 @@ impl KvStore for SlotCache {
 /// with the scatter's result leaves the buffer to the graph alone, so MLX
 /// updates it in place; the scatter covers every slot (zeros at the free
 /// ones' positions past `rows`) so that it stays one in-place write.
-pub(crate) fn write_rows(
+fn write_rows(
     keys: &mut Array,
     values: &mut Array,
     k: &Array,
