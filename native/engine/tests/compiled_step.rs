@@ -17,15 +17,6 @@ use emlx_axon_engine::{
 
 const FIXTURE: &str = "qwen3-4bit-g64";
 
-fn options(max_new_tokens: usize, sampler: SamplerConfig) -> GenerateOptions {
-    GenerateOptions {
-        max_new_tokens,
-        ignore_eos: true,
-        sampler,
-        ..GenerateOptions::default()
-    }
-}
-
 fn seeded() -> SamplerConfig {
     SamplerConfig {
         kind: SamplerKind::TopPGpu,

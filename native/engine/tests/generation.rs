@@ -13,15 +13,6 @@ fn model() -> std::sync::Arc<emlx_axon_engine::Model> {
     load_f32(FIXTURE)
 }
 
-fn options(max_new_tokens: usize, sampler: SamplerConfig) -> GenerateOptions {
-    GenerateOptions {
-        max_new_tokens,
-        ignore_eos: true,
-        sampler,
-        ..GenerateOptions::default()
-    }
-}
-
 fn sampler(kind: SamplerKind, top_p: f32, top_k: usize, seed: u64) -> SamplerConfig {
     SamplerConfig {
         kind,

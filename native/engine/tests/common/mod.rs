@@ -6,7 +6,7 @@ pub mod schema;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use emlx_axon_engine::{LoadOptions, Model, Tokenizer};
+use emlx_axon_engine::{GenerateOptions, LoadOptions, Model, SamplerConfig, Tokenizer};
 use serde_json::Value;
 
 pub fn fixtures() -> PathBuf {
@@ -94,4 +94,15 @@ pub fn scratch_copy(name: &str, tag: &str) -> PathBuf {
         std::fs::copy(entry.path(), dir.join(entry.file_name())).unwrap();
     }
     dir
+}
+
+/// `max_new_tokens` tokens with `sampler`, EOS ignored (every row runs to its
+/// length).
+pub fn options(max_new_tokens: usize, sampler: SamplerConfig) -> GenerateOptions {
+    GenerateOptions {
+        max_new_tokens,
+        ignore_eos: true,
+        sampler,
+        ..GenerateOptions::default()
+    }
 }
