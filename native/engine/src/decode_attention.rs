@@ -107,8 +107,7 @@ fn cuda_build() -> bool {
 /// `EMLX_AXON_DECODE_ATTENTION=1`, a CUDA GPU stream, and the kernel passed
 /// its check (run here on first call). Opt-in: on an NVIDIA H200 with MLX
 /// 0.32.2 the kernel builds but MLX refuses to launch it
-/// (`cudaGraphAddKernelNode` "invalid argument"), and that failed launch
-/// leaves the stream failing later work.
+/// (`cudaGraphAddKernelNode` "invalid argument").
 pub fn available() -> bool {
     if !cuda_build() || crate::rope::on_cpu_stream() {
         return false;
@@ -117,7 +116,7 @@ pub fn available() -> bool {
         return false;
     }
     CHECKED
-        .get_or_init(|| match check() {
+        .get_or_init(|| match checked_on_a_stream_of_its_own() {
             Ok(kernel) => Some(kernel),
             Err(e) => {
                 eprintln!(
@@ -265,6 +264,13 @@ fn run(
             .ok_or_else(|| Error::Mlx("the decode attention kernel could not be applied".into()))?;
         Ok(out.reshape(&[rows, heads, 1, hd])?)
     }
+}
+
+/// [`check`] on a fresh GPU stream: a kernel MLX fails to launch leaves the
+/// stream's command graph failing later work, so that stream is dropped.
+fn checked_on_a_stream_of_its_own() -> Result<Kernel> {
+    let stream = crate::device::MlxStream::new(crate::device::DeviceKind::Gpu)?;
+    stream.run(check)
 }
 
 /// Runs the kernel on a small case (GQA, ragged rows, a cache wider than
