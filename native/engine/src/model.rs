@@ -56,6 +56,13 @@ struct Block {
     post_norm: RmsNorm,
 }
 
+/// Which positions' logits a forward pass returns.
+enum Take<'a> {
+    All,
+    Last,
+    At(&'a Array),
+}
+
 pub struct Model {
     pub config: ModelConfig,
     pub dtype: Dtype,
@@ -277,7 +284,22 @@ impl Model {
         workers: Workers,
     ) -> Result<Array> {
         let cpu = crate::rope::on_cpu_stream();
-        self.forward_ops(ids, cache, mask, last_only, workers, cpu)
+        let take = if last_only { Take::Last } else { Take::All };
+        self.forward_ops(ids, cache, mask, take, workers, cpu)
+    }
+
+    /// [`Model::forward`] returning the logits `[B, 1, vocab]` of one position
+    /// per row, `at` (`[B]` int32): the last token of right-padded prompts.
+    pub fn forward_at<C: KvStore>(
+        &self,
+        ids: &Array,
+        cache: &mut C,
+        mask: &AttentionMask,
+        at: &Array,
+        workers: Workers,
+    ) -> Result<Array> {
+        let cpu = crate::rope::on_cpu_stream();
+        self.forward_ops(ids, cache, mask, Take::At(at), workers, cpu)
     }
 
     /// [`Model::forward`] with MLX's fast ops expanded by hand for a CPU
@@ -287,7 +309,7 @@ impl Model {
         ids: &Array,
         cache: &mut C,
         mask: &AttentionMask,
-        last_only: bool,
+        take: Take,
         workers: Workers,
         cpu_ops: bool,
     ) -> Result<Array> {
@@ -325,9 +347,16 @@ impl Model {
             h = h.add(&block.mlp.down.forward(&act, workers)?)?;
         }
         cache.advance(ids.dim(1));
-        if last_only {
-            let l = h.dim(1);
-            h = mlx_rs::ops::indexing::IndexOp::index(&h, (.., (l - 1).., ..));
+        match take {
+            Take::All => {}
+            Take::Last => {
+                let l = h.dim(1);
+                h = mlx_rs::ops::indexing::IndexOp::index(&h, (.., (l - 1).., ..));
+            }
+            Take::At(at) => {
+                let at = at.reshape(&[at.dim(0), 1, 1])?;
+                h = h.take_along_axis(&at, 1)?;
+            }
         }
         let h = self.norm.forward(&h, cpu_ops)?;
         match &self.lm_head {
@@ -357,7 +386,7 @@ mod tests {
         let mut mask = AttentionMask::Causal;
         for step in 0..4u32 {
             let y = model
-                .forward_ops(&ids, &mut cache, &mask, false, &[], cpu_ops)
+                .forward_ops(&ids, &mut cache, &mask, Take::All, &[], cpu_ops)
                 .unwrap();
             let y = y.as_dtype(Dtype::Float32).unwrap();
             out.push(y.as_slice::<f32>().to_vec());

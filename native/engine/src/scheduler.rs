@@ -22,6 +22,7 @@
 mod constrain;
 mod prefix;
 mod slots;
+mod together;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -458,8 +459,10 @@ impl Scheduler {
     }
 
     fn step_into(&mut self, max_decode_steps: usize, events: &mut Vec<Event>) -> Result<()> {
-        if let Some(event) = self.prefill_chunk()? {
-            push(events, event);
+        if !self.prefill_together(events)? {
+            if let Some(event) = self.prefill_chunk()? {
+                push(events, event);
+            }
         }
         self.decode(max_decode_steps, events)
     }
@@ -469,19 +472,49 @@ impl Scheduler {
     /// prefill of long ones; one passed over `MAX_PASSED_OVER` times goes
     /// first, so long prompts are not starved.
     fn next_request(&mut self) -> Option<Request> {
-        let i = self
-            .queue
+        let i = self.next_index()?;
+        Some(self.take_queued(i))
+    }
+
+    /// Where in the queue [`next_request`](Self::next_request) takes from.
+    fn next_index(&self) -> Option<usize> {
+        self.queue
             .iter()
             .position(|r| r.passed_over >= MAX_PASSED_OVER)
-            .or_else(|| (0..self.queue.len()).min_by_key(|&i| (self.queue[i].prompt.len(), i)))?;
+            .or_else(|| (0..self.queue.len()).min_by_key(|&i| (self.queue[i].prompt.len(), i)))
+    }
+
+    /// Removes the queue's `i`-th request; the older ones it passed count it.
+    fn take_queued(&mut self, i: usize) -> Request {
         for older in self.queue.iter_mut().take(i) {
             older.passed_over += 1;
         }
-        self.queue.remove(i)
+        self.queue.remove(i).expect("a queued request")
     }
 
     fn free_slot(&self) -> Option<usize> {
         self.slots.iter().position(Option::is_none)
+    }
+
+    /// Makes `request` the prompt being prefilled, from its cached prefix if any.
+    fn start_prefill(&mut self, mut request: Request) -> Result<()> {
+        request.prefill_started = Some(Instant::now());
+        let len = request.prompt.len() as i32;
+        let mut cache = KvCache::new(&self.model, 1, len)?;
+        let mut done = 0;
+        if self.config.prefix_cache_bytes > 0 {
+            if let Some(hit) = self.prefix.lookup(&request.prompt) {
+                cache.load_prefix(&hit.layers)?;
+                done = hit.len;
+                request.cached_tokens = hit.len;
+            }
+        }
+        self.prefill = Some(Prefill {
+            request,
+            cache,
+            done,
+        });
+        Ok(())
     }
 
     /// Starts the next queued prompt when a slot is free, runs one chunk of
@@ -491,25 +524,10 @@ impl Scheduler {
             if self.free_slot().is_none() {
                 return Ok(None);
             }
-            let Some(mut request) = self.next_request() else {
+            let Some(request) = self.next_request() else {
                 return Ok(None);
             };
-            request.prefill_started = Some(Instant::now());
-            let len = request.prompt.len() as i32;
-            let mut cache = KvCache::new(&self.model, 1, len)?;
-            let mut done = 0;
-            if self.config.prefix_cache_bytes > 0 {
-                if let Some(hit) = self.prefix.lookup(&request.prompt) {
-                    cache.load_prefix(&hit.layers)?;
-                    done = hit.len;
-                    request.cached_tokens = hit.len;
-                }
-            }
-            self.prefill = Some(Prefill {
-                request,
-                cache,
-                done,
-            });
+            self.start_prefill(request)?;
         }
         let p = self.prefill.as_mut().expect("a prefill was just set");
         let len = p.request.prompt.len();

@@ -477,3 +477,45 @@ fn the_shortest_waiting_prompt_is_prefilled_first_and_long_ones_are_not_starved(
     expected.extend(&shorts[8..]);
     assert_eq!(order, expected);
 }
+
+#[test]
+fn short_prompts_waiting_together_are_prefilled_in_one_pass_and_equal_their_solo_runs() {
+    let _g = serial();
+    let model = model();
+    let p = prompts();
+    let mut s = Scheduler::new(model.clone(), None, config(4, 64, 0)).unwrap();
+    let seeded = GenerateOptions {
+        sampler: SamplerConfig {
+            kind: SamplerKind::TopPGpu,
+            temperature: 0.8,
+            top_p: 0.9,
+            seed: Some(5),
+            ..SamplerConfig::default()
+        },
+        ..greedy(7)
+    };
+    let requests = [
+        (p[0].clone(), greedy(9)),
+        (p[1].clone(), greedy(6)),
+        (p[2].clone(), greedy(8)),
+        (p[1].clone(), seeded),
+    ];
+    let ids: Vec<RequestId> = requests
+        .iter()
+        .map(|(prompt, o)| s.admit(prompt.clone(), o.clone()).unwrap())
+        .collect();
+    // One step: every prompt's first token (one after another, a step
+    // would give one).
+    let mut c = Collected::default();
+    c.step(&mut s, 1);
+    for id in &ids {
+        assert!(
+            c.ids.contains_key(id),
+            "request {id} has no first token yet"
+        );
+    }
+    c.drain(&mut s);
+    for (id, (prompt, o)) in ids.iter().zip(&requests) {
+        assert_eq!(c.ids[id], solo(&model, prompt, o.clone()), "request {id}");
+    }
+}
