@@ -26,7 +26,8 @@ defmodule EMLXAxon.Scheduler do
   is queued ahead).
 
   The process drives the batch with short dirty NIF calls (one prompt chunk
-  and `:steps_per_call` decode steps each), so no dirty scheduler is held for
+  and up to `:steps_per_call` decode steps within `:step_budget_ms` each),
+  so no dirty scheduler is held for
   a whole generation, and requests, cancellations and exits are handled
   between calls.
 
@@ -78,7 +79,8 @@ defmodule EMLXAxon.Scheduler do
     slots: 8,
     capacity: 2048,
     prefill_chunk: 128,
-    steps_per_call: 4,
+    steps_per_call: 64,
+    step_budget_ms: 20,
     max_queue: 64,
     prefix_cache_bytes: 256 * 1024 * 1024,
     prefix_min_tokens: 16
@@ -103,7 +105,13 @@ defmodule EMLXAxon.Scheduler do
       (default 2048); a request's `:max_len` is capped at it
     * `:prefill_chunk` - most prompt tokens run between two decode steps
       (default 128)
-    * `:steps_per_call` - decode steps per NIF call (default 4)
+    * `:steps_per_call` - most decode steps per NIF call (default 64)
+    * `:step_budget_ms` - no further decode step starts in a NIF call once
+      this many milliseconds have passed (at least one runs; default 20;
+      `0`: always `:steps_per_call` steps). A call then takes about the same
+      time whatever a step costs: many short GPU steps share one call's
+      fixed cost, while long CPU steps still leave room every few
+      milliseconds for new requests, cancellations and streaming
     * `:max_queue` - requests that may wait for a slot, past the `:slots`
       running ones (default 64)
     * `:prefix_cache_bytes` - budget of the prefix cache; `0` turns it off
@@ -294,7 +302,7 @@ defmodule EMLXAxon.Scheduler do
       pos_integer!(key, Map.fetch!(opts, key))
     end
 
-    for key <- [:max_queue, :prefix_cache_bytes, :prefix_min_tokens] do
+    for key <- [:max_queue, :prefix_cache_bytes, :prefix_min_tokens, :step_budget_ms] do
       value = Map.fetch!(opts, key)
 
       unless is_integer(value) and value >= 0 do
@@ -356,6 +364,7 @@ defmodule EMLXAxon.Scheduler do
            slots: opts.slots,
            max_queue: opts.max_queue,
            steps: opts.steps_per_call,
+           budget_us: opts.step_budget_ms * 1000,
            # native id -> request; ref -> native id
            requests: %{},
            ids: %{},
@@ -428,7 +437,7 @@ defmodule EMLXAxon.Scheduler do
     else
       started = System.monotonic_time()
 
-      case Error.wrap(Native.scheduler_step(state.resource, state.steps)) do
+      case Error.wrap(Native.scheduler_step(state.resource, state.steps, state.budget_us)) do
         {:ok, {events, occupancy}} ->
           state = Enum.reduce(events, state, &deliver/2)
           emit_step(started, events, occupancy)

@@ -140,7 +140,9 @@ defmodule EMLXAxon.SchedulerTest do
       start(ctx,
         tokenizer: ctx.tokenizer,
         prefix_cache_bytes: 64 * 1024 * 1024,
-        prefix_min_tokens: 4
+        prefix_min_tokens: 4,
+        # Two steps a call: the stream comes in several pieces.
+        steps_per_call: 2
       )
 
     system = String.duplicate("You are a careful assistant. ", 4)

@@ -26,7 +26,7 @@ mod together;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
@@ -443,28 +443,50 @@ impl Scheduler {
     /// `max_decode_steps` decode steps of the running batch. Returns the
     /// requests' new tokens, one event per request that produced any.
     pub fn step(&mut self, max_decode_steps: usize) -> Result<Vec<Event>> {
+        self.step_within(max_decode_steps, None)
+    }
+
+    /// [`step`](Self::step), starting no decode step once `budget` has
+    /// passed (at least one runs): a call then lasts about the same time
+    /// whatever a step costs on this device and model, so short steps share
+    /// the call's fixed cost and long ones do not hold later requests back.
+    pub fn step_within(
+        &mut self,
+        max_decode_steps: usize,
+        budget: Option<Duration>,
+    ) -> Result<Vec<Event>> {
+        let deadline = budget.map(|b| Instant::now() + b);
         match self.own_stream.as_ref().map(|lease| lease.stream().clone()) {
-            Some(stream) => stream.run(|| self.step_here(max_decode_steps)),
-            None => self.step_here(max_decode_steps),
+            Some(stream) => stream.run(|| self.step_here(max_decode_steps, deadline)),
+            None => self.step_here(max_decode_steps, deadline),
         }
     }
 
-    fn step_here(&mut self, max_decode_steps: usize) -> Result<Vec<Event>> {
+    fn step_here(
+        &mut self,
+        max_decode_steps: usize,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<Event>> {
         let mut events: Vec<Event> = vec![];
-        let result = self.step_into(max_decode_steps, &mut events);
+        let result = self.step_into(max_decode_steps, deadline, &mut events);
         // Nothing stays queued between calls: the next may come on another
         // thread, whose default stream cannot schedule this one's arrays.
         transforms::eval(self.cache.arrays())?;
         result.map(|()| events)
     }
 
-    fn step_into(&mut self, max_decode_steps: usize, events: &mut Vec<Event>) -> Result<()> {
+    fn step_into(
+        &mut self,
+        max_decode_steps: usize,
+        deadline: Option<Instant>,
+        events: &mut Vec<Event>,
+    ) -> Result<()> {
         if !self.prefill_together(events)? {
             if let Some(event) = self.prefill_chunk()? {
                 push(events, event);
             }
         }
-        self.decode(max_decode_steps, events)
+        self.decode(max_decode_steps, deadline, events)
     }
 
     /// The waiting request to prefill next: the shortest prompt (the oldest
@@ -603,22 +625,32 @@ impl Scheduler {
     /// from the step queued after it: that step's token for it is never
     /// read, and its key and value land past the row's end in a free slot,
     /// where a row joining later writes its prompt over them or never reads.
-    fn decode(&mut self, max_steps: usize, events: &mut Vec<Event>) -> Result<()> {
+    fn decode(
+        &mut self,
+        max_steps: usize,
+        deadline: Option<Instant>,
+        events: &mut Vec<Event>,
+    ) -> Result<()> {
         let mut left = max_steps;
         let mut pending: Option<Queued> = None;
+        let mut first = true;
+        let more = |left: usize, first: bool| {
+            left > 0 && (first || deadline.is_none_or(|d| Instant::now() < d))
+        };
         loop {
             let current = match pending.take() {
                 Some(queued) => queued,
                 None => {
-                    if left == 0 || self.slots.iter().all(Option::is_none) {
+                    if !more(left, first) || self.slots.iter().all(Option::is_none) {
                         break;
                     }
                     left -= 1;
                     self.queue_step(None)?
                 }
             };
+            first = false;
             let running = || self.slots.iter().flatten();
-            let ahead = left > 0
+            let ahead = more(left, first)
                 && running().all(|r| r.request.sampler.on_device())
                 && !running().all(Running::last_step);
             // A constrained row's mask depends on the token this step is

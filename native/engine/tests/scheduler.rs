@@ -519,3 +519,26 @@ fn short_prompts_waiting_together_are_prefilled_in_one_pass_and_equal_their_solo
         assert_eq!(c.ids[id], solo(&model, prompt, o.clone()), "request {id}");
     }
 }
+
+#[test]
+fn a_step_budget_ends_a_call_after_the_step_running_when_it_passes() {
+    let _g = serial();
+    let model = model();
+    let p = prompts();
+    let mut s = Scheduler::new(model.clone(), None, config(2, 64, 0)).unwrap();
+    let id = s.admit(p[0].clone(), greedy(20)).unwrap();
+    let tokens = |events: Vec<emlx_axon_engine::Event>| -> usize {
+        events
+            .iter()
+            .filter(|e| e.id == id)
+            .map(|e| e.delta.ids.len())
+            .sum()
+    };
+    let spent = Some(std::time::Duration::from_nanos(1));
+    // The prompt's token, then one decode step: the budget is gone.
+    assert_eq!(tokens(s.step_within(64, spent).unwrap()), 2);
+    assert_eq!(tokens(s.step_within(64, spent).unwrap()), 1);
+    // Without a budget, up to the step count: the rest at once.
+    assert_eq!(tokens(s.step_within(64, None).unwrap()), 17);
+    assert!(s.is_idle());
+}

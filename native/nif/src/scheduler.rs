@@ -179,16 +179,19 @@ pub struct OccupancyOut {
     prefix_bytes: usize,
 }
 
-/// One prompt chunk and up to `max_steps` decode steps; returns the events
-/// and the occupancy after them.
+/// One prompt chunk and up to `max_steps` decode steps, starting none past
+/// `budget_us` microseconds (0: no budget); returns the events and the
+/// occupancy after them.
 #[rustler::nif(schedule = "DirtyCpu")]
 fn scheduler_step(
     resource: ResourceArc<SchedulerResource>,
     max_steps: usize,
+    budget_us: u64,
 ) -> NifResult<(Vec<EventOut>, OccupancyOut)> {
+    let budget = (budget_us > 0).then(|| std::time::Duration::from_micros(budget_us));
     guard(|| {
         resource.with(|s| {
-            let events = on_large_stack(|| s.step(max_steps))?;
+            let events = on_large_stack(|| s.step_within(max_steps, budget))?;
             let events = events
                 .into_iter()
                 .map(|e| EventOut {
