@@ -483,7 +483,8 @@ fn short_prompts_waiting_together_are_prefilled_in_one_pass_and_equal_their_solo
     let _g = serial();
     let model = model();
     let p = prompts();
-    let mut s = Scheduler::new(model.clone(), None, config(4, 64, 0)).unwrap();
+    // A chunk of four rows of the longest of these prompts (18 tokens).
+    let mut s = Scheduler::new(model.clone(), None, config(4, 4 * 18, 0)).unwrap();
     let seeded = GenerateOptions {
         sampler: SamplerConfig {
             kind: SamplerKind::TopPGpu,

@@ -17,8 +17,10 @@ use crate::error::Result;
 use crate::model::AttentionMask;
 
 impl Scheduler {
-    /// Takes the waiting requests to prefill next while each fits in one
-    /// prefill chunk, has no cached prefix and a slot is free for it. With
+    /// Takes the waiting requests to prefill next while a slot is free for
+    /// each, none has a cached prefix, and the padded group stays within one
+    /// prefill chunk (so a call's prefill work is bounded as the chunked path
+    /// bounds it, and running rows keep their pace). With
     /// two or more, prefills them together and returns their events; with
     /// one, starts its prefill alone; with none, does nothing. `false`: the
     /// usual chunked prefill has the step.
@@ -28,13 +30,16 @@ impl Scheduler {
         }
         let free = self.slots.iter().filter(|s| s.is_none()).count();
         let mut group: Vec<Request> = vec![];
+        let mut longest = 0;
         while group.len() < free {
             let Some(i) = self.next_index() else { break };
             let prompt = &self.queue[i].prompt;
+            let padded = (group.len() + 1) * longest.max(prompt.len());
             let cached = self.config.prefix_cache_bytes > 0 && self.prefix.lookup(prompt).is_some();
-            if prompt.len() > self.config.prefill_chunk || cached {
+            if padded > self.config.prefill_chunk || cached {
                 break;
             }
+            longest = longest.max(prompt.len());
             group.push(self.take_queued(i));
         }
         match group.len() {
