@@ -425,7 +425,13 @@ if Code.ensure_loaded?(Nx.Serving) do
       setup %{tokenizer: tokenizer, state: state} do
         start = fn id ->
           start_supervised!(
-            {Scheduler, model: state, tokenizer: tokenizer, slots: 8, prefix_cache_bytes: 0},
+            # Two steps a call: streams come in several pieces.
+            {Scheduler,
+             model: state,
+             tokenizer: tokenizer,
+             slots: 8,
+             prefix_cache_bytes: 0,
+             steps_per_call: 2},
             id: id
           )
         end
@@ -951,7 +957,9 @@ defmodule EMLXAxon.TextGeneration.ServingLogicTest do
 
       scheduler =
         start_supervised!(
-          {Scheduler, model: state, tokenizer: tokenizer, slots: 4, prefix_cache_bytes: 0}
+          # Two steps a call: streams come in several pieces.
+          {Scheduler,
+           model: state, tokenizer: tokenizer, slots: 4, prefix_cache_bytes: 0, steps_per_call: 2}
         )
 
       %{tokenizer: tokenizer, state: state, scheduler: scheduler}

@@ -21,7 +21,13 @@ defmodule EMLXAxon.TextGenerationSchedulerTest do
   setup ctx do
     server =
       start_supervised!(
-        {Scheduler, model: ctx.state, tokenizer: ctx.tokenizer, slots: 4, prefix_cache_bytes: 0}
+        # Two steps a call: streams come in several pieces.
+        {Scheduler,
+         model: ctx.state,
+         tokenizer: ctx.tokenizer,
+         slots: 4,
+         prefix_cache_bytes: 0,
+         steps_per_call: 2}
       )
 
     %{server: server}
