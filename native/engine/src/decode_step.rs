@@ -134,10 +134,7 @@ impl CompiledStep {
                             drop(inputs);
                             Ok(outputs)
                         }
-                        Err(e) => {
-                            eprintln!("DEBUG step thread error: {e}");
-                            Err((Error::from(e), inputs))
-                        }
+                        Err(e) => Err((Error::from(e), inputs)),
                     };
                     let _ = reply.send(answer);
                 }
@@ -164,9 +161,7 @@ impl CompiledStep {
             step.starts,
             step.ends,
         ]);
-        for (k, v) in layers.drain(..) {
-            inputs.extend([k, v]);
-        }
+        inputs.extend(flatten(layers.drain(..)));
         let (reply, answer) = mpsc::sync_channel(1);
         let gone = || Error::Mlx("the decode step's thread has stopped".into());
         let jobs = self.jobs.as_ref().ok_or_else(gone)?;
@@ -176,13 +171,8 @@ impl CompiledStep {
         }
         match answer.recv().map_err(|_| gone())? {
             Ok(outputs) if outputs.len() == 1 + 2 * count => {
-                let mut outputs = outputs.into_iter();
-                let logits = outputs.next().expect("checked length");
-                let rest: Vec<Array> = outputs.collect();
-                for pair in rest.chunks(2) {
-                    layers.push((pair[0].clone(), pair[1].clone()));
-                }
-                Ok(logits)
+                layers.extend(pairs(&outputs[1..]));
+                Ok(outputs.into_iter().next().expect("checked length"))
             }
             Ok(_) => Err(Error::Mlx(
                 "the compiled decode step returned the wrong number of arrays".into(),
@@ -215,8 +205,17 @@ impl Drop for CompiledStep {
 }
 
 fn restore(layers: &mut Vec<(Array, Array)>, inputs: Vec<Array>) {
-    let cache = &inputs[INPUTS.min(inputs.len())..];
-    layers.extend(cache.chunks(2).map(|p| (p[0].clone(), p[1].clone())));
+    layers.extend(pairs(&inputs[INPUTS.min(inputs.len())..]));
+}
+
+/// Per-layer keys and values from `[k0, v0, k1, v1, ...]`.
+fn pairs(arrays: &[Array]) -> impl Iterator<Item = (Array, Array)> + '_ {
+    arrays.chunks(2).map(|p| (p[0].clone(), p[1].clone()))
+}
+
+/// `[k0, v0, k1, v1, ...]` from per-layer keys and values.
+fn flatten(layers: impl IntoIterator<Item = (Array, Array)>) -> impl Iterator<Item = Array> {
+    layers.into_iter().flat_map(|(k, v)| [k, v])
 }
 
 /// Arrays of a step before the cache's.
@@ -234,10 +233,7 @@ fn traced_step(model: &Weak<Model>, args: &[Array]) -> Result<Vec<Array>> {
         ));
     };
     let mut cache = SlotCache::traced(
-        cache
-            .chunks(2)
-            .map(|p| (p[0].clone(), p[1].clone()))
-            .collect(),
+        pairs(cache).collect(),
         positions.clone(),
         scatter_at.clone(),
         ids.dim(0),
@@ -249,11 +245,7 @@ fn traced_step(model: &Weak<Model>, args: &[Array]) -> Result<Vec<Array>> {
         ends: ends.clone(),
     };
     let logits = model.forward(ids, &mut cache, &mask, false, &[])?;
-    let layers = cache.into_layers();
-    let mut out = Vec::with_capacity(1 + 2 * layers.len());
-    out.push(logits);
-    for (k, v) in layers {
-        out.extend([k, v]);
-    }
-    Ok(out)
+    Ok(std::iter::once(logits)
+        .chain(flatten(cache.into_layers()))
+        .collect())
 }
