@@ -17,7 +17,7 @@ use mlx_rs::fast::scaled_dot_product_attention;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::{arange, ge, logical_and};
 use mlx_rs::{Array, Dtype, Stream};
-use once_cell::sync::OnceCell;
+use once_cell::sync::{Lazy, OnceCell};
 
 use crate::error::{Error, Result};
 
@@ -98,21 +98,22 @@ unsafe impl Sync for Kernel {}
 /// cannot be used.
 static CHECKED: OnceCell<Option<Kernel>> = OnceCell::new();
 
-/// Whether this build's GPU is CUDA (MLX's Metal build has no `cuda_kernel`).
-fn cuda_build() -> bool {
-    !cfg!(feature = "metal") && crate::device::gpu_available()
-}
+/// Asked for (`EMLX_AXON_DECODE_ATTENTION=1`, read once) and possible: this
+/// build's GPU is CUDA (MLX's Metal build has no `cuda_kernel`). Decided
+/// once, as attention asks for every layer of every step.
+static WANTED: Lazy<bool> = Lazy::new(|| {
+    std::env::var("EMLX_AXON_DECODE_ATTENTION").as_deref() == Ok("1")
+        && !cfg!(feature = "metal")
+        && crate::device::gpu_available()
+});
 
-/// Whether [`attend`] may be used on the current stream: asked for with
-/// `EMLX_AXON_DECODE_ATTENTION=1`, a CUDA GPU stream, and the kernel passed
-/// its check (run here on first call). Opt-in: on an NVIDIA H200 with MLX
+/// Whether [`attend`] may be used on the current stream: wanted (above), a
+/// GPU stream, and the kernel passed its check (run here on first call).
+/// Opt-in: on an NVIDIA H200 with MLX
 /// 0.32.2 the kernel builds but MLX refuses to launch it
 /// (`cudaGraphAddKernelNode` "invalid argument").
 pub fn available() -> bool {
-    if !cuda_build() || crate::rope::on_cpu_stream() {
-        return false;
-    }
-    if std::env::var("EMLX_AXON_DECODE_ATTENTION").as_deref() != Ok("1") {
+    if !*WANTED || crate::rope::on_cpu_stream() {
         return false;
     }
     CHECKED
