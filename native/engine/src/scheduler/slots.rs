@@ -9,13 +9,12 @@
 //! takes one of few shapes); the slots past them are free.
 
 use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
-use mlx_rs::ops::{arange, concatenate, le, zeros_dtype};
+use mlx_rs::ops::{arange, concatenate, le, zeros, zeros_dtype};
 use mlx_rs::Array;
 
 use crate::cache::{KvStore, RopeOffset};
 use crate::error::{Error, Result};
-use crate::model::AttentionMask;
-use crate::model::Model;
+use crate::model::{AttentionMask, Model};
 
 pub struct SlotCache {
     layers: Vec<(Array, Array)>,
@@ -28,8 +27,6 @@ pub struct SlotCache {
     /// Where each slot's new key goes, `[slots, 1, 1, 1]`: the step's
     /// positions, 0 for the slots it does not run.
     scatter_at: Array,
-    /// Each row's first key: 0 (rows hold no padding), `[rows]` int32.
-    starts: Array,
     /// Keys read this step: one past the furthest position, or its bucket.
     attend: i32,
     bucketed: bool,
@@ -73,7 +70,6 @@ impl SlotCache {
             rows: slots,
             positions: Array::from_slice(&vec![0i32; slots as usize], &[slots]),
             scatter_at: Array::from_slice(&vec![0i32; slots as usize], &[slots, 1, 1, 1]),
-            starts: Array::from_slice(&vec![0i32; slots as usize], &[slots]),
             attend: 1,
             bucketed: false,
         };
@@ -106,7 +102,6 @@ impl SlotCache {
         at.resize(self.slots as usize, 0);
         self.rows = rows;
         self.positions = Array::from_slice(positions, &[rows]);
-        self.starts = Array::from_slice(&vec![0i32; positions.len()], &[rows]);
         self.scatter_at = Array::from_slice(&at, &[self.slots, 1, 1, 1]);
         self.attend = if self.bucketed {
             crate::decode_step::attend_for(furthest, self.capacity)
@@ -133,7 +128,6 @@ impl SlotCache {
             slots,
             capacity,
             rows,
-            starts: Array::from_slice(&vec![0i32; rows as usize], &[rows]),
             positions,
             scatter_at,
             attend,
@@ -157,28 +151,36 @@ impl SlotCache {
         &mut self,
         ids: Array,
     ) -> Result<(crate::decode_step::StepInputs, &mut Vec<(Array, Array)>)> {
+        let (mask, starts, ends) = self.key_ranges()?;
         let inputs = crate::decode_step::StepInputs {
             ids,
             positions: self.positions.clone(),
             scatter_at: self.scatter_at.clone(),
-            mask: self.mask()?,
-            starts: self.starts.clone(),
-            ends: self.positions.add(Array::from_int(1))?,
+            mask,
+            starts,
+            ends,
         };
         Ok((inputs, &mut self.layers))
     }
 
     /// The step's attention mask with the rows' key ranges.
     pub fn ranges(&self) -> Result<AttentionMask> {
-        Ok(AttentionMask::Ranges {
-            mask: self.mask()?,
-            starts: self.starts.clone(),
-            ends: self.positions.add(Array::from_int(1))?,
-        })
+        let (mask, starts, ends) = self.key_ranges()?;
+        Ok(AttentionMask::Ranges { mask, starts, ends })
+    }
+
+    /// The mask, and each row's keys as a range: from 0 (rows hold no
+    /// padding) through its position.
+    fn key_ranges(&self) -> Result<(Array, Array, Array)> {
+        Ok((
+            self.mask()?,
+            zeros::<i32>(&[self.rows])?,
+            self.positions.add(Array::from_int(1))?,
+        ))
     }
 
     /// `[rows, 1, 1, attend]`: each row sees its own keys up to its position.
-    pub fn mask(&self) -> Result<Array> {
+    fn mask(&self) -> Result<Array> {
         let keys = arange::<_, i32>(0, self.attend, 1)?.reshape(&[1, 1, 1, self.attend])?;
         Ok(le(&keys, self.positions.reshape(&[self.rows, 1, 1, 1])?)?)
     }
@@ -215,48 +217,33 @@ impl KvStore for SlotCache {
         RopeOffset::PerRow(self.positions.clone())
     }
 
+    /// One new position per row run (`[rows, kv_heads, 1, head_dim]`),
+    /// scattered to each row's own position. Replacing our handle with the
+    /// scatter's result leaves the buffer to the graph alone, so MLX updates
+    /// it in place; the scatter covers every slot (zeros at position 0 of the
+    /// free ones past `rows`) so that it stays one in-place write.
     fn update(&mut self, layer: usize, k: &Array, v: &Array) -> Result<(Array, Array)> {
+        if k.dim(2) != 1 || k.dim(0) != self.rows {
+            return Err(Error::invalid(
+                "the slot cache takes one new position for every row of the step",
+            ));
+        }
+        let (k, v) = if self.rows < self.slots {
+            let mut shape = k.shape().to_vec();
+            shape[0] = self.slots - self.rows;
+            let pad = zeros_dtype(&shape, k.dtype())?;
+            (concatenate(&[k, &pad], 0)?, concatenate(&[v, &pad], 0)?)
+        } else {
+            (k.clone(), v.clone())
+        };
         let (keys, values) = &mut self.layers[layer];
-        write_rows(keys, values, k, v, &self.scatter_at, self.rows, self.attend)
+        *keys = keys.put_along_axis(&self.scatter_at, &k, 2)?;
+        *values = values.put_along_axis(&self.scatter_at, &v, 2)?;
+        Ok((
+            keys.index((..self.rows, .., ..self.attend, ..)),
+            values.index((..self.rows, .., ..self.attend, ..)),
+        ))
     }
 
     fn advance(&mut self, _n: i32) {}
-}
-
-/// Writes one new position per row run (`k`, `v`: `[rows, kv_heads, 1,
-/// head_dim]`) into `keys`/`values` (`[slots, ...]`), each row at its own
-/// position (`scatter_at`, `[slots, 1, 1, 1]`), and returns the first
-/// `attend` keys and values of those rows. Replacing the caller's handle
-/// with the scatter's result leaves the buffer to the graph alone, so MLX
-/// updates it in place; the scatter covers every slot (zeros at the free
-/// ones' positions past `rows`) so that it stays one in-place write.
-fn write_rows(
-    keys: &mut Array,
-    values: &mut Array,
-    k: &Array,
-    v: &Array,
-    scatter_at: &Array,
-    rows: i32,
-    attend: i32,
-) -> Result<(Array, Array)> {
-    let slots = keys.dim(0);
-    if k.dim(2) != 1 || k.dim(0) != rows {
-        return Err(Error::invalid(
-            "the slot cache takes one new position for every row of the step",
-        ));
-    }
-    let (k, v) = if rows < slots {
-        let mut shape = k.shape().to_vec();
-        shape[0] = slots - rows;
-        let pad = zeros_dtype(&shape, k.dtype())?;
-        (concatenate(&[k, &pad], 0)?, concatenate(&[v, &pad], 0)?)
-    } else {
-        (k.clone(), v.clone())
-    };
-    *keys = keys.put_along_axis(scatter_at, &k, 2)?;
-    *values = values.put_along_axis(scatter_at, &v, 2)?;
-    Ok((
-        keys.index((..rows, .., ..attend, ..)),
-        values.index((..rows, .., ..attend, ..)),
-    ))
 }
