@@ -212,6 +212,15 @@ impl MlxStream {
         Ok(())
     }
 
+    /// Runs `f` on `stream` when there is one (see [`run`](Self::run)),
+    /// else on the calling thread's default stream.
+    pub fn run_on<T>(stream: Option<&MlxStream>, f: impl FnOnce() -> T) -> T {
+        match stream {
+            Some(s) => s.run(f),
+            None => f(),
+        }
+    }
+
     /// Runs `f` on this stream without the gate, for a caller that holds it
     /// exclusively (a worker lease).
     pub(crate) fn run_leased<T>(&self, f: impl FnOnce() -> T) -> T {

@@ -36,7 +36,7 @@ use crate::cache::KvCache;
 use crate::config::add_missing;
 use crate::constraint::{ConstraintSpec, RowConstraint};
 use crate::decode_step::CompiledStep;
-use crate::device::{DeviceKind, Lease};
+use crate::device::{DeviceKind, Lease, MlxStream};
 use crate::error::{Error, Result};
 use crate::generate::rows::Row;
 use crate::generate::{FinishReason, GenerateOptions, RowDelta};
@@ -212,8 +212,7 @@ pub struct Scheduler {
     tokenizer: Option<Arc<Tokenizer>>,
     config: SchedulerConfig,
     workers: Vec<Lease>,
-    /// The compiled decode step and the stream it is traced on, when decode
-    /// steps run compiled.
+    /// The compiled decode step, when decode steps run compiled.
     compiled: Option<Arc<CompiledStep>>,
     /// The stream the compiled step is traced on, which every step runs on.
     own_stream: Option<Lease>,
@@ -273,12 +272,9 @@ impl Scheduler {
         } else {
             (None, None)
         };
-        let mut cache = match &own_stream {
-            Some(lease) => lease
-                .stream()
-                .run(|| SlotCache::new(&model, config.slots as i32, config.capacity as i32))?,
-            None => SlotCache::new(&model, config.slots as i32, config.capacity as i32)?,
-        };
+        let mut cache = MlxStream::run_on(own_stream.as_ref().map(Lease::stream), || {
+            SlotCache::new(&model, config.slots as i32, config.capacity as i32)
+        })?;
         if compiled.is_some() {
             cache.bucket_attention();
         }
@@ -456,10 +452,10 @@ impl Scheduler {
         budget: Option<Duration>,
     ) -> Result<Vec<Event>> {
         let deadline = budget.map(|b| Instant::now() + b);
-        match self.own_stream.as_ref().map(|lease| lease.stream().clone()) {
-            Some(stream) => stream.run(|| self.step_here(max_decode_steps, deadline)),
-            None => self.step_here(max_decode_steps, deadline),
-        }
+        let stream = self.own_stream.as_ref().map(|lease| lease.stream().clone());
+        MlxStream::run_on(stream.as_ref(), || {
+            self.step_here(max_decode_steps, deadline)
+        })
     }
 
     fn step_here(
@@ -573,20 +569,31 @@ impl Scheduler {
         let logits = constrain::mask_logits(logits, &mut [Some(&mut p.request)], &mut self.bias)?;
         let token = sample_one(&mut p.request.sampler, &logits)?;
         transforms::eval(p.cache.arrays())?;
-        let Prefill {
-            mut request, cache, ..
-        } = self.prefill.take().expect("the prefill is running");
+        let Prefill { request, cache, .. } = self.prefill.take().expect("the prefill is running");
         let prompt_kv = cache.prefix(len as i32);
+        self.seat(request, token, prompt_kv, true).map(Some)
+    }
+
+    /// Moves a prefilled request into a free slot: its prompt's keys and
+    /// values (`prompt_kv`, per layer `[1, kv_heads, len, head_dim]`, also
+    /// offered to the prefix cache when `reusable`) and its first token.
+    fn seat(
+        &mut self,
+        mut request: Request,
+        token: u32,
+        prompt_kv: Vec<(Array, Array)>,
+        reusable: bool,
+    ) -> Result<Event> {
         let slot = self
             .free_slot()
             .expect("a slot was free when the prefill began");
         self.cache.write_prompt(slot as i32, &prompt_kv)?;
-        if self.config.prefix_cache_bytes > 0 {
+        if reusable && self.config.prefix_cache_bytes > 0 {
             self.prefix.insert(&request.prompt, prompt_kv);
         }
         let delta = request.accept(token, self.tokenizer.as_deref())?;
-        let event = self.finish_or_keep(slot, request, len as i32, token, delta);
-        Ok(Some(event))
+        let len = request.prompt.len() as i32;
+        Ok(self.finish_or_keep(slot, request, len, token, delta))
     }
 
     /// Puts a row into `slot` unless its last token finished it.
@@ -633,24 +640,24 @@ impl Scheduler {
     ) -> Result<()> {
         let mut left = max_steps;
         let mut pending: Option<Queued> = None;
-        let mut first = true;
-        let more = |left: usize, first: bool| {
-            left > 0 && (first || deadline.is_none_or(|d| Instant::now() < d))
+        // Another step may start: the first always does, later ones only
+        // before the deadline.
+        let more = |left: usize| {
+            left > 0 && (left == max_steps || deadline.is_none_or(|d| Instant::now() < d))
         };
         loop {
             let current = match pending.take() {
                 Some(queued) => queued,
                 None => {
-                    if !more(left, first) || self.slots.iter().all(Option::is_none) {
+                    if !more(left) || self.slots.iter().all(Option::is_none) {
                         break;
                     }
                     left -= 1;
                     self.queue_step(None)?
                 }
             };
-            first = false;
             let running = || self.slots.iter().flatten();
-            let ahead = more(left, first)
+            let ahead = more(left)
                 && running().all(|r| r.request.sampler.on_device())
                 && !running().all(Running::last_step);
             // A constrained row's mask depends on the token this step is

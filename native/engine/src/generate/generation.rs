@@ -58,13 +58,6 @@ pub struct Generation {
     forward_passes: usize,
 }
 
-fn run_on<T>(stream: &Option<MlxStream>, f: impl FnOnce() -> T) -> T {
-    match stream {
-        Some(s) => s.run(f),
-        None => f(),
-    }
-}
-
 impl Generation {
     /// Validates the request and runs the prefill.
     pub fn start(
@@ -119,7 +112,7 @@ impl Generation {
             Some(s) if compiled_steps => Some(crate::decode_step::for_stream(&model, s)?),
             _ => None,
         };
-        let cache = run_on(&stream, || {
+        let cache = MlxStream::run_on(stream.as_ref(), || {
             KvCache::new(&model, prompts.len() as i32, capacity)
         })?;
         let mut generation = Generation {
@@ -160,7 +153,7 @@ impl Generation {
         generation.sampler.skip_draws(0, lead.len());
         generation.carry = (!lead.is_empty()).then_some(carry);
         let stream = generation.stream.clone();
-        run_on(&stream, || {
+        MlxStream::run_on(stream.as_ref(), || {
             if !generation.rows_finished() {
                 if lead.is_empty() {
                     generation.prefill(prompts, longest)?;
@@ -261,7 +254,7 @@ impl Generation {
     /// is one token, or more where a grammar forces them).
     pub fn next(&mut self, max_steps: usize) -> Result<Vec<RowDelta>> {
         let stream = self.stream.clone();
-        run_on(&stream, || {
+        MlxStream::run_on(stream.as_ref(), || {
             let deltas = self.decode(max_steps)?;
             self.settle_if_thread_bound()?;
             Ok(deltas)

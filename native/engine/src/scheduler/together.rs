@@ -90,7 +90,7 @@ impl Scheduler {
         transforms::eval(cache.arrays())?;
         let kv = cache.prefix(longest as i32);
         let mut events = Vec::with_capacity(n);
-        for (i, (mut request, token)) in group.into_iter().zip(tokens).enumerate() {
+        for (i, (request, token)) in group.into_iter().zip(tokens).enumerate() {
             let (i, len) = (i as i32, request.prompt.len() as i32);
             let row: Vec<(Array, Array)> = kv
                 .iter()
@@ -101,14 +101,9 @@ impl Scheduler {
                     )
                 })
                 .collect();
-            let slot = self
-                .free_slot()
-                .expect("a slot was free for every request of the group");
             // Not kept in the prefix cache: a row is a view of the group's
             // buffer, which it would hold whole.
-            self.cache.write_prompt(slot as i32, &row)?;
-            let delta = request.accept(token, self.tokenizer.as_deref())?;
-            events.push(self.finish_or_keep(slot, request, len, token, delta));
+            events.push(self.seat(request, token, row, false)?);
         }
         Ok(events)
     }
