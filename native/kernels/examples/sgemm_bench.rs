@@ -12,17 +12,10 @@ use std::time::{Duration, Instant};
 
 use emlx_axon_kernels::{sgemm_with, Isa, Operand};
 
-fn data(len: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-        })
-        .collect()
-}
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use common::data;
 
 /// Microseconds per call: the best of five rounds of at least 50 ms each.
 fn time_call(mut f: impl FnMut()) -> f64 {

@@ -2,25 +2,10 @@
 //! transposes, odd shapes, leading dimensions wider than the rows, alpha and
 //! beta; and MLX's own matmul, which resolves `cblas_sgemm` to ours.
 
+mod common;
+
+use common::{data, on_cpu};
 use emlx_axon_kernels::{sgemm_with, Isa, Operand};
-
-/// Runs `f` with MLX's CPU stream as the default: our sgemm is what MLX's CPU
-/// matmul runs on, and on a GPU build MLX's default device is the GPU.
-fn on_cpu<T>(f: impl FnOnce() -> T) -> T {
-    mlx_rs::with_stream(&mlx_rs::Stream::cpu(), f)
-}
-
-fn data(len: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-        })
-        .collect()
-}
 
 #[test]
 fn every_variant_matches_a_float64_reference() {

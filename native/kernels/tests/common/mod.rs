@@ -1,6 +1,6 @@
-//! Shared by the int8-activation tests: random cases quantized by MLX, an
-//! independent float64 evaluation of the int8 algebra, and the bound on what
-//! rounding the activations may change.
+//! Shared by the kernels' tests (and the sgemm bench): deterministic data,
+//! random cases quantized by MLX, an independent float64 evaluation of the
+//! int8 algebra, and the bound on what rounding the activations may change.
 #![allow(dead_code)]
 
 use emlx_axon_kernels::{Bf16, QuantizedMatrix};
@@ -12,6 +12,20 @@ use mlx_rs::{Array, Dtype};
 /// a GPU build MLX's default device is the GPU.
 pub fn on_cpu<T>(f: impl FnOnce() -> T) -> T {
     mlx_rs::with_stream(&mlx_rs::Stream::cpu(), f)
+}
+
+/// `len` values in [-0.5, 0.5) from `seed` (xorshift): the same on every
+/// machine, no MLX needed.
+pub fn data(len: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+        })
+        .collect()
 }
 
 /// Elements of x per activation scale.
