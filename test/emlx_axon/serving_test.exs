@@ -787,10 +787,20 @@ defmodule EMLXAxon.TextGeneration.ServingLogicTest do
 
     test "the client's padding costs time in proportion to the prompt, not to :max_len" do
       requests = [request(10)]
-      {bucketed, _} = :timer.tc(fn -> for _ <- 1..200, do: Batch.encode(requests, 16) end)
-      {full, _} = :timer.tc(fn -> for _ <- 1..200, do: Batch.encode(requests, 32_768) end)
+
+      # The best of 5 rounds: one round can take a collection or a busy
+      # machine's pause and read slower than it is.
+      time = fn max_len ->
+        Enum.min(
+          for _ <- 1..5 do
+            {us, _} = :timer.tc(fn -> for _ <- 1..200, do: Batch.encode(requests, max_len) end)
+            us
+          end
+        )
+      end
+
       # Padding to the bucket instead of :max_len is what makes it cheap.
-      assert bucketed * 10 < full
+      assert time.(16) * 10 < time.(32_768)
     end
   end
 
