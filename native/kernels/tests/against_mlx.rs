@@ -2,16 +2,13 @@
 //! width and group size, odd batch sizes, and row counts that neither the
 //! 4-row blocks nor the thread split divide.
 
+mod common;
+
+use common::on_cpu;
 use emlx_axon_kernels::{qmm_with, quantized_linear, Isa, QuantizedMatrix};
 use mlx_rs::ops::{quantize, quantized_matmul};
 use mlx_rs::random::{key, normal};
 use mlx_rs::Array;
-
-/// Runs `f` with MLX's CPU stream as the default: these are CPU cases, and on
-/// a GPU build MLX's default device is the GPU.
-fn on_cpu<T>(f: impl FnOnce() -> T) -> T {
-    mlx_rs::with_stream(&mlx_rs::Stream::cpu(), f)
-}
 
 struct Case {
     x: Array,

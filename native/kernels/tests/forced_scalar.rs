@@ -2,15 +2,12 @@
 //! AVX2; the product it builds still matches MLX. (Its own test binary: the
 //! variant is chosen once per process.)
 
+mod common;
+
+use common::on_cpu;
 use emlx_axon_kernels::{quantized_linear, Isa};
 use mlx_rs::ops::{quantize, quantized_matmul};
 use mlx_rs::random::{key, normal};
-
-/// Runs `f` with MLX's CPU stream as the default: these are CPU cases, and on
-/// a GPU build MLX's default device is the GPU.
-fn on_cpu<T>(f: impl FnOnce() -> T) -> T {
-    mlx_rs::with_stream(&mlx_rs::Stream::cpu(), f)
-}
 
 #[test]
 fn forced_scalar_variant_matches_mlx() {

@@ -11,7 +11,22 @@ use mlx_rs::{Array, Dtype};
 /// Runs `f` with MLX's CPU stream as the default: these are CPU cases, and on
 /// a GPU build MLX's default device is the GPU.
 pub fn on_cpu<T>(f: impl FnOnce() -> T) -> T {
+    start_mlx_first();
     mlx_rs::with_stream(&mlx_rs::Stream::cpu(), f)
+}
+
+/// Starts MLX's scheduler, and on a CUDA build the CUDA runtime, before any
+/// stream or kernel: the runtime is then torn down after MLX's own CUDA
+/// handles at exit, instead of before them, which aborts a test binary
+/// whose tests all passed ("Destroy(handle_) failed: driver shutting down").
+/// Reading MLX's memory figures creates its allocator, which does that.
+pub fn start_mlx_first() {
+    static STARTED: std::sync::Once = std::sync::Once::new();
+    STARTED.call_once(|| {
+        let mut bytes = 0usize;
+        // SAFETY: the getter writes the one usize it is given.
+        unsafe { mlx_sys::mlx_get_active_memory(&mut bytes) };
+    });
 }
 
 /// `len` values in [-0.5, 0.5) from `seed` (xorshift): the same on every
