@@ -477,12 +477,25 @@ impl Scheduler {
         deadline: Option<Instant>,
         events: &mut Vec<Event>,
     ) -> Result<()> {
-        if !self.prefill_together(events)? {
-            if let Some(event) = self.prefill_chunk()? {
-                push(events, event);
-            }
-        }
-        self.decode(max_decode_steps, deadline, events)
+        let seated = self.prefill_together(events)?
+            || match self.prefill_chunk()? {
+                Some(event) => {
+                    push(events, event);
+                    true
+                }
+                None => false,
+            };
+        // Requests that come together reach the scheduler between its
+        // calls: the first is seated alone, and a full call of decode steps
+        // would run it far ahead of the others (on a fast device, most of
+        // its answer) before they can join. So a call that seats a row with
+        // nobody else waiting decodes one step and returns to let them in.
+        let steps = if seated && self.queue.is_empty() {
+            max_decode_steps.min(1)
+        } else {
+            max_decode_steps
+        };
+        self.decode(steps, deadline, events)
     }
 
     /// The waiting request to prefill next: the shortest prompt (the oldest

@@ -543,3 +543,42 @@ fn a_step_budget_ends_a_call_after_the_step_running_when_it_passes() {
     assert_eq!(tokens(s.step_within(64, None).unwrap()), 17);
     assert!(s.is_idle());
 }
+
+fn tokens_of(id: RequestId, events: &[emlx_axon_engine::Event]) -> usize {
+    events
+        .iter()
+        .filter(|e| e.id == id)
+        .map(|e| e.delta.ids.len())
+        .sum()
+}
+
+#[test]
+fn a_call_that_seats_the_only_waiting_request_decodes_one_step() {
+    let _g = serial();
+    let model = model();
+    let p = prompts();
+    let mut s = Scheduler::new(model.clone(), None, config(2, 64, 0)).unwrap();
+    let first = s.admit(p[0].clone(), greedy(20)).unwrap();
+    // Seated with nobody else waiting: the prompt's token and one step, so
+    // that a request arriving meanwhile joins before this one runs ahead.
+    assert_eq!(tokens_of(first, &s.step(64).unwrap()), 2);
+    let second = s.admit(p[1].clone(), greedy(20)).unwrap();
+    let events = s.step(64).unwrap();
+    assert_eq!(tokens_of(first, &events), 1);
+    assert_eq!(tokens_of(second, &events), 2);
+    // Nobody seated: a whole call, to the end of both answers.
+    let events = s.step(64).unwrap();
+    assert_eq!(tokens_of(first, &events), 17);
+    assert_eq!(tokens_of(second, &events), 18);
+    assert!(s.is_idle());
+
+    // With a request still waiting (one slot), seating is no reason to stop.
+    let mut s = Scheduler::new(model, None, config(1, 64, 0)).unwrap();
+    let first = s.admit(p[0].clone(), greedy(20)).unwrap();
+    let second = s.admit(p[1].clone(), greedy(20)).unwrap();
+    let events = s.step(64).unwrap();
+    // (The shorter prompt is seated first, whichever it is.)
+    let mut got = [tokens_of(first, &events), tokens_of(second, &events)];
+    got.sort();
+    assert_eq!(got, [0, 20]);
+}
