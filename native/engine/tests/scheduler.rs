@@ -528,13 +528,7 @@ fn a_step_budget_ends_a_call_after_the_step_running_when_it_passes() {
     let p = prompts();
     let mut s = Scheduler::new(model.clone(), None, config(2, 64, 0)).unwrap();
     let id = s.admit(p[0].clone(), greedy(20)).unwrap();
-    let tokens = |events: Vec<emlx_axon_engine::Event>| -> usize {
-        events
-            .iter()
-            .filter(|e| e.id == id)
-            .map(|e| e.delta.ids.len())
-            .sum()
-    };
+    let tokens = |events: Vec<emlx_axon_engine::Event>| tokens_of(id, &events);
     let spent = Some(std::time::Duration::from_nanos(1));
     // The prompt's token, then one decode step: the budget is gone.
     assert_eq!(tokens(s.step_within(64, spent).unwrap()), 2);
