@@ -5,6 +5,7 @@
 #
 #   mix run bench/load.exs -- [--model DIR] [--requests N] [--gap-ms MS]
 #       [--slots S] [--seed SEED] [--dtype float32|bfloat16]
+#       [--prefill-chunk TOKENS]
 #
 # Scenario 1: N requests with Poisson arrivals (mean gap MS), mixed prompt
 # lengths (8, 32, 96 tokens) and answer lengths (16, 32, 64 tokens), EOS
@@ -31,6 +32,7 @@ defmodule EMLXAxon.LoadBench do
     requests: :integer,
     gap_ms: :integer,
     slots: :integer,
+    prefill_chunk: :integer,
     seed: :integer,
     dtype: :string
   ]
@@ -41,6 +43,7 @@ defmodule EMLXAxon.LoadBench do
     n = opts[:requests] || 24
     gap = opts[:gap_ms] || 40
     slots = opts[:slots] || 8
+    chunk = if opts[:prefill_chunk], do: [prefill_chunk: opts[:prefill_chunk]], else: []
     :rand.seed(:exsss, {opts[:seed] || 1, 2, 3})
 
     load_opts = if opts[:dtype], do: [dtype: String.to_atom(opts[:dtype])], else: []
@@ -49,7 +52,8 @@ defmodule EMLXAxon.LoadBench do
 
     IO.puts(
       "model #{model} (#{state.config.dtype}), #{EMLXAxon.mlx_info().default_device}, " <>
-        "#{n} requests, mean gap #{gap} ms, #{slots} slots"
+        "#{n} requests, mean gap #{gap} ms, #{slots} slots, prefill chunk " <>
+        "#{Keyword.get(chunk, :prefill_chunk, "default")}"
     )
 
     requests =
@@ -69,7 +73,7 @@ defmodule EMLXAxon.LoadBench do
       end)
       |> elem(0)
 
-    {:ok, server} = Scheduler.start_link(model: state, slots: slots, max_queue: n)
+    {:ok, server} = Scheduler.start_link([model: state, slots: slots, max_queue: n] ++ chunk)
 
     # Warm-up of both paths.
     warm = hd(requests)
@@ -110,7 +114,7 @@ defmodule EMLXAxon.LoadBench do
     [first, second] =
       for _ <- 1..2, do: system ++ Enum.map(1..24, fn _ -> :rand.uniform(vocab - 1) end)
 
-    {:ok, cold} = Scheduler.start_link(model: state, slots: slots, prefix_cache_bytes: 0)
+    {:ok, cold} = Scheduler.start_link([model: state, slots: slots, prefix_cache_bytes: 0] ++ chunk)
     Scheduler.generate(cold, warm.prompt, max_new_tokens: 4, ignore_eos: true)
 
     for {name, s} <- [{"prefix cache on", server}, {"prefix cache off", cold}] do

@@ -78,7 +78,7 @@ defmodule EMLXAxon.Scheduler do
     name: nil,
     slots: 8,
     capacity: 2048,
-    prefill_chunk: 128,
+    prefill_chunk: :auto,
     steps_per_call: 64,
     step_budget_ms: 20,
     max_queue: 64,
@@ -103,8 +103,11 @@ defmodule EMLXAxon.Scheduler do
     * `:slots` - rows decoded together (default 8)
     * `:capacity` - positions (prompt plus generated tokens) per row
       (default 2048); a request's `:max_len` is capped at it
-    * `:prefill_chunk` - most prompt tokens run between two decode steps
-      (default 128)
+    * `:prefill_chunk` - most prompt tokens run between two decode steps,
+      also the most padded tokens of short prompts prefilled together
+      (default `:auto`: 512 where MLX's default device is a GPU, whose
+      prefill pass costs about the same for 128 tokens as for 512, and 128
+      on the CPU, where it costs in proportion and running rows would wait)
     * `:steps_per_call` - most decode steps per NIF call (default 64)
     * `:step_budget_ms` - no further decode step starts in a NIF call once
       this many milliseconds have passed (at least one runs; default 20;
@@ -298,9 +301,11 @@ defmodule EMLXAxon.Scheduler do
             "expected :tokenizer to be an EMLXAxon.Tokenizer or nil, got: #{inspect(opts.tokenizer)}"
     end
 
-    for key <- [:slots, :capacity, :prefill_chunk, :steps_per_call] do
+    for key <- [:slots, :capacity, :steps_per_call] do
       pos_integer!(key, Map.fetch!(opts, key))
     end
+
+    unless opts.prefill_chunk == :auto, do: pos_integer!(:prefill_chunk, opts.prefill_chunk)
 
     for key <- [:max_queue, :prefix_cache_bytes, :prefix_min_tokens, :step_budget_ms] do
       value = Map.fetch!(opts, key)
@@ -313,6 +318,12 @@ defmodule EMLXAxon.Scheduler do
 
     opts
   end
+
+  defp prefill_chunk(:auto) do
+    if EMLXAxon.mlx_info().default_device == :gpu, do: 512, else: 128
+  end
+
+  defp prefill_chunk(tokens), do: tokens
 
   defp pos_integer!(key, value) do
     unless is_integer(value) and value > 0 do
@@ -347,7 +358,7 @@ defmodule EMLXAxon.Scheduler do
     native_opts = %{
       slots: opts.slots,
       capacity: opts.capacity,
-      prefill_chunk: opts.prefill_chunk,
+      prefill_chunk: prefill_chunk(opts.prefill_chunk),
       prefix_cache_bytes: opts.prefix_cache_bytes,
       prefix_min_tokens: opts.prefix_min_tokens
     }

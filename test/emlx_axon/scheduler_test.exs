@@ -238,6 +238,10 @@ defmodule EMLXAxon.SchedulerTest do
              Scheduler.submit(server, [10_000_000])
 
     assert_raise ArgumentError, ~r/model/, fn -> Scheduler.start_link(model: nil) end
+
+    assert_raise ArgumentError, ~r/:prefill_chunk/, fn ->
+      Scheduler.start_link(model: ctx.state, prefill_chunk: :large)
+    end
   end
 
   test "64 concurrent callers with random cancellations leave no memory behind", ctx do
