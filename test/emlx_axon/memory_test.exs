@@ -81,10 +81,14 @@ defmodule EMLXAxon.MemoryTest do
     load_and_drop(path)
     {active_before, rss_before} = {settled_active(), rss()}
 
-    for _ <- 1..50 do
+    for i <- 1..50 do
       weight_bytes = load_and_drop(path)
       assert weight_bytes > 10_000_000
-      assert await_active(active_before) == active_before
+      active = await_active(active_before)
+
+      assert active == active_before,
+             "after load #{i}: MLX active memory #{active - active_before} bytes over the " <>
+               "first (the weights are #{weight_bytes} bytes)"
     end
 
     collect_all()
