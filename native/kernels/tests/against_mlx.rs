@@ -259,3 +259,37 @@ fn bfloat16_scales_and_biases_are_read_as_stored() {
         }
     })
 }
+
+#[test]
+fn weights_at_any_word_offset_give_the_same_products() {
+    // Checkpoint tensors sit at any 4-byte offset; the matrix-vector form
+    // reads rows off a cache-line boundary through aligned loads.
+    on_cpu(|| {
+        for (bits, group, k) in [(4, 64, 1024), (8, 32, 512), (4, 128, 384), (8, 128, 256)] {
+            let c = case(41 + bits as u64, 1, 37, k, bits, group);
+            for a in [&c.x, &c.w, &c.scales, &c.biases] {
+                a.eval().unwrap();
+            }
+            let words = c.w.as_slice::<u32>();
+            let mut padded = vec![0u32; words.len() + 16];
+            for offset in 0..16 {
+                padded[offset..offset + words.len()].copy_from_slice(words);
+                let matrix = QuantizedMatrix {
+                    w: &padded[offset..offset + words.len()],
+                    scales: c.scales.as_slice::<f32>(),
+                    biases: c.biases.as_slice::<f32>(),
+                    rows: 37,
+                    cols: k as usize,
+                    bits,
+                    group_size: group,
+                };
+                for isa in Isa::ALL.into_iter().filter(|i| i.supported()) {
+                    let mut y = vec![f32::NAN; 37];
+                    qmm_with(isa, 1, c.x.as_slice::<f32>(), &matrix, &mut y).unwrap();
+                    let err = rel_err(&y, &c.expected);
+                    assert!(err < 1e-5, "{isa:?} bits={bits} offset={offset}: {err}");
+                }
+            }
+        }
+    })
+}
