@@ -25,6 +25,7 @@ fn main() {
             "csrc/pool.cpp",
             "csrc/qmm_scalar.cpp",
             "csrc/sgemm.cpp",
+            "csrc/elementwise.cpp",
         ]);
     // The SIMD variants set their own targets per file and are chosen at run time.
     if env::var("CARGO_CFG_TARGET_ARCH").as_deref() == Ok("x86_64") {
@@ -33,6 +34,7 @@ fn main() {
             "csrc/qmm_avx512.cpp",
             "csrc/qmm_int8_avx2.cpp",
             "csrc/qmm_int8_avx512.cpp",
+            "csrc/elementwise_avx512.cpp",
         ]);
     }
     build.compile("emlx_axon_kernels");

@@ -209,9 +209,17 @@ impl Attention {
         let (keys, values) = cache.update(layer, &k, &v)?;
         let scale = (hd as f32).powf(-0.5);
         let q = match rope {
-            Rope::Table { .. } if matches!(mask, AttentionMask::None) => {
-                let out = self.unmasked_on_cpu(c, &q, &keys, &values)?;
-                return self.o.forward(&out, workers);
+            Rope::Table { .. }
+                if matches!(mask, AttentionMask::None)
+                    || (matches!(mask, AttentionMask::Causal) && l > 1) =>
+            {
+                // Without our causal softmax (another dtype, kernels off),
+                // MLX's attention with its mask below.
+                let causal = matches!(mask, AttentionMask::Causal);
+                match self.on_cpu(c, &q, &keys, &values, causal)? {
+                    Some(out) => return self.o.forward(&out, workers),
+                    None => heads_first(q)?,
+                }
             }
             Rope::Table { .. } => heads_first(q)?,
             Rope::Fused(_) => q,
@@ -243,18 +251,22 @@ impl Attention {
         self.o.forward(&out, workers)
     }
 
-    /// MLX's attention without a mask as its CPU path computes it (scale the
-    /// queries, scores, precise softmax, weighted values), with each key
-    /// head's query heads folded into the rows of one product rather than a
-    /// product per query head: `q` `[B, L, nq, hd]`, `keys`/`values`
-    /// `[B, nkv, S, hd]` -> `[B, L, nq * hd]`. One token needs no transposes.
-    fn unmasked_on_cpu(
+    /// MLX's attention without a mask, or with a causal one, as its CPU path
+    /// computes it (scale the queries, scores, masked precise softmax,
+    /// weighted values), with each key head's query heads folded into the
+    /// rows of one product rather than a product per query head: `q`
+    /// `[B, L, nq, hd]`, `keys`/`values` `[B, nkv, S, hd]` -> `[B, L, nq * hd]`.
+    /// One token needs no transposes. The causal softmax is our kernel
+    /// (MLX's runs on one thread with a scalar exp: a third of a 512-token
+    /// prompt's time), which gives the masked keys weight 0 as MLX's mask does.
+    fn on_cpu(
         &self,
         c: &ModelConfig,
         q: &Array,
         keys: &Array,
         values: &Array,
-    ) -> Result<Array> {
+        causal: bool,
+    ) -> Result<Option<Array>> {
         let (b, l) = (q.dim(0), q.dim(1));
         let (nq, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
         let folded = [b, nkv, (nq / nkv) * l, hd];
@@ -269,14 +281,23 @@ impl Attention {
             self.scale.multiply(&q)?
         };
         let scores = matmul(&q, keys.swap_axes(-1, -2)?)?;
-        let weights = softmax_axis(&scores, -1, true)?;
+        let weights = if causal {
+            match emlx_axon_kernels::causal_softmax(&scores, l)
+                .map_err(|e| crate::error::Error::Mlx(e.to_string()))?
+            {
+                Some(w) => w,
+                None => return Ok(None),
+            }
+        } else {
+            softmax_axis(&scores, -1, true)?
+        };
         let out = matmul(&weights, values)?;
-        Ok(if l == 1 {
+        Ok(Some(if l == 1 {
             out.reshape(&[b, 1, nq * hd])?
         } else {
             out.reshape(&[b, nq, l, hd])?
                 .transpose_axes(&[0, 2, 1, 3])?
                 .reshape(&[b, l, nq * hd])?
-        })
+        }))
     }
 }

@@ -524,6 +524,28 @@ impl LinearGroup {
         }
     }
 
+    /// An MLP's activation `silu(gate) * up` from a group of two members,
+    /// gate then up. On a CPU stream with the two stacked, one node of our
+    /// kernels reads the stacked product (no split, MLX's sigmoid runs on
+    /// one thread with a scalar exp); elsewhere MLX's ops, in the same order.
+    pub fn swiglu(&self, x: &Array, workers: Workers) -> Result<Array> {
+        if let (GroupLayout::Stacked(linear), [g, u]) = (&self.layout, self.sizes.as_slice()) {
+            if g == u {
+                let y = linear.forward(x, workers)?;
+                if let Some(act) =
+                    emlx_axon_kernels::swiglu(&y).map_err(|e| Error::Mlx(e.to_string()))?
+                {
+                    return Ok(act);
+                }
+            }
+        }
+        let [gate, up]: [Array; 2] = self
+            .forward_each(x, workers)?
+            .try_into()
+            .map_err(|_| Error::invalid("the MLP's gate/up projection has two outputs"))?;
+        Ok(gate.multiply(mlx_rs::ops::sigmoid(&gate)?)?.multiply(&up)?)
+    }
+
     /// Whether the members share one stacked weight.
     pub fn is_stacked(&self) -> bool {
         matches!(self.layout, GroupLayout::Stacked(_))

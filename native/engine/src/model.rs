@@ -5,7 +5,6 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use mlx_rs::ops::{multiply, sigmoid};
 use mlx_rs::{Array, Dtype};
 
 use crate::attention::Attention;
@@ -337,13 +336,7 @@ impl Model {
             )?;
             h = h.add(&r)?;
             let x = block.post_norm.forward(&h, cpu_ops)?;
-            let [gate, up]: [Array; 2] = block
-                .mlp
-                .gate_up
-                .forward_each(&x, workers)?
-                .try_into()
-                .map_err(|_| Error::invalid("the MLP's gate/up projection has two outputs"))?;
-            let act = multiply(multiply(&gate, sigmoid(&gate)?)?, &up)?;
+            let act = block.mlp.gate_up.swiglu(&x, workers)?;
             h = h.add(&block.mlp.down.forward(&act, workers)?)?;
         }
         cache.advance(ids.dim(1));

@@ -20,6 +20,7 @@
 #include "pool.h"
 #include "qmm.h"
 #include "qmm_int8.h"
+#include "elementwise.h"
 
 namespace mx = mlx::core;
 
@@ -106,6 +107,90 @@ class AffineQuantizedLinear : public mx::UnaryPrimitive {
   int bits_;
 };
 
+// Softmax over the last axis of a float32 array, causal over its rows when
+// `L` > 0 (see softmax.h). MLX's CPU softmax runs on one thread with a
+// scalar exp; a prompt's attention weights are most of its elementwise work.
+class CausalSoftmax : public mx::UnaryPrimitive {
+ public:
+  CausalSoftmax(mx::Stream stream, int L) : mx::UnaryPrimitive(stream), L_(L) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const mx::array& x = inputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    SoftmaxArgs args;
+    args.y = out.data<float>();
+    args.S = x.shape(-1);
+    args.rows = (long)(x.size() / args.S);
+    args.L = L_;
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_output_array(out);
+    encoder.dispatch([args, x]() mutable {
+      std::vector<uint8_t> held;
+      if (!x.flags().row_contiguous) held = packed(x);
+      args.x = held.empty() ? x.data<float>() : reinterpret_cast<const float*>(held.data());
+      softmax(args, selected_isa(), 0);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("causal softmax: no GPU evaluation");
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+  const char* name() const override { return "CausalSoftmax"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return L_ == static_cast<const CausalSoftmax&>(other).L_;
+  }
+
+ private:
+  int L_;
+};
+
+// silu(gate) * up from the gate and up projections side by side, [..., 2F]
+// -> [..., F]: one node in place of MLX's split, sigmoid and two products,
+// threaded and with a vectorized exp.
+class Swiglu : public mx::UnaryPrimitive {
+ public:
+  explicit Swiglu(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const mx::array& x = inputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    SwigluArgs args;
+    args.y = out.data<float>();
+    args.F = out.shape(-1);
+    args.rows = (long)(out.size() / args.F);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_output_array(out);
+    encoder.dispatch([args, x]() mutable {
+      std::vector<uint8_t> held;
+      if (!x.flags().row_contiguous) held = packed(x);
+      args.x = held.empty() ? x.data<float>() : reinterpret_cast<const float*>(held.data());
+      swiglu(args, selected_isa(), 0);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("swiglu: no GPU evaluation");
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    mx::Shape shape = inputs[0].shape();
+    shape.back() /= 2;
+    return {shape};
+  }
+
+  const char* name() const override { return "Swiglu"; }
+
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+};
+
 // A row-major copy of a strided array (elements of 2 or 4 bytes).
 std::vector<uint8_t> packed(const mx::array& a) {
   const size_t item = a.itemsize();
@@ -190,6 +275,88 @@ int emlx_kernels_quantized_linear(emlx_mlx_array* out, emlx_mlx_array x, emlx_ml
     emlx::set_error(err, err_len, "affine-quantized linear: unknown C++ exception");
     return -1;
   }
+}
+
+// Builds the softmax of `x` over its last axis (causal over `L` queries when
+// `L` > 0) with our primitive into *out. Returns 1 when built, 0 when not
+// ours (GPU stream, kernels off, not float32, shapes), -1 on an error.
+int emlx_kernels_causal_softmax(emlx_mlx_array* out, emlx_mlx_array x, int L,
+                                emlx_mlx_stream stream, char* err, size_t err_len) {
+  try {
+    if (!out || !x.ctx || !stream.ctx) {
+      emlx::set_error(err, err_len, "causal softmax: empty handle");
+      return -1;
+    }
+    const auto& s = *static_cast<mx::Stream*>(stream.ctx);
+    const auto& X = *static_cast<mx::array*>(x.ctx);
+    if (s.device.type != mx::Device::DeviceType::cpu || !emlx::kernels_preferred()) return 0;
+    if (X.dtype() != mx::float32 || X.ndim() < 1 || X.size() == 0) return 0;
+    const long S = X.shape(-1);
+    const long rows = (long)(X.size() / S);
+    if (L < 0 || L > S || (L > 0 && rows % L != 0) || S > (1L << 30)) return 0;
+    mx::array y(X.shape(), mx::float32, std::make_shared<emlx::CausalSoftmax>(s, L), {X});
+    if (out->ctx) {
+      *static_cast<mx::array*>(out->ctx) = std::move(y);
+    } else {
+      out->ctx = new mx::array(std::move(y));
+    }
+    return 1;
+  } catch (const std::exception& e) {
+    emlx::set_error(err, err_len, e.what());
+    return -1;
+  } catch (...) {
+    emlx::set_error(err, err_len, "causal softmax: unknown C++ exception");
+    return -1;
+  }
+}
+
+// Builds silu(x[..., :F]) * x[..., F:] for x [..., 2F] with our primitive
+// into *out; returns as emlx_kernels_causal_softmax does.
+int emlx_kernels_swiglu(emlx_mlx_array* out, emlx_mlx_array x, emlx_mlx_stream stream, char* err,
+                        size_t err_len) {
+  try {
+    if (!out || !x.ctx || !stream.ctx) {
+      emlx::set_error(err, err_len, "swiglu: empty handle");
+      return -1;
+    }
+    const auto& s = *static_cast<mx::Stream*>(stream.ctx);
+    const auto& X = *static_cast<mx::array*>(x.ctx);
+    if (s.device.type != mx::Device::DeviceType::cpu || !emlx::kernels_preferred()) return 0;
+    if (X.dtype() != mx::float32 || X.ndim() < 1 || X.size() == 0) return 0;
+    if (X.shape(-1) % 2 != 0 || X.shape(-1) > (1L << 30)) return 0;
+    mx::Shape shape = X.shape();
+    shape.back() /= 2;
+    mx::array y(std::move(shape), mx::float32, std::make_shared<emlx::Swiglu>(s), {X});
+    if (out->ctx) {
+      *static_cast<mx::array*>(out->ctx) = std::move(y);
+    } else {
+      out->ctx = new mx::array(std::move(y));
+    }
+    return 1;
+  } catch (const std::exception& e) {
+    emlx::set_error(err, err_len, e.what());
+    return -1;
+  } catch (...) {
+    emlx::set_error(err, err_len, "swiglu: unknown C++ exception");
+    return -1;
+  }
+}
+
+int emlx_kernels_swiglu_raw(const float* x, float* y, long rows, int F, int isa, int threads) {
+  if (isa < emlx::kScalar || isa > emlx::kAvx512 || !emlx::isa_supported((emlx::Isa)isa))
+    return -1;
+  emlx::SwigluArgs args{x, y, rows, F};
+  emlx::swiglu(args, (emlx::Isa)isa, threads);
+  return 0;
+}
+
+// The softmax on plain buffers with a chosen variant and thread count.
+int emlx_kernels_softmax(const float* x, float* y, long rows, int S, int L, int isa, int threads) {
+  if (isa < emlx::kScalar || isa > emlx::kAvx512 || !emlx::isa_supported((emlx::Isa)isa))
+    return -1;
+  emlx::SoftmaxArgs args{x, y, rows, S, L};
+  emlx::softmax(args, (emlx::Isa)isa, threads);
+  return 0;
 }
 
 // The product on plain buffers with a chosen variant (0 scalar, 1 AVX2,

@@ -20,6 +20,11 @@
 //! activations). Unset (or any other value), the products are the float32
 //! ones, unchanged.
 //! See [`Activations`] and `csrc/qmm_int8.cpp` for the algebra.
+//!
+//! Two elementwise steps that MLX's CPU backend runs on one thread with a
+//! scalar exp are primitives here too, threaded and vectorized:
+//! [`causal_softmax`] (a prompt's attention weights) and [`swiglu`] (the
+//! MLP's activation).
 
 use std::ffi::{c_char, c_int, CStr};
 use std::fmt;
@@ -108,6 +113,38 @@ extern "C" {
         k: c_int,
         bits: c_int,
         group: c_int,
+        isa: c_int,
+        threads: c_int,
+    ) -> c_int;
+    fn emlx_kernels_causal_softmax(
+        out: *mut Handle,
+        x: Handle,
+        queries: c_int,
+        stream: Handle,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn emlx_kernels_softmax(
+        x: *const f32,
+        y: *mut f32,
+        rows: std::ffi::c_long,
+        s: c_int,
+        queries: c_int,
+        isa: c_int,
+        threads: c_int,
+    ) -> c_int;
+    fn emlx_kernels_swiglu(
+        out: *mut Handle,
+        x: Handle,
+        stream: Handle,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn emlx_kernels_swiglu_raw(
+        x: *const f32,
+        y: *mut f32,
+        rows: std::ffi::c_long,
+        f: c_int,
         isa: c_int,
         threads: c_int,
     ) -> c_int;
@@ -264,6 +301,173 @@ pub fn quantized_linear(
             Err(KernelError(message.to_string_lossy().into_owned()))
         }
     }
+}
+
+/// Softmax of `x` (float32) over its last axis as a lazy MLX array computed
+/// by our kernels (threaded over rows, vectorized exp), on the calling
+/// thread's default stream. `queries` > 0 makes it causal: `x`'s rows are
+/// groups of `queries` consecutive query positions that follow
+/// `S - queries` earlier keys (`S` the last axis), and row `i` of a group
+/// sees keys `0..=S - queries + i`; the keys after get weight 0, as MLX's
+/// attention with a causal mask gives them. `Ok(None)` when the case is not
+/// ours (kernels turned off, a GPU stream, another dtype, `queries` not
+/// dividing the rows): the caller then uses MLX's ops.
+pub fn causal_softmax(x: &Array, queries: i32) -> Result<Option<Array>, KernelError> {
+    if !enabled() {
+        return Ok(None);
+    }
+    let stream = Stream::thread_local_or_default();
+    let mut err = [0 as c_char; 512];
+    let mut out = Handle {
+        ctx: std::ptr::null_mut(),
+    };
+    // SAFETY: the handles are live MLX-C arrays/streams borrowed for the call;
+    // on success `out` receives a new heap array that `Array` takes over.
+    let status = unsafe {
+        emlx_kernels_causal_softmax(
+            &mut out,
+            Handle {
+                ctx: x.as_ptr().ctx,
+            },
+            queries,
+            Handle {
+                ctx: stream.as_ptr().ctx,
+            },
+            err.as_mut_ptr(),
+            err.len(),
+        )
+    };
+    built(status, out, &err)
+}
+
+/// `silu(x[..., :F]) * x[..., F:]` for float32 `x` `[..., 2F]` (an MLP's gate
+/// and up projections side by side) as a lazy MLX array computed by our
+/// kernels: one node in place of MLX's split, sigmoid and two products,
+/// with MLX's operation order (`(g * sigmoid(g)) * up`). `Ok(None)` when the
+/// case is not ours (kernels turned off, a GPU stream, another dtype, an odd
+/// last axis): the caller then uses MLX's ops.
+pub fn swiglu(x: &Array) -> Result<Option<Array>, KernelError> {
+    if !enabled() {
+        return Ok(None);
+    }
+    let stream = Stream::thread_local_or_default();
+    let mut err = [0 as c_char; 512];
+    let mut out = Handle {
+        ctx: std::ptr::null_mut(),
+    };
+    // SAFETY: as in `causal_softmax`.
+    let status = unsafe {
+        emlx_kernels_swiglu(
+            &mut out,
+            Handle {
+                ctx: x.as_ptr().ctx,
+            },
+            Handle {
+                ctx: stream.as_ptr().ctx,
+            },
+            err.as_mut_ptr(),
+            err.len(),
+        )
+    };
+    built(status, out, &err)
+}
+
+/// [`swiglu`] on plain buffers: `x` `[rows, 2F]`, `y` `[rows, F]`, with a
+/// chosen variant and at most `max_threads` threads (0: the whole pool).
+pub fn swiglu_with(
+    isa: Isa,
+    max_threads: usize,
+    x: &[f32],
+    f: usize,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    if f == 0 || !x.len().is_multiple_of(2 * f) || y.len() * 2 != x.len() {
+        return Err(KernelError(format!(
+            "swiglu: {} inputs and {} outputs for rows of {f}",
+            x.len(),
+            y.len()
+        )));
+    }
+    // SAFETY: x holds rows * 2f floats and y rows * f, checked above.
+    let status = unsafe {
+        emlx_kernels_swiglu_raw(
+            x.as_ptr(),
+            y.as_mut_ptr(),
+            (y.len() / f) as std::ffi::c_long,
+            f as c_int,
+            isa as c_int,
+            max_threads as c_int,
+        )
+    };
+    if status != 0 {
+        return Err(KernelError(format!(
+            "{} does not run on this CPU",
+            isa.name()
+        )));
+    }
+    Ok(())
+}
+
+/// What a C builder of a primitive returned: 1 the array (taken over from
+/// `out`), 0 not ours, else the error message in `err`.
+fn built(status: c_int, out: Handle, err: &[c_char]) -> Result<Option<Array>, KernelError> {
+    match status {
+        // SAFETY: on 1 `out` holds a new heap MLX array that `Array` takes over.
+        1 => Ok(Some(unsafe {
+            Array::from_ptr(mlx_sys::mlx_array { ctx: out.ctx })
+        })),
+        0 => Ok(None),
+        _ => {
+            // SAFETY: the C side always NUL-terminates within `err`.
+            let message = unsafe { CStr::from_ptr(err.as_ptr()) };
+            Err(KernelError(message.to_string_lossy().into_owned()))
+        }
+    }
+}
+
+/// [`causal_softmax`] on plain buffers (`x` and `y` of `rows * keys`) with a
+/// chosen variant and at most `max_threads` threads (0: the whole pool);
+/// `queries` 0 for a plain softmax. For tests and benchmarks.
+pub fn softmax_with(
+    isa: Isa,
+    max_threads: usize,
+    x: &[f32],
+    keys: usize,
+    queries: usize,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    if keys == 0 || !x.len().is_multiple_of(keys) || y.len() != x.len() {
+        return Err(KernelError(format!(
+            "softmax: {} inputs and {} outputs for rows of {keys}",
+            x.len(),
+            y.len()
+        )));
+    }
+    let rows = x.len() / keys;
+    if queries > keys || (queries > 0 && !rows.is_multiple_of(queries)) {
+        return Err(KernelError(format!(
+            "softmax: {queries} queries for {rows} rows of {keys} keys"
+        )));
+    }
+    // SAFETY: both buffers hold rows * keys floats, checked above.
+    let status = unsafe {
+        emlx_kernels_softmax(
+            x.as_ptr(),
+            y.as_mut_ptr(),
+            rows as std::ffi::c_long,
+            keys as c_int,
+            queries as c_int,
+            isa as c_int,
+            max_threads as c_int,
+        )
+    };
+    if status != 0 {
+        return Err(KernelError(format!(
+            "{} does not run on this CPU",
+            isa.name()
+        )));
+    }
+    Ok(())
 }
 
 /// A bfloat16 value as stored (its bits), for scales and biases read as

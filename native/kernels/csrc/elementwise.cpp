@@ -1,0 +1,105 @@
+#include "elementwise.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "pool.h"
+
+namespace emlx {
+
+void softmax_row_scalar(const float* x, float* y, int seen, int S) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int j = 0; j < seen; ++j) m = std::max(m, x[j]);
+  float sum = 0.0f;
+  for (int j = 0; j < seen; ++j) {
+    y[j] = std::exp(x[j] - m);
+    sum += y[j];
+  }
+  const float inv = 1.0f / sum;
+  for (int j = 0; j < seen; ++j) y[j] *= inv;
+  for (int j = seen; j < S; ++j) y[j] = 0.0f;
+}
+
+void swiglu_row_scalar(const float* gate, const float* up, float* y, int n) {
+  for (int i = 0; i < n; ++i) {
+    const float g = gate[i];
+    y[i] = g * (1.0f / (1.0f + std::exp(-g))) * up[i];
+  }
+}
+
+namespace {
+
+// Below this many elements one thread does it all.
+constexpr long kMinParallel = 1L << 15;
+
+SoftmaxRowFn row_fn(Isa isa) {
+#if defined(__x86_64__)
+  if (isa == kAvx512) return softmax_row_avx512;
+#endif
+  (void)isa;
+  return softmax_row_scalar;
+}
+
+SwigluRowFn swiglu_fn(Isa isa) {
+#if defined(__x86_64__)
+  if (isa == kAvx512) return swiglu_row_avx512;
+#endif
+  (void)isa;
+  return swiglu_row_scalar;
+}
+
+}  // namespace
+
+void softmax(const SoftmaxArgs& a, Isa isa, int max_threads) {
+  if (a.rows <= 0 || a.S <= 0) return;
+  const SoftmaxRowFn fn = row_fn(isa);
+  auto rows = [&](long r0, long r1) {
+    for (long r = r0; r < r1; ++r) {
+      const int seen = a.L > 0 ? a.S - a.L + (int)(r % a.L) + 1 : a.S;
+      fn(a.x + r * a.S, a.y + r * a.S, std::max(1, std::min(seen, a.S)), a.S);
+    }
+  };
+  Pool& pool = Pool::shared();
+  int threads = pool.size();
+  if (max_threads > 0) threads = std::min(threads, max_threads);
+  if (a.rows * a.S < kMinParallel || a.rows < 2) threads = 1;
+  if (threads == 1) {
+    rows(0, a.rows);
+    return;
+  }
+  // Causal rows grow in length: many small chunks balance the threads.
+  const int tasks = (int)std::min<long>(a.rows, threads * 16L);
+  pool.run(tasks, [&](int t) { rows(a.rows * t / tasks, a.rows * (t + 1) / tasks); });
+}
+
+void swiglu(const SwigluArgs& a, Isa isa, int max_threads) {
+  if (a.rows <= 0 || a.F <= 0) return;
+  const SwigluRowFn fn = swiglu_fn(isa);
+  Pool& pool = Pool::shared();
+  int threads = pool.size();
+  if (max_threads > 0) threads = std::min(threads, max_threads);
+  if (a.rows * a.F < kMinParallel) threads = 1;
+  // Split over rows, and a single row (a decode step) over its columns in
+  // blocks of 64.
+  const long units = a.rows > 1 ? a.rows : (a.F + 63) / 64;
+  auto part = [&](long u0, long u1) {
+    if (a.rows > 1) {
+      for (long r = u0; r < u1; ++r) {
+        const float* x = a.x + r * 2L * a.F;
+        fn(x, x + a.F, a.y + r * a.F, a.F);
+      }
+    } else {
+      const int c0 = (int)std::min<long>(a.F, u0 * 64), c1 = (int)std::min<long>(a.F, u1 * 64);
+      if (c0 < c1) fn(a.x + c0, a.x + a.F + c0, a.y + c0, c1 - c0);
+    }
+  };
+  if (threads == 1 || units < 2) {
+    part(0, units);
+    return;
+  }
+  const int tasks = (int)std::min<long>(units, threads * 4L);
+  pool.run(tasks, [&](int t) { part(units * t / tasks, units * (t + 1) / tasks); });
+}
+
+}  // namespace emlx

@@ -1,0 +1,67 @@
+// AVX-512 rows of the elementwise kernels, selected at run time.
+#if defined(__x86_64__)
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include "elementwise.h"
+
+namespace emlx {
+namespace {
+
+// exp(x) to about 1 ulp: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-6
+// polynomial for e^r (the Cephes expf coefficients), then 2^n exactly.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.37626f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __mmask16 tail(int left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+
+}  // namespace
+
+void softmax_row_avx512(const float* x, float* y, int seen, int S) {
+  __m512 mv = _mm512_set1_ps(-__builtin_inff());
+  for (int j = 0; j < seen; j += 16)
+    mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(mv, tail(seen - j), x + j));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+  __m512 sv = _mm512_setzero_ps();
+  for (int j = 0; j < seen; j += 16) {
+    const __mmask16 k = tail(seen - j);
+    const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + j), m)));
+    _mm512_mask_storeu_ps(y + j, k, e);
+    sv = _mm512_add_ps(sv, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sv));
+  for (int j = 0; j < seen; j += 16) {
+    const __mmask16 k = tail(seen - j);
+    _mm512_mask_storeu_ps(y + j, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, y + j), inv));
+  }
+  for (int j = seen; j < S; ++j) y[j] = 0.0f;
+}
+
+void swiglu_row_avx512(const float* gate, const float* up, float* y, int n) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 k = tail(n - i);
+    const __m512 g = _mm512_maskz_loadu_ps(k, gate + i);
+    const __m512 s = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    _mm512_mask_storeu_ps(y + i, k, _mm512_mul_ps(_mm512_mul_ps(g, s), _mm512_maskz_loadu_ps(k, up + i)));
+  }
+}
+
+}  // namespace emlx
+#endif
