@@ -179,11 +179,15 @@ impl Attention {
         let (q, k) = match rope {
             Rope::Table { .. } => {
                 let qk = heads.index((.., .., ..nq + nkv, ..));
-                let qk = match &self.norm {
-                    Some(n) => n.both.forward(&qk, true)?,
-                    None => qk,
+                let fused = rope.rotate_normed(
+                    &qk,
+                    self.norm.as_ref().map(|n| (n.both.weight(), n.both.eps())),
+                )?;
+                let qk = match (fused, &self.norm) {
+                    (Some(qk), _) => qk,
+                    (None, Some(n)) => rope.rotate_heads_last(&n.both.forward(&qk, true)?)?,
+                    (None, None) => rope.rotate_heads_last(&qk)?,
                 };
-                let qk = rope.rotate_heads_last(&qk)?;
                 (
                     qk.index((.., .., ..nq, ..)),
                     heads_first(qk.index((.., .., nq.., ..)))?,

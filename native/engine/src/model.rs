@@ -392,7 +392,9 @@ mod tests {
     /// The CPU's hand-expanded RMSNorm, RoPE, q/k norm and unmasked
     /// attention give exactly the logits of MLX's fast ops (on a CPU stream,
     /// their own expansion): Qwen3 with q/k norms, Qwen2 with biases and
-    /// traditional RoPE, a dense checkpoint, bfloat16 compute.
+    /// traditional RoPE, a dense checkpoint, bfloat16 compute. In float32
+    /// our CPU kernels take the norms, RoPE and the prompt's softmax instead,
+    /// with their own summation order and exp: the same logits to 1e-5.
     #[test]
     fn cpu_ops_give_the_fast_ops_logits_exactly() {
         let lease = Lease::new(DeviceKind::Cpu).unwrap();
@@ -410,8 +412,18 @@ mod tests {
                 };
                 let model = Model::load(&fixture(name), &options).unwrap();
                 let (cpu, fast) = (logits(&model, true), logits(&model, false));
+                let kernels = dtype == Dtype::Float32 && emlx_axon_kernels::enabled();
                 for (step, (a, b)) in cpu.iter().zip(&fast).enumerate() {
-                    assert!(a == b, "{name} ({dtype:?}): step {step} differs");
+                    if kernels {
+                        let scale = b.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+                        let worst = a
+                            .iter()
+                            .zip(b)
+                            .fold(0f32, |m, (x, y)| m.max((x - y).abs() / scale));
+                        assert!(worst < 1e-5, "{name} ({dtype:?}): step {step}: {worst}");
+                    } else {
+                        assert!(a == b, "{name} ({dtype:?}): step {step} differs");
+                    }
                 }
             });
         }

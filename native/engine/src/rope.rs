@@ -41,6 +41,9 @@ pub enum Rope {
         cos: Array,
         signed_sin: Array,
         traditional: bool,
+        /// `cos` and `signed_sin` before the broadcast, `[rows, L, head_dim]`:
+        /// what our CPU kernel reads.
+        rows: (Array, Array),
     },
 }
 
@@ -109,6 +112,10 @@ impl Rope {
             cos: broadcast_to(&cos, &shape)?,
             signed_sin: broadcast_to(&signed_sin, &shape)?,
             traditional: c.rope_traditional,
+            rows: (
+                cos.reshape(&[rows, len, hd])?,
+                signed_sin.reshape(&[rows, len, hd])?,
+            ),
         })
     }
 
@@ -152,6 +159,7 @@ impl Rope {
             cos,
             signed_sin,
             traditional,
+            ..
         } = self
         else {
             return Err(crate::error::Error::invalid(
@@ -178,6 +186,23 @@ impl Rope {
             )?
         };
         Ok(x.multiply(cos)?.add(swapped.multiply(signed_sin)?)?)
+    }
+
+    /// [`Rope::rotate_heads_last`] of `x` normalized by `norm` (per-head
+    /// weight `[heads, head_dim]` and eps, as [`crate::layers::RmsNorm`]
+    /// computes it) or as it is, in one node of our CPU kernels: `None`
+    /// where they do not take it (another dtype, a GPU stream, MLX's rope).
+    pub fn rotate_normed(&self, x: &Array, norm: Option<(&Array, f32)>) -> Result<Option<Array>> {
+        let Rope::Table {
+            traditional,
+            rows: (cos, signed_sin),
+            ..
+        } = self
+        else {
+            return Ok(None);
+        };
+        emlx_axon_kernels::norm_rope(x, norm, cos, signed_sin, *traditional)
+            .map_err(|e| crate::error::Error::Mlx(e.to_string()))
     }
 }
 

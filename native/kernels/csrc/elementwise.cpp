@@ -28,6 +28,15 @@ void swiglu_row_scalar(const float* gate, const float* up, float* y, int n) {
   }
 }
 
+void rms_norm_row_scalar(const float* x, const float* w, float* y, int D, float eps) {
+  float sum = 0.0f;
+  for (int i = 0; i < D; ++i) sum += x[i] * x[i];
+  // As MLX: the mean is the sum times 1 / D (computed in double).
+  const float mean = sum * (float)(1.0 / D);
+  const float scale = 1.0f / std::sqrt(mean + eps);
+  for (int i = 0; i < D; ++i) y[i] = (x[i] * scale) * w[i];
+}
+
 namespace {
 
 // Below this many elements one thread does it all.
@@ -47,6 +56,14 @@ SwigluRowFn swiglu_fn(Isa isa) {
 #endif
   (void)isa;
   return swiglu_row_scalar;
+}
+
+RmsNormRowFn rms_norm_fn(Isa isa) {
+#if defined(__x86_64__)
+  if (isa == kAvx512) return rms_norm_row_avx512;
+#endif
+  (void)isa;
+  return rms_norm_row_scalar;
 }
 
 }  // namespace
@@ -100,6 +117,64 @@ void swiglu(const SwigluArgs& a, Isa isa, int max_threads) {
   }
   const int tasks = (int)std::min<long>(units, threads * 4L);
   pool.run(tasks, [&](int t) { part(units * t / tasks, units * (t + 1) / tasks); });
+}
+
+void norm_rope(const NormRopeArgs& a, int max_threads) {
+  const long rows = (long)a.B * a.L * a.H;
+  const int half = a.hd / 2;
+  auto part = [&](long r0, long r1) {
+    float n[1024];
+    for (long r = r0; r < r1; ++r) {
+      const int h = (int)(r % a.H);
+      const long bl = r / a.H;
+      const int l = (int)(bl % a.L);
+      const int t = a.T == 1 ? 0 : (int)(bl / a.L);
+      const float* x = a.x + r * a.hd;
+      if (a.w) {
+        rms_norm_row_scalar(x, a.w + (long)h * a.hd, n, a.hd, a.eps);
+      } else {
+        for (int i = 0; i < a.hd; ++i) n[i] = x[i];
+      }
+      const float* c = a.cos + ((long)t * a.L + l) * a.hd;
+      const float* s = a.sin + ((long)t * a.L + l) * a.hd;
+      float* y = a.y + r * a.hd;
+      if (a.traditional) {
+        for (int i = 0; i < a.hd; ++i) y[i] = n[i] * c[i] + n[i ^ 1] * s[i];
+      } else {
+        for (int i = 0; i < half; ++i) y[i] = n[i] * c[i] + n[i + half] * s[i];
+        for (int i = half; i < a.hd; ++i) y[i] = n[i] * c[i] + n[i - half] * s[i];
+      }
+    }
+  };
+  Pool& pool = Pool::shared();
+  int threads = pool.size();
+  if (max_threads > 0) threads = std::min(threads, max_threads);
+  if (rows * a.hd < kMinParallel) threads = 1;
+  if (threads == 1) {
+    part(0, rows);
+    return;
+  }
+  const int tasks = (int)std::min<long>(rows, threads * 4L);
+  pool.run(tasks, [&](int t) { part(rows * t / tasks, rows * (t + 1) / tasks); });
+}
+
+void rms_norm(const RmsNormArgs& a, Isa isa, int max_threads) {
+  if (a.rows <= 0 || a.D <= 0 || a.R <= 0) return;
+  const RmsNormRowFn fn = rms_norm_fn(isa);
+  auto rows = [&](long r0, long r1) {
+    for (long r = r0; r < r1; ++r)
+      fn(a.x + r * a.D, a.w + (r % a.R) * (long)a.D, a.y + r * a.D, a.D, a.eps);
+  };
+  Pool& pool = Pool::shared();
+  int threads = pool.size();
+  if (max_threads > 0) threads = std::min(threads, max_threads);
+  if (a.rows * a.D < kMinParallel || a.rows < 2) threads = 1;
+  if (threads == 1) {
+    rows(0, a.rows);
+    return;
+  }
+  const int tasks = (int)std::min<long>(a.rows, threads * 4L);
+  pool.run(tasks, [&](int t) { rows(a.rows * t / tasks, a.rows * (t + 1) / tasks); });
 }
 
 }  // namespace emlx

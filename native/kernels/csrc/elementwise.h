@@ -1,6 +1,7 @@
 // Elementwise float32 work of a forward pass that MLX's CPU backend runs on
 // one thread with a scalar exp, threaded over rows here: the causal softmax
-// of a prompt's attention and the MLP's SwiGLU.
+// of a prompt's attention, the MLP's SwiGLU and RMSNorm (which MLX's CPU
+// backend expands into seven nodes).
 #pragma once
 
 #include "qmm.h"
@@ -45,5 +46,44 @@ void swiglu_row_avx512(const float* gate, const float* up, float* y, int n);
 #endif
 
 void swiglu(const SwigluArgs& a, Isa isa, int max_threads);
+
+// RMSNorm over the last axis: y = x * rsqrt(mean(x^2) + eps) * w, in MLX's
+// order of float32 operations; row r takes weight row r % R of w [R, D].
+struct RmsNormArgs {
+  const float* x;  // [rows, D]
+  const float* w;  // [R, D]
+  float* y;  // [rows, D]
+  long rows;
+  int D;
+  int R;
+  float eps;
+};
+
+using RmsNormRowFn = void (*)(const float* x, const float* w, float* y, int D, float eps);
+
+void rms_norm_row_scalar(const float* x, const float* w, float* y, int D, float eps);
+#if defined(__x86_64__)
+void rms_norm_row_avx512(const float* x, const float* w, float* y, int D, float eps);
+#endif
+
+void rms_norm(const RmsNormArgs& a, Isa isa, int max_threads);
+
+// Queries' and keys' per-head RMSNorm (optional) and rotary embedding from
+// a table: for x [B, L, H, hd], n = rms_norm(x) * w[h] (or x), then
+// y = n * cos + swapped(n) * signed_sin, where the tables are
+// [T, L, hd] (T = 1 or B) and swapped exchanges the two halves of a head
+// (or each pair's two elements, `traditional`).
+struct NormRopeArgs {
+  const float* x;  // [B, L, H, hd]
+  const float* w;  // [H, hd] or null
+  const float* cos;  // [T, L, hd]
+  const float* sin;
+  float* y;
+  int B, L, H, hd, T;
+  float eps;
+  bool traditional;
+};
+
+void norm_rope(const NormRopeArgs& a, int max_threads);
 
 }  // namespace emlx

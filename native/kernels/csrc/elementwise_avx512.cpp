@@ -63,5 +63,26 @@ void swiglu_row_avx512(const float* gate, const float* up, float* y, int n) {
   }
 }
 
+void rms_norm_row_avx512(const float* x, const float* w, float* y, int D, float eps) {
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+  int i = 0;
+  for (; i + 32 <= D; i += 32) {
+    const __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
+    s0 = _mm512_fmadd_ps(a, a, s0);
+    s1 = _mm512_fmadd_ps(b, b, s1);
+  }
+  for (; i < D; i += 16) {
+    const __m512 a = _mm512_maskz_loadu_ps(tail(D - i), x + i);
+    s0 = _mm512_fmadd_ps(a, a, s0);
+  }
+  const float mean = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) * (float)(1.0 / D);
+  const __m512 scale = _mm512_set1_ps(1.0f / __builtin_sqrtf(mean + eps));
+  for (i = 0; i < D; i += 16) {
+    const __mmask16 k = tail(D - i);
+    const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), scale);
+    _mm512_mask_storeu_ps(y + i, k, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(k, w + i)));
+  }
+}
+
 }  // namespace emlx
 #endif

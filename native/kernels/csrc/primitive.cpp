@@ -191,6 +191,113 @@ class Swiglu : public mx::UnaryPrimitive {
   bool is_equivalent(const mx::Primitive&) const override { return true; }
 };
 
+// RMSNorm over the last axis with a weight [D] or [R, D] (R the
+// second-to-last axis of x): one node in place of MLX's CPU expansion.
+class RmsNorm : public mx::UnaryPrimitive {
+ public:
+  RmsNorm(mx::Stream stream, float eps) : mx::UnaryPrimitive(stream), eps_(eps) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const mx::array& x = inputs[0];
+    const mx::array& w = inputs[1];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    RmsNormArgs args;
+    args.y = out.data<float>();
+    args.D = x.shape(-1);
+    args.rows = (long)(x.size() / args.D);
+    args.R = w.ndim() == 2 ? w.shape(0) : 1;
+    args.eps = eps_;
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(w);
+    encoder.set_output_array(out);
+    encoder.dispatch([args, x, w]() mutable {
+      std::vector<uint8_t> hx, hw;
+      if (!x.flags().row_contiguous) hx = packed(x);
+      if (!w.flags().row_contiguous) hw = packed(w);
+      args.x = hx.empty() ? x.data<float>() : reinterpret_cast<const float*>(hx.data());
+      args.w = hw.empty() ? w.data<float>() : reinterpret_cast<const float*>(hw.data());
+      rms_norm(args, selected_isa(), 0);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("rms_norm: no GPU evaluation");
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+  const char* name() const override { return "RmsNorm"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const RmsNorm&>(other).eps_;
+  }
+
+ private:
+  float eps_;
+};
+
+// Per-head RMSNorm (optional) and rotary embedding from a table: inputs
+// x [B, L, H, hd], cos and signed sin [T, L, hd] (T = 1 or B), and the norm
+// weight [H, hd] when there is one. One node where MLX builds about ten.
+class NormRope : public mx::UnaryPrimitive {
+ public:
+  NormRope(mx::Stream stream, float eps, bool traditional)
+      : mx::UnaryPrimitive(stream), eps_(eps), traditional_(traditional) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    const mx::array& x = inputs[0];
+    NormRopeArgs args;
+    args.y = out.data<float>();
+    args.B = x.shape(0);
+    args.L = x.shape(1);
+    args.H = x.shape(2);
+    args.hd = x.shape(3);
+    args.T = inputs[1].shape(0);
+    args.eps = eps_;
+    args.traditional = traditional_;
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([args, inputs]() mutable {
+      std::vector<std::vector<uint8_t>> held;
+      held.reserve(4);
+      auto pointer = [&held](const mx::array& a) -> const float* {
+        if (a.flags().row_contiguous) return a.data<float>();
+        held.push_back(packed(a));
+        return reinterpret_cast<const float*>(held.back().data());
+      };
+      args.x = pointer(inputs[0]);
+      args.cos = pointer(inputs[1]);
+      args.sin = pointer(inputs[2]);
+      args.w = inputs.size() > 3 ? pointer(inputs[3]) : nullptr;
+      norm_rope(args, 0);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("norm_rope: no GPU evaluation");
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+  const char* name() const override { return "NormRope"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const NormRope&>(other);
+    return eps_ == o.eps_ && traditional_ == o.traditional_;
+  }
+
+ private:
+  float eps_;
+  bool traditional_;
+};
+
 // A row-major copy of a strided array (elements of 2 or 4 bytes).
 std::vector<uint8_t> packed(const mx::array& a) {
   const size_t item = a.itemsize();
@@ -340,6 +447,99 @@ int emlx_kernels_swiglu(emlx_mlx_array* out, emlx_mlx_array x, emlx_mlx_stream s
     emlx::set_error(err, err_len, "swiglu: unknown C++ exception");
     return -1;
   }
+}
+
+// Builds RMSNorm of x over its last axis with weight w ([D], or [R, D] with
+// R = x's second-to-last axis) into *out; returns as the builders above.
+int emlx_kernels_rms_norm(emlx_mlx_array* out, emlx_mlx_array x, emlx_mlx_array w, float eps,
+                          emlx_mlx_stream stream, char* err, size_t err_len) {
+  try {
+    if (!out || !x.ctx || !w.ctx || !stream.ctx) {
+      emlx::set_error(err, err_len, "rms_norm: empty handle");
+      return -1;
+    }
+    const auto& s = *static_cast<mx::Stream*>(stream.ctx);
+    const auto& X = *static_cast<mx::array*>(x.ctx);
+    const auto& Wt = *static_cast<mx::array*>(w.ctx);
+    if (s.device.type != mx::Device::DeviceType::cpu || !emlx::kernels_preferred()) return 0;
+    if (X.dtype() != mx::float32 || Wt.dtype() != mx::float32 || X.ndim() < 1 || X.size() == 0)
+      return 0;
+    const int D = X.shape(-1);
+    if (Wt.shape(-1) != D || D > (1 << 30)) return 0;
+    if (Wt.ndim() == 2) {
+      if (X.ndim() < 2 || X.shape(-2) != Wt.shape(0)) return 0;
+    } else if (Wt.ndim() != 1) {
+      return 0;
+    }
+    mx::array y(X.shape(), mx::float32, std::make_shared<emlx::RmsNorm>(s, eps), {X, Wt});
+    if (out->ctx) {
+      *static_cast<mx::array*>(out->ctx) = std::move(y);
+    } else {
+      out->ctx = new mx::array(std::move(y));
+    }
+    return 1;
+  } catch (const std::exception& e) {
+    emlx::set_error(err, err_len, e.what());
+    return -1;
+  } catch (...) {
+    emlx::set_error(err, err_len, "rms_norm: unknown C++ exception");
+    return -1;
+  }
+}
+
+// Builds NormRope (see the class) into *out; `w.ctx` null for no norm.
+// Returns as the builders above.
+int emlx_kernels_norm_rope(emlx_mlx_array* out, emlx_mlx_array x, emlx_mlx_array w, float eps,
+                           emlx_mlx_array cos, emlx_mlx_array sin, int traditional,
+                           emlx_mlx_stream stream, char* err, size_t err_len) {
+  try {
+    if (!out || !x.ctx || !cos.ctx || !sin.ctx || !stream.ctx) {
+      emlx::set_error(err, err_len, "norm_rope: empty handle");
+      return -1;
+    }
+    const auto& s = *static_cast<mx::Stream*>(stream.ctx);
+    const auto& X = *static_cast<mx::array*>(x.ctx);
+    const auto& C = *static_cast<mx::array*>(cos.ctx);
+    const auto& S = *static_cast<mx::array*>(sin.ctx);
+    if (s.device.type != mx::Device::DeviceType::cpu || !emlx::kernels_preferred()) return 0;
+    if (X.dtype() != mx::float32 || C.dtype() != mx::float32 || S.dtype() != mx::float32) return 0;
+    if (X.ndim() != 4 || X.size() == 0) return 0;
+    const int B = X.shape(0), L = X.shape(1), H = X.shape(2), hd = X.shape(3);
+    if (hd % 2 != 0 || hd > 1024) return 0;
+    if (C.ndim() != 3 || C.shape() != S.shape() || C.shape(1) != L || C.shape(2) != hd ||
+        (C.shape(0) != 1 && C.shape(0) != B))
+      return 0;
+    std::vector<mx::array> inputs{X, C, S};
+    if (w.ctx) {
+      const auto& Wt = *static_cast<mx::array*>(w.ctx);
+      if (Wt.dtype() != mx::float32 || Wt.ndim() != 2 || Wt.shape(0) != H || Wt.shape(1) != hd)
+        return 0;
+      inputs.push_back(Wt);
+    }
+    mx::array y(X.shape(), mx::float32,
+                std::make_shared<emlx::NormRope>(s, eps, traditional != 0), std::move(inputs));
+    if (out->ctx) {
+      *static_cast<mx::array*>(out->ctx) = std::move(y);
+    } else {
+      out->ctx = new mx::array(std::move(y));
+    }
+    return 1;
+  } catch (const std::exception& e) {
+    emlx::set_error(err, err_len, e.what());
+    return -1;
+  } catch (...) {
+    emlx::set_error(err, err_len, "norm_rope: unknown C++ exception");
+    return -1;
+  }
+}
+
+int emlx_kernels_rms_norm_raw(const float* x, const float* w, float* y, long rows, int D, int R,
+                              float eps, int isa, int threads) {
+  if (isa < emlx::kScalar || isa > emlx::kAvx512 || !emlx::isa_supported((emlx::Isa)isa))
+    return -1;
+  emlx::RmsNormArgs args{x, w, y, rows, D, R, eps};
+  emlx::rms_norm(args, (emlx::Isa)isa, threads);
+  return 0;
 }
 
 int emlx_kernels_swiglu_raw(const float* x, float* y, long rows, int F, int isa, int threads) {

@@ -24,7 +24,8 @@
 //! Two elementwise steps that MLX's CPU backend runs on one thread with a
 //! scalar exp are primitives here too, threaded and vectorized:
 //! [`causal_softmax`] (a prompt's attention weights) and [`swiglu`] (the
-//! MLP's activation).
+//! MLP's activation); [`rms_norm`] and [`norm_rope`] are one node each
+//! where MLX builds seven and about ten.
 
 use std::ffi::{c_char, c_int, CStr};
 use std::fmt;
@@ -147,6 +148,40 @@ extern "C" {
         f: c_int,
         isa: c_int,
         threads: c_int,
+    ) -> c_int;
+    fn emlx_kernels_rms_norm(
+        out: *mut Handle,
+        x: Handle,
+        w: Handle,
+        eps: f32,
+        stream: Handle,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    fn emlx_kernels_rms_norm_raw(
+        x: *const f32,
+        w: *const f32,
+        y: *mut f32,
+        rows: std::ffi::c_long,
+        d: c_int,
+        r: c_int,
+        eps: f32,
+        isa: c_int,
+        threads: c_int,
+    ) -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    fn emlx_kernels_norm_rope(
+        out: *mut Handle,
+        x: Handle,
+        w: Handle,
+        eps: f32,
+        cos: Handle,
+        sin: Handle,
+        traditional: c_int,
+        stream: Handle,
+        err: *mut c_char,
+        err_len: usize,
     ) -> c_int;
     fn emlx_kernels_activations() -> c_int;
     fn emlx_kernels_int8_vnni() -> c_int;
@@ -406,6 +441,145 @@ pub fn swiglu_with(
         )));
     }
     Ok(())
+}
+
+/// RMSNorm of float32 `x` over its last axis, `x * rsqrt(mean(x^2) + eps) *
+/// weight` in MLX's order of operations, as a lazy MLX array computed by our
+/// kernels: one node where MLX's CPU backend builds seven. `weight` is
+/// `[D]`, or `[R, D]` with `R` the second-to-last axis of `x` (one weight
+/// row per head). `Ok(None)` when the case is not ours (kernels turned off,
+/// a GPU stream, another dtype, shapes that do not match).
+pub fn rms_norm(x: &Array, weight: &Array, eps: f32) -> Result<Option<Array>, KernelError> {
+    if !enabled() {
+        return Ok(None);
+    }
+    let stream = Stream::thread_local_or_default();
+    let mut err = [0 as c_char; 512];
+    let mut out = Handle {
+        ctx: std::ptr::null_mut(),
+    };
+    // SAFETY: as in `causal_softmax`.
+    let status = unsafe {
+        emlx_kernels_rms_norm(
+            &mut out,
+            Handle {
+                ctx: x.as_ptr().ctx,
+            },
+            Handle {
+                ctx: weight.as_ptr().ctx,
+            },
+            eps,
+            Handle {
+                ctx: stream.as_ptr().ctx,
+            },
+            err.as_mut_ptr(),
+            err.len(),
+        )
+    };
+    built(status, out, &err)
+}
+
+/// [`rms_norm`] on plain buffers: `x` and `y` `[rows, D]`, `weight`
+/// `[R, D]` (row `r` takes weight row `r % R`), with a chosen variant and
+/// at most `max_threads` threads (0: the whole pool).
+pub fn rms_norm_with(
+    isa: Isa,
+    max_threads: usize,
+    x: &[f32],
+    weight: &[f32],
+    d: usize,
+    eps: f32,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    if d == 0
+        || !x.len().is_multiple_of(d)
+        || y.len() != x.len()
+        || weight.is_empty()
+        || !weight.len().is_multiple_of(d)
+    {
+        return Err(KernelError(format!(
+            "rms_norm: {} inputs, {} weights and {} outputs for rows of {d}",
+            x.len(),
+            weight.len(),
+            y.len()
+        )));
+    }
+    // SAFETY: the buffers hold whole rows of d floats, checked above.
+    let status = unsafe {
+        emlx_kernels_rms_norm_raw(
+            x.as_ptr(),
+            weight.as_ptr(),
+            y.as_mut_ptr(),
+            (x.len() / d) as std::ffi::c_long,
+            d as c_int,
+            (weight.len() / d) as c_int,
+            eps,
+            isa as c_int,
+            max_threads as c_int,
+        )
+    };
+    if status != 0 {
+        return Err(KernelError(format!(
+            "{} does not run on this CPU",
+            isa.name()
+        )));
+    }
+    Ok(())
+}
+
+/// Queries' and keys' per-head RMSNorm (when `norm` gives the `[H, hd]`
+/// weight and eps) and rotary embedding from a table, as one lazy MLX array
+/// computed by our kernels: for `x` `[B, L, H, hd]` float32,
+/// `n * cos + swapped(n) * signed_sin` with `n` the normalized `x`, where
+/// `cos` and `signed_sin` are `[T, L, hd]` (`T` 1 or `B`) and `swapped`
+/// exchanges the halves of each head (each pair's elements when
+/// `traditional`), in MLX's order of operations. `Ok(None)` when the case is
+/// not ours (kernels turned off, a GPU stream, another dtype, shapes).
+pub fn norm_rope(
+    x: &Array,
+    norm: Option<(&Array, f32)>,
+    cos: &Array,
+    signed_sin: &Array,
+    traditional: bool,
+) -> Result<Option<Array>, KernelError> {
+    if !enabled() {
+        return Ok(None);
+    }
+    let stream = Stream::thread_local_or_default();
+    let mut err = [0 as c_char; 512];
+    let mut out = Handle {
+        ctx: std::ptr::null_mut(),
+    };
+    let handle = |a: &Array| Handle {
+        ctx: a.as_ptr().ctx,
+    };
+    let (w, eps) = match norm {
+        Some((w, eps)) => (handle(w), eps),
+        None => (
+            Handle {
+                ctx: std::ptr::null_mut(),
+            },
+            0.0,
+        ),
+    };
+    // SAFETY: as in `causal_softmax`; a null weight handle means no norm.
+    let status = unsafe {
+        emlx_kernels_norm_rope(
+            &mut out,
+            handle(x),
+            w,
+            eps,
+            handle(cos),
+            handle(signed_sin),
+            traditional as c_int,
+            Handle {
+                ctx: stream.as_ptr().ctx,
+            },
+            err.as_mut_ptr(),
+            err.len(),
+        )
+    };
+    built(status, out, &err)
 }
 
 /// What a C builder of a primitive returned: 1 the array (taken over from
