@@ -8,6 +8,7 @@
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -36,57 +37,89 @@ typedef struct {
 namespace emlx {
 namespace {
 
-// x [..., K] f32 @ dequantize(w [N, K * bits / 32], scales, biases)^T -> [..., N] f32.
 std::vector<uint8_t> packed(const mx::array& a);
 
-class AffineQuantizedLinear : public mx::UnaryPrimitive {
+// What our primitives share: built for CPU streams only, an output shaped
+// as the first input unless a primitive says otherwise, and a CPU
+// evaluation that allocates the output and queues the kernel as a task of
+// the stream.
+class KernelPrimitive : public mx::UnaryPrimitive {
  public:
-  AffineQuantizedLinear(mx::Stream stream, int group, int bits)
-      : mx::UnaryPrimitive(stream), group_(group), bits_(bits) {}
+  KernelPrimitive(mx::Stream stream, const char* what)
+      : mx::UnaryPrimitive(stream), what_(what) {}
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    const mx::array& x = inputs[0];
-    const mx::array& w = inputs[1];
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    // GPU streams use MLX's own ops.
+    throw std::runtime_error(std::string(what_) + ": no GPU evaluation");
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ protected:
+  // Allocates `out` and queues `run(in, y)`, `in[i]` the row-major contents
+  // of `inputs[i]` and `y` the output's floats. The inputs' buffers exist
+  // now, but their contents are written by work queued before this task on
+  // the stream's thread: they are read only inside the task. A strided
+  // input (a lazily computed transpose, a slice) is packed there rather
+  // than by an extra graph node.
+  template <typename Run>
+  void dispatch(const std::vector<mx::array>& inputs, mx::array& out, Run run) {
     out.set_data(mx::allocator::malloc(out.nbytes()));
-
-    QmmArgs args;
-    args.bf16_params = inputs[2].dtype() == mx::bfloat16;
-    args.y = out.data<float>();
-    args.K = x.shape(-1);
-    args.M = (int)(x.size() / args.K);
-    args.N = w.shape(0);
-    args.bits = bits_;
-    args.group = group_;
-
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
-    // The inputs' buffers exist now, but their contents are written by work
-    // queued before this task on the stream's thread: read them only inside
-    // the task. A strided input (a lazily computed transpose, a slice) is
-    // packed there rather than by an extra graph node on every projection.
-    encoder.dispatch([args, x, w, scales = inputs[2], biases = inputs[3]]() mutable {
+    encoder.dispatch([inputs, run, y = out.data<float>()]() mutable {
       std::vector<std::vector<uint8_t>> held;
-      held.reserve(4);
-      auto pointer = [&held](const mx::array& a) -> const void* {
-        if (a.flags().row_contiguous) return a.data<uint8_t>();
-        held.push_back(packed(a));
-        return held.back().data();
-      };
-      args.x = static_cast<const float*>(pointer(x));
-      args.w = static_cast<const uint32_t*>(pointer(w));
-      args.scales = pointer(scales);
-      args.biases = pointer(biases);
+      held.reserve(inputs.size());
+      std::vector<const void*> in;
+      in.reserve(inputs.size());
+      for (const auto& a : inputs) {
+        if (a.flags().row_contiguous) {
+          in.push_back(a.data<uint8_t>());
+        } else {
+          held.push_back(packed(a));
+          in.push_back(held.back().data());
+        }
+      }
+      run(in, y);
+    });
+  }
+
+ private:
+  const char* what_;
+};
+
+using Inputs = std::vector<const void*>;
+
+const float* floats(const void* p) { return static_cast<const float*>(p); }
+
+// x [..., K] f32 @ dequantize(w [N, K * bits / 32], scales, biases)^T -> [..., N] f32.
+class AffineQuantizedLinear : public KernelPrimitive {
+ public:
+  AffineQuantizedLinear(mx::Stream stream, int group, int bits)
+      : KernelPrimitive(stream, "affine-quantized linear"), group_(group), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    QmmArgs args;
+    args.bf16_params = inputs[2].dtype() == mx::bfloat16;
+    args.K = inputs[0].shape(-1);
+    args.M = (int)(inputs[0].size() / args.K);
+    args.N = inputs[1].shape(0);
+    args.bits = bits_;
+    args.group = group_;
+    dispatch(inputs, out, [args](const Inputs& in, float* y) mutable {
+      args.x = floats(in[0]);
+      args.w = static_cast<const uint32_t*>(in[1]);
+      args.scales = in[2];
+      args.biases = in[3];
+      args.y = y;
       if (selected_activations() == kActivationsInt8)
         qmm_int8(args, selected_isa(), 0);
       else
         qmm(args, selected_isa(), 0);
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    // Only built for CPU streams; GPU streams use MLX's quantized_matmul.
-    throw std::runtime_error("affine-quantized linear: no GPU evaluation");
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -110,35 +143,20 @@ class AffineQuantizedLinear : public mx::UnaryPrimitive {
 // Softmax over the last axis of a float32 array, causal over its rows when
 // `L` > 0 (see softmax.h). MLX's CPU softmax runs on one thread with a
 // scalar exp; a prompt's attention weights are most of its elementwise work.
-class CausalSoftmax : public mx::UnaryPrimitive {
+class CausalSoftmax : public KernelPrimitive {
  public:
-  CausalSoftmax(mx::Stream stream, int L) : mx::UnaryPrimitive(stream), L_(L) {}
+  CausalSoftmax(mx::Stream stream, int L) : KernelPrimitive(stream, "causal softmax"), L_(L) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    const mx::array& x = inputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
     SoftmaxArgs args;
-    args.y = out.data<float>();
-    args.S = x.shape(-1);
-    args.rows = (long)(x.size() / args.S);
+    args.S = inputs[0].shape(-1);
+    args.rows = (long)(inputs[0].size() / args.S);
     args.L = L_;
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(x);
-    encoder.set_output_array(out);
-    encoder.dispatch([args, x]() mutable {
-      std::vector<uint8_t> held;
-      if (!x.flags().row_contiguous) held = packed(x);
-      args.x = held.empty() ? x.data<float>() : reinterpret_cast<const float*>(held.data());
+    dispatch(inputs, out, [args](const Inputs& in, float* y) mutable {
+      args.x = floats(in[0]);
+      args.y = y;
       softmax(args, selected_isa(), 0);
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("causal softmax: no GPU evaluation");
-  }
-
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
   }
 
   const char* name() const override { return "CausalSoftmax"; }
@@ -154,30 +172,19 @@ class CausalSoftmax : public mx::UnaryPrimitive {
 // silu(gate) * up from the gate and up projections side by side, [..., 2F]
 // -> [..., F]: one node in place of MLX's split, sigmoid and two products,
 // threaded and with a vectorized exp.
-class Swiglu : public mx::UnaryPrimitive {
+class Swiglu : public KernelPrimitive {
  public:
-  explicit Swiglu(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  explicit Swiglu(mx::Stream stream) : KernelPrimitive(stream, "swiglu") {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    const mx::array& x = inputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
     SwigluArgs args;
-    args.y = out.data<float>();
     args.F = out.shape(-1);
     args.rows = (long)(out.size() / args.F);
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(x);
-    encoder.set_output_array(out);
-    encoder.dispatch([args, x]() mutable {
-      std::vector<uint8_t> held;
-      if (!x.flags().row_contiguous) held = packed(x);
-      args.x = held.empty() ? x.data<float>() : reinterpret_cast<const float*>(held.data());
+    dispatch(inputs, out, [args](const Inputs& in, float* y) mutable {
+      args.x = floats(in[0]);
+      args.y = y;
       swiglu(args, selected_isa(), 0);
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("swiglu: no GPU evaluation");
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -193,40 +200,24 @@ class Swiglu : public mx::UnaryPrimitive {
 
 // RMSNorm over the last axis with a weight [D] or [R, D] (R the
 // second-to-last axis of x): one node in place of MLX's CPU expansion.
-class RmsNorm : public mx::UnaryPrimitive {
+class RmsNorm : public KernelPrimitive {
  public:
-  RmsNorm(mx::Stream stream, float eps) : mx::UnaryPrimitive(stream), eps_(eps) {}
+  RmsNorm(mx::Stream stream, float eps) : KernelPrimitive(stream, "rms_norm"), eps_(eps) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const mx::array& x = inputs[0];
     const mx::array& w = inputs[1];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
     RmsNormArgs args;
-    args.y = out.data<float>();
     args.D = x.shape(-1);
     args.rows = (long)(x.size() / args.D);
     args.R = w.ndim() == 2 ? w.shape(0) : 1;
     args.eps = eps_;
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(x);
-    encoder.set_input_array(w);
-    encoder.set_output_array(out);
-    encoder.dispatch([args, x, w]() mutable {
-      std::vector<uint8_t> hx, hw;
-      if (!x.flags().row_contiguous) hx = packed(x);
-      if (!w.flags().row_contiguous) hw = packed(w);
-      args.x = hx.empty() ? x.data<float>() : reinterpret_cast<const float*>(hx.data());
-      args.w = hw.empty() ? w.data<float>() : reinterpret_cast<const float*>(hw.data());
+    dispatch(inputs, out, [args](const Inputs& in, float* y) mutable {
+      args.x = floats(in[0]);
+      args.w = floats(in[1]);
+      args.y = y;
       rms_norm(args, selected_isa(), 0);
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("rms_norm: no GPU evaluation");
-  }
-
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
   }
 
   const char* name() const override { return "RmsNorm"; }
@@ -242,16 +233,14 @@ class RmsNorm : public mx::UnaryPrimitive {
 // Per-head RMSNorm (optional) and rotary embedding from a table: inputs
 // x [B, L, H, hd], cos and signed sin [T, L, hd] (T = 1 or B), and the norm
 // weight [H, hd] when there is one. One node where MLX builds about ten.
-class NormRope : public mx::UnaryPrimitive {
+class NormRope : public KernelPrimitive {
  public:
   NormRope(mx::Stream stream, float eps, bool traditional)
-      : mx::UnaryPrimitive(stream), eps_(eps), traditional_(traditional) {}
+      : KernelPrimitive(stream, "norm_rope"), eps_(eps), traditional_(traditional) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
     const mx::array& x = inputs[0];
     NormRopeArgs args;
-    args.y = out.data<float>();
     args.B = x.shape(0);
     args.L = x.shape(1);
     args.H = x.shape(2);
@@ -259,31 +248,14 @@ class NormRope : public mx::UnaryPrimitive {
     args.T = inputs[1].shape(0);
     args.eps = eps_;
     args.traditional = traditional_;
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
-    encoder.dispatch([args, inputs]() mutable {
-      std::vector<std::vector<uint8_t>> held;
-      held.reserve(4);
-      auto pointer = [&held](const mx::array& a) -> const float* {
-        if (a.flags().row_contiguous) return a.data<float>();
-        held.push_back(packed(a));
-        return reinterpret_cast<const float*>(held.back().data());
-      };
-      args.x = pointer(inputs[0]);
-      args.cos = pointer(inputs[1]);
-      args.sin = pointer(inputs[2]);
-      args.w = inputs.size() > 3 ? pointer(inputs[3]) : nullptr;
+    dispatch(inputs, out, [args](const Inputs& in, float* y) mutable {
+      args.x = floats(in[0]);
+      args.cos = floats(in[1]);
+      args.sin = floats(in[2]);
+      args.w = in.size() > 3 ? floats(in[3]) : nullptr;
+      args.y = y;
       norm_rope(args, 0);
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("norm_rope: no GPU evaluation");
-  }
-
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
   }
 
   const char* name() const override { return "NormRope"; }
@@ -326,6 +298,50 @@ void set_error(char* err, size_t len, const char* message) {
   }
 }
 
+const mx::array& array_of(emlx_mlx_array handle) { return *static_cast<mx::array*>(handle.ctx); }
+
+// The C entry of every primitive: `handles_set` says whether the caller's
+// required handles are non-null; `build` gets the (CPU) stream and returns
+// the node, or nothing when the case is not ours. Returns 1 with the node in
+// *out (into the array there, if any), 0 when not ours (a GPU stream and
+// kernels turned off included), -1 with the message in err. No C++
+// exception crosses into Rust.
+template <typename Build>
+int build_node(const char* what, emlx_mlx_array* out, bool handles_set, emlx_mlx_stream stream,
+               char* err, size_t err_len, Build build) {
+  try {
+    if (!out || !handles_set || !stream.ctx) {
+      set_error(err, err_len, (std::string(what) + ": empty handle").c_str());
+      return -1;
+    }
+    const auto& s = *static_cast<mx::Stream*>(stream.ctx);
+    if (s.device.type != mx::Device::DeviceType::cpu || !kernels_preferred()) return 0;
+    std::optional<mx::array> y = build(s);
+    if (!y) return 0;
+    if (out->ctx) {
+      *static_cast<mx::array*>(out->ctx) = std::move(*y);
+    } else {
+      out->ctx = new mx::array(std::move(*y));
+    }
+    return 1;
+  } catch (const std::exception& e) {
+    set_error(err, err_len, e.what());
+    return -1;
+  } catch (...) {
+    set_error(err, err_len, (std::string(what) + ": unknown C++ exception").c_str());
+    return -1;
+  }
+}
+
+// A raw-buffer kernel with a chosen variant: 0 when it ran, -1 when the
+// variant does not run on this CPU.
+template <typename Run>
+int run_raw(int isa, Run run) {
+  if (isa < kScalar || isa > kAvx512 || !isa_supported((Isa)isa)) return -1;
+  run((Isa)isa);
+  return 0;
+}
+
 }  // namespace
 }  // namespace emlx
 
@@ -339,49 +355,32 @@ extern "C" {
 int emlx_kernels_quantized_linear(emlx_mlx_array* out, emlx_mlx_array x, emlx_mlx_array w,
                                   emlx_mlx_array scales, emlx_mlx_array biases, int group,
                                   int bits, emlx_mlx_stream stream, char* err, size_t err_len) {
-  try {
-    if (!out || !x.ctx || !w.ctx || !scales.ctx || !biases.ctx || !stream.ctx) {
-      emlx::set_error(err, err_len, "affine-quantized linear: empty handle");
-      return -1;
-    }
-    const auto& s = *static_cast<mx::Stream*>(stream.ctx);
-    const auto& X = *static_cast<mx::array*>(x.ctx);
-    const auto& Wq = *static_cast<mx::array*>(w.ctx);
-    const auto& S = *static_cast<mx::array*>(scales.ctx);
-    const auto& B = *static_cast<mx::array*>(biases.ctx);
-    if (s.device.type != mx::Device::DeviceType::cpu || !emlx::kernels_preferred()) return 0;
-    if (bits != 4 && bits != 8) return 0;
-    if (group != 32 && group != 64 && group != 128) return 0;
-    if (X.dtype() != mx::float32 || Wq.dtype() != mx::uint32 ||
-        (S.dtype() != mx::float32 && S.dtype() != mx::bfloat16) || B.dtype() != S.dtype())
-      return 0;
-    if (X.ndim() < 1 || Wq.ndim() != 2 || S.ndim() != 2 || B.ndim() != 2) return 0;
-    const long K = X.shape(-1);
-    const long N = Wq.shape(0);
-    if (K <= 0 || N <= 0 || X.size() == 0 || K % group != 0) return 0;
-    if (Wq.shape(1) != K * bits / 32 || S.shape(0) != N || S.shape(1) != K / group ||
-        B.shape() != S.shape())
-      return 0;
-    if (X.size() / K > (1L << 30) || K > (1L << 30) || N > (1L << 30)) return 0;
-
-    mx::Shape shape = X.shape();
-    shape.back() = (int)N;
-    auto primitive = std::make_shared<emlx::AffineQuantizedLinear>(s, group, bits);
-    mx::array y(std::move(shape), mx::float32, primitive,
-                {X, Wq, S, B});
-    if (out->ctx) {
-      *static_cast<mx::array*>(out->ctx) = std::move(y);
-    } else {
-      out->ctx = new mx::array(std::move(y));
-    }
-    return 1;
-  } catch (const std::exception& e) {
-    emlx::set_error(err, err_len, e.what());
-    return -1;
-  } catch (...) {
-    emlx::set_error(err, err_len, "affine-quantized linear: unknown C++ exception");
-    return -1;
-  }
+  const bool set = x.ctx && w.ctx && scales.ctx && biases.ctx;
+  return emlx::build_node(
+      "affine-quantized linear", out, set, stream, err, err_len,
+      [&](const mx::Stream& s) -> std::optional<mx::array> {
+        const auto& X = emlx::array_of(x);
+        const auto& Wq = emlx::array_of(w);
+        const auto& S = emlx::array_of(scales);
+        const auto& B = emlx::array_of(biases);
+        if (bits != 4 && bits != 8) return {};
+        if (group != 32 && group != 64 && group != 128) return {};
+        if (X.dtype() != mx::float32 || Wq.dtype() != mx::uint32 ||
+            (S.dtype() != mx::float32 && S.dtype() != mx::bfloat16) || B.dtype() != S.dtype())
+          return {};
+        if (X.ndim() < 1 || Wq.ndim() != 2 || S.ndim() != 2 || B.ndim() != 2) return {};
+        const long K = X.shape(-1);
+        const long N = Wq.shape(0);
+        if (K <= 0 || N <= 0 || X.size() == 0 || K % group != 0) return {};
+        if (Wq.shape(1) != K * bits / 32 || S.shape(0) != N || S.shape(1) != K / group ||
+            B.shape() != S.shape())
+          return {};
+        if (X.size() / K > (1L << 30) || K > (1L << 30) || N > (1L << 30)) return {};
+        mx::Shape shape = X.shape();
+        shape.back() = (int)N;
+        auto primitive = std::make_shared<emlx::AffineQuantizedLinear>(s, group, bits);
+        return mx::array(std::move(shape), mx::float32, primitive, {X, Wq, S, B});
+      });
 }
 
 // Builds the softmax of `x` over its last axis (causal over `L` queries when
@@ -389,102 +388,55 @@ int emlx_kernels_quantized_linear(emlx_mlx_array* out, emlx_mlx_array x, emlx_ml
 // ours (GPU stream, kernels off, not float32, shapes), -1 on an error.
 int emlx_kernels_causal_softmax(emlx_mlx_array* out, emlx_mlx_array x, int L,
                                 emlx_mlx_stream stream, char* err, size_t err_len) {
-  try {
-    if (!out || !x.ctx || !stream.ctx) {
-      emlx::set_error(err, err_len, "causal softmax: empty handle");
-      return -1;
-    }
-    const auto& s = *static_cast<mx::Stream*>(stream.ctx);
-    const auto& X = *static_cast<mx::array*>(x.ctx);
-    if (s.device.type != mx::Device::DeviceType::cpu || !emlx::kernels_preferred()) return 0;
-    if (X.dtype() != mx::float32 || X.ndim() < 1 || X.size() == 0) return 0;
-    const long S = X.shape(-1);
-    const long rows = (long)(X.size() / S);
-    if (L < 0 || L > S || (L > 0 && rows % L != 0) || S > (1L << 30)) return 0;
-    mx::array y(X.shape(), mx::float32, std::make_shared<emlx::CausalSoftmax>(s, L), {X});
-    if (out->ctx) {
-      *static_cast<mx::array*>(out->ctx) = std::move(y);
-    } else {
-      out->ctx = new mx::array(std::move(y));
-    }
-    return 1;
-  } catch (const std::exception& e) {
-    emlx::set_error(err, err_len, e.what());
-    return -1;
-  } catch (...) {
-    emlx::set_error(err, err_len, "causal softmax: unknown C++ exception");
-    return -1;
-  }
+  return emlx::build_node(
+      "causal softmax", out, x.ctx, stream, err, err_len,
+      [&](const mx::Stream& s) -> std::optional<mx::array> {
+        const auto& X = emlx::array_of(x);
+        if (X.dtype() != mx::float32 || X.ndim() < 1 || X.size() == 0) return {};
+        const long S = X.shape(-1);
+        const long rows = (long)(X.size() / S);
+        if (L < 0 || L > S || (L > 0 && rows % L != 0) || S > (1L << 30)) return {};
+        return mx::array(X.shape(), mx::float32, std::make_shared<emlx::CausalSoftmax>(s, L), {X});
+      });
 }
 
 // Builds silu(x[..., :F]) * x[..., F:] for x [..., 2F] with our primitive
 // into *out; returns as emlx_kernels_causal_softmax does.
 int emlx_kernels_swiglu(emlx_mlx_array* out, emlx_mlx_array x, emlx_mlx_stream stream, char* err,
                         size_t err_len) {
-  try {
-    if (!out || !x.ctx || !stream.ctx) {
-      emlx::set_error(err, err_len, "swiglu: empty handle");
-      return -1;
-    }
-    const auto& s = *static_cast<mx::Stream*>(stream.ctx);
-    const auto& X = *static_cast<mx::array*>(x.ctx);
-    if (s.device.type != mx::Device::DeviceType::cpu || !emlx::kernels_preferred()) return 0;
-    if (X.dtype() != mx::float32 || X.ndim() < 1 || X.size() == 0) return 0;
-    if (X.shape(-1) % 2 != 0 || X.shape(-1) > (1L << 30)) return 0;
-    mx::Shape shape = X.shape();
-    shape.back() /= 2;
-    mx::array y(std::move(shape), mx::float32, std::make_shared<emlx::Swiglu>(s), {X});
-    if (out->ctx) {
-      *static_cast<mx::array*>(out->ctx) = std::move(y);
-    } else {
-      out->ctx = new mx::array(std::move(y));
-    }
-    return 1;
-  } catch (const std::exception& e) {
-    emlx::set_error(err, err_len, e.what());
-    return -1;
-  } catch (...) {
-    emlx::set_error(err, err_len, "swiglu: unknown C++ exception");
-    return -1;
-  }
+  return emlx::build_node(
+      "swiglu", out, x.ctx, stream, err, err_len,
+      [&](const mx::Stream& s) -> std::optional<mx::array> {
+        const auto& X = emlx::array_of(x);
+        if (X.dtype() != mx::float32 || X.ndim() < 1 || X.size() == 0) return {};
+        if (X.shape(-1) % 2 != 0 || X.shape(-1) > (1L << 30)) return {};
+        mx::Shape shape = X.shape();
+        shape.back() /= 2;
+        return mx::array(std::move(shape), mx::float32, std::make_shared<emlx::Swiglu>(s), {X});
+      });
 }
 
 // Builds RMSNorm of x over its last axis with weight w ([D], or [R, D] with
 // R = x's second-to-last axis) into *out; returns as the builders above.
 int emlx_kernels_rms_norm(emlx_mlx_array* out, emlx_mlx_array x, emlx_mlx_array w, float eps,
                           emlx_mlx_stream stream, char* err, size_t err_len) {
-  try {
-    if (!out || !x.ctx || !w.ctx || !stream.ctx) {
-      emlx::set_error(err, err_len, "rms_norm: empty handle");
-      return -1;
-    }
-    const auto& s = *static_cast<mx::Stream*>(stream.ctx);
-    const auto& X = *static_cast<mx::array*>(x.ctx);
-    const auto& Wt = *static_cast<mx::array*>(w.ctx);
-    if (s.device.type != mx::Device::DeviceType::cpu || !emlx::kernels_preferred()) return 0;
-    if (X.dtype() != mx::float32 || Wt.dtype() != mx::float32 || X.ndim() < 1 || X.size() == 0)
-      return 0;
-    const int D = X.shape(-1);
-    if (Wt.shape(-1) != D || D > (1 << 30)) return 0;
-    if (Wt.ndim() == 2) {
-      if (X.ndim() < 2 || X.shape(-2) != Wt.shape(0)) return 0;
-    } else if (Wt.ndim() != 1) {
-      return 0;
-    }
-    mx::array y(X.shape(), mx::float32, std::make_shared<emlx::RmsNorm>(s, eps), {X, Wt});
-    if (out->ctx) {
-      *static_cast<mx::array*>(out->ctx) = std::move(y);
-    } else {
-      out->ctx = new mx::array(std::move(y));
-    }
-    return 1;
-  } catch (const std::exception& e) {
-    emlx::set_error(err, err_len, e.what());
-    return -1;
-  } catch (...) {
-    emlx::set_error(err, err_len, "rms_norm: unknown C++ exception");
-    return -1;
-  }
+  return emlx::build_node(
+      "rms_norm", out, x.ctx && w.ctx, stream, err, err_len,
+      [&](const mx::Stream& s) -> std::optional<mx::array> {
+        const auto& X = emlx::array_of(x);
+        const auto& Wt = emlx::array_of(w);
+        if (X.dtype() != mx::float32 || Wt.dtype() != mx::float32 || X.ndim() < 1 ||
+            X.size() == 0)
+          return {};
+        const int D = X.shape(-1);
+        if (Wt.shape(-1) != D || D > (1 << 30)) return {};
+        if (Wt.ndim() == 2) {
+          if (X.ndim() < 2 || X.shape(-2) != Wt.shape(0)) return {};
+        } else if (Wt.ndim() != 1) {
+          return {};
+        }
+        return mx::array(X.shape(), mx::float32, std::make_shared<emlx::RmsNorm>(s, eps), {X, Wt});
+      });
 }
 
 // Builds NormRope (see the class) into *out; `w.ctx` null for no norm.
@@ -492,71 +444,52 @@ int emlx_kernels_rms_norm(emlx_mlx_array* out, emlx_mlx_array x, emlx_mlx_array 
 int emlx_kernels_norm_rope(emlx_mlx_array* out, emlx_mlx_array x, emlx_mlx_array w, float eps,
                            emlx_mlx_array cos, emlx_mlx_array sin, int traditional,
                            emlx_mlx_stream stream, char* err, size_t err_len) {
-  try {
-    if (!out || !x.ctx || !cos.ctx || !sin.ctx || !stream.ctx) {
-      emlx::set_error(err, err_len, "norm_rope: empty handle");
-      return -1;
-    }
-    const auto& s = *static_cast<mx::Stream*>(stream.ctx);
-    const auto& X = *static_cast<mx::array*>(x.ctx);
-    const auto& C = *static_cast<mx::array*>(cos.ctx);
-    const auto& S = *static_cast<mx::array*>(sin.ctx);
-    if (s.device.type != mx::Device::DeviceType::cpu || !emlx::kernels_preferred()) return 0;
-    if (X.dtype() != mx::float32 || C.dtype() != mx::float32 || S.dtype() != mx::float32) return 0;
-    if (X.ndim() != 4 || X.size() == 0) return 0;
-    const int B = X.shape(0), L = X.shape(1), H = X.shape(2), hd = X.shape(3);
-    if (hd % 2 != 0 || hd > 1024) return 0;
-    if (C.ndim() != 3 || C.shape() != S.shape() || C.shape(1) != L || C.shape(2) != hd ||
-        (C.shape(0) != 1 && C.shape(0) != B))
-      return 0;
-    std::vector<mx::array> inputs{X, C, S};
-    if (w.ctx) {
-      const auto& Wt = *static_cast<mx::array*>(w.ctx);
-      if (Wt.dtype() != mx::float32 || Wt.ndim() != 2 || Wt.shape(0) != H || Wt.shape(1) != hd)
-        return 0;
-      inputs.push_back(Wt);
-    }
-    mx::array y(X.shape(), mx::float32,
-                std::make_shared<emlx::NormRope>(s, eps, traditional != 0), std::move(inputs));
-    if (out->ctx) {
-      *static_cast<mx::array*>(out->ctx) = std::move(y);
-    } else {
-      out->ctx = new mx::array(std::move(y));
-    }
-    return 1;
-  } catch (const std::exception& e) {
-    emlx::set_error(err, err_len, e.what());
-    return -1;
-  } catch (...) {
-    emlx::set_error(err, err_len, "norm_rope: unknown C++ exception");
-    return -1;
-  }
+  return emlx::build_node(
+      "norm_rope", out, x.ctx && cos.ctx && sin.ctx, stream, err, err_len,
+      [&](const mx::Stream& s) -> std::optional<mx::array> {
+        const auto& X = emlx::array_of(x);
+        const auto& C = emlx::array_of(cos);
+        const auto& S = emlx::array_of(sin);
+        if (X.dtype() != mx::float32 || C.dtype() != mx::float32 || S.dtype() != mx::float32)
+          return {};
+        if (X.ndim() != 4 || X.size() == 0) return {};
+        const int B = X.shape(0), L = X.shape(1), H = X.shape(2), hd = X.shape(3);
+        if (hd % 2 != 0 || hd > 1024) return {};
+        if (C.ndim() != 3 || C.shape() != S.shape() || C.shape(1) != L || C.shape(2) != hd ||
+            (C.shape(0) != 1 && C.shape(0) != B))
+          return {};
+        std::vector<mx::array> inputs{X, C, S};
+        if (w.ctx) {
+          const auto& Wt = emlx::array_of(w);
+          if (Wt.dtype() != mx::float32 || Wt.ndim() != 2 || Wt.shape(0) != H ||
+              Wt.shape(1) != hd)
+            return {};
+          inputs.push_back(Wt);
+        }
+        return mx::array(X.shape(), mx::float32,
+                         std::make_shared<emlx::NormRope>(s, eps, traditional != 0),
+                         std::move(inputs));
+      });
 }
 
 int emlx_kernels_rms_norm_raw(const float* x, const float* w, float* y, long rows, int D, int R,
                               float eps, int isa, int threads) {
-  if (isa < emlx::kScalar || isa > emlx::kAvx512 || !emlx::isa_supported((emlx::Isa)isa))
-    return -1;
-  emlx::RmsNormArgs args{x, w, y, rows, D, R, eps};
-  emlx::rms_norm(args, (emlx::Isa)isa, threads);
-  return 0;
+  return emlx::run_raw(isa, [&](emlx::Isa v) {
+    emlx::rms_norm(emlx::RmsNormArgs{x, w, y, rows, D, R, eps}, v, threads);
+  });
 }
 
 int emlx_kernels_swiglu_raw(const float* x, float* y, long rows, int F, int isa, int threads) {
-  if (isa < emlx::kScalar || isa > emlx::kAvx512 || !emlx::isa_supported((emlx::Isa)isa))
-    return -1;
-  emlx::SwigluArgs args{x, y, rows, F};
-  emlx::swiglu(args, (emlx::Isa)isa, threads);
-  return 0;
+  return emlx::run_raw(isa, [&](emlx::Isa v) {
+    emlx::swiglu(emlx::SwigluArgs{x, y, rows, F}, v, threads);
+  });
 }
 
 // The softmax on plain buffers with a chosen variant and thread count.
 int emlx_kernels_softmax(const float* x, float* y, long rows, int S, int L, int isa, int threads) {
-  if (isa < emlx::kScalar || isa > emlx::kAvx512 || !emlx::isa_supported((emlx::Isa)isa))
-    return -1;
-  emlx::SoftmaxArgs args{x, y, rows, S, L};
-  emlx::softmax(args, (emlx::Isa)isa, threads);
-  return 0;
+  return emlx::run_raw(isa, [&](emlx::Isa v) {
+    emlx::softmax(emlx::SoftmaxArgs{x, y, rows, S, L}, v, threads);
+  });
 }
 
 // The product on plain buffers with a chosen variant (0 scalar, 1 AVX2,
@@ -565,11 +498,9 @@ int emlx_kernels_softmax(const float* x, float* y, long rows, int S, int L, int 
 int emlx_kernels_qmm(const float* x, const uint32_t* w, const float* scales,
                      const float* biases, float* y, int M, int N, int K, int bits, int group,
                      int isa, int threads) {
-  if (isa < emlx::kScalar || isa > emlx::kAvx512 || !emlx::isa_supported((emlx::Isa)isa))
-    return -1;
-  emlx::QmmArgs args{x, w, scales, biases, y, M, N, K, bits, group};
-  emlx::qmm(args, (emlx::Isa)isa, threads);
-  return 0;
+  return emlx::run_raw(isa, [&](emlx::Isa v) {
+    emlx::qmm(emlx::QmmArgs{x, w, scales, biases, y, M, N, K, bits, group}, v, threads);
+  });
 }
 
 // The same with int8 activations (see qmm_int8.cpp); scales and biases in
@@ -577,11 +508,10 @@ int emlx_kernels_qmm(const float* x, const uint32_t* w, const float* scales,
 int emlx_kernels_qmm_int8(const float* x, const uint32_t* w, const void* scales,
                           const void* biases, int bf16_params, float* y, int M, int N, int K,
                           int bits, int group, int isa, int threads) {
-  if (isa < emlx::kScalar || isa > emlx::kAvx512 || !emlx::isa_supported((emlx::Isa)isa))
-    return -1;
-  emlx::QmmArgs args{x, w, scales, biases, y, M, N, K, bits, group, bf16_params != 0};
-  emlx::qmm_int8(args, (emlx::Isa)isa, threads);
-  return 0;
+  return emlx::run_raw(isa, [&](emlx::Isa v) {
+    emlx::QmmArgs args{x, w, scales, biases, y, M, N, K, bits, group, bf16_params != 0};
+    emlx::qmm_int8(args, v, threads);
+  });
 }
 
 int emlx_kernels_activations() { return emlx::selected_activations(); }

@@ -38,6 +38,12 @@ struct Handle {
     ctx: *mut std::ffi::c_void,
 }
 
+impl Handle {
+    const NULL: Handle = Handle {
+        ctx: std::ptr::null_mut(),
+    };
+}
+
 extern "C" {
     #[allow(clippy::too_many_arguments)]
     fn emlx_kernels_quantized_linear(
@@ -296,46 +302,26 @@ pub fn quantized_linear(
     group_size: i32,
     bits: i32,
 ) -> Result<Option<Array>, KernelError> {
-    if !enabled() || !supports(bits, group_size) {
+    if !supports(bits, group_size) {
         return Ok(None);
     }
-    let stream = Stream::thread_local_or_default();
-    let mut err = [0 as c_char; 512];
-    let mut out = Handle {
-        ctx: std::ptr::null_mut(),
-    };
-    let handle = |a: &Array| Handle {
-        ctx: a.as_ptr().ctx,
-    };
-    // SAFETY: the handles are live MLX-C arrays/streams borrowed for the call;
-    // on success `out` receives a new heap array that `Array` takes over.
-    let status = unsafe {
-        emlx_kernels_quantized_linear(
-            &mut out,
-            handle(x),
-            handle(w),
-            handle(scales),
-            handle(biases),
-            group_size,
-            bits,
-            Handle {
-                ctx: stream.as_ptr().ctx,
-            },
-            err.as_mut_ptr(),
-            err.len(),
-        )
-    };
-    match status {
-        1 => Ok(Some(unsafe {
-            Array::from_ptr(mlx_sys::mlx_array { ctx: out.ctx })
-        })),
-        0 => Ok(None),
-        _ => {
-            // SAFETY: the C side always NUL-terminates within `err`.
-            let message = unsafe { CStr::from_ptr(err.as_ptr()) };
-            Err(KernelError(message.to_string_lossy().into_owned()))
+    node(|out, stream, err, n| {
+        // SAFETY: see `node`.
+        unsafe {
+            emlx_kernels_quantized_linear(
+                out,
+                handle(x),
+                handle(w),
+                handle(scales),
+                handle(biases),
+                group_size,
+                bits,
+                stream,
+                err,
+                n,
+            )
         }
-    }
+    })
 }
 
 /// Softmax of `x` (float32) over its last axis as a lazy MLX array computed
@@ -348,31 +334,10 @@ pub fn quantized_linear(
 /// ours (kernels turned off, a GPU stream, another dtype, `queries` not
 /// dividing the rows): the caller then uses MLX's ops.
 pub fn causal_softmax(x: &Array, queries: i32) -> Result<Option<Array>, KernelError> {
-    if !enabled() {
-        return Ok(None);
-    }
-    let stream = Stream::thread_local_or_default();
-    let mut err = [0 as c_char; 512];
-    let mut out = Handle {
-        ctx: std::ptr::null_mut(),
-    };
-    // SAFETY: the handles are live MLX-C arrays/streams borrowed for the call;
-    // on success `out` receives a new heap array that `Array` takes over.
-    let status = unsafe {
-        emlx_kernels_causal_softmax(
-            &mut out,
-            Handle {
-                ctx: x.as_ptr().ctx,
-            },
-            queries,
-            Handle {
-                ctx: stream.as_ptr().ctx,
-            },
-            err.as_mut_ptr(),
-            err.len(),
-        )
-    };
-    built(status, out, &err)
+    // SAFETY: see `node`.
+    node(|out, stream, err, n| unsafe {
+        emlx_kernels_causal_softmax(out, handle(x), queries, stream, err, n)
+    })
 }
 
 /// `silu(x[..., :F]) * x[..., F:]` for float32 `x` `[..., 2F]` (an MLP's gate
@@ -382,29 +347,8 @@ pub fn causal_softmax(x: &Array, queries: i32) -> Result<Option<Array>, KernelEr
 /// case is not ours (kernels turned off, a GPU stream, another dtype, an odd
 /// last axis): the caller then uses MLX's ops.
 pub fn swiglu(x: &Array) -> Result<Option<Array>, KernelError> {
-    if !enabled() {
-        return Ok(None);
-    }
-    let stream = Stream::thread_local_or_default();
-    let mut err = [0 as c_char; 512];
-    let mut out = Handle {
-        ctx: std::ptr::null_mut(),
-    };
-    // SAFETY: as in `causal_softmax`.
-    let status = unsafe {
-        emlx_kernels_swiglu(
-            &mut out,
-            Handle {
-                ctx: x.as_ptr().ctx,
-            },
-            Handle {
-                ctx: stream.as_ptr().ctx,
-            },
-            err.as_mut_ptr(),
-            err.len(),
-        )
-    };
-    built(status, out, &err)
+    // SAFETY: see `node`.
+    node(|out, stream, err, n| unsafe { emlx_kernels_swiglu(out, handle(x), stream, err, n) })
 }
 
 /// [`swiglu`] on plain buffers: `x` `[rows, 2F]`, `y` `[rows, F]`, with a
@@ -434,13 +378,7 @@ pub fn swiglu_with(
             max_threads as c_int,
         )
     };
-    if status != 0 {
-        return Err(KernelError(format!(
-            "{} does not run on this CPU",
-            isa.name()
-        )));
-    }
-    Ok(())
+    ran(status, isa, None)
 }
 
 /// RMSNorm of float32 `x` over its last axis, `x * rsqrt(mean(x^2) + eps) *
@@ -450,33 +388,10 @@ pub fn swiglu_with(
 /// row per head). `Ok(None)` when the case is not ours (kernels turned off,
 /// a GPU stream, another dtype, shapes that do not match).
 pub fn rms_norm(x: &Array, weight: &Array, eps: f32) -> Result<Option<Array>, KernelError> {
-    if !enabled() {
-        return Ok(None);
-    }
-    let stream = Stream::thread_local_or_default();
-    let mut err = [0 as c_char; 512];
-    let mut out = Handle {
-        ctx: std::ptr::null_mut(),
-    };
-    // SAFETY: as in `causal_softmax`.
-    let status = unsafe {
-        emlx_kernels_rms_norm(
-            &mut out,
-            Handle {
-                ctx: x.as_ptr().ctx,
-            },
-            Handle {
-                ctx: weight.as_ptr().ctx,
-            },
-            eps,
-            Handle {
-                ctx: stream.as_ptr().ctx,
-            },
-            err.as_mut_ptr(),
-            err.len(),
-        )
-    };
-    built(status, out, &err)
+    // SAFETY: see `node`.
+    node(|out, stream, err, n| unsafe {
+        emlx_kernels_rms_norm(out, handle(x), handle(weight), eps, stream, err, n)
+    })
 }
 
 /// [`rms_norm`] on plain buffers: `x` and `y` `[rows, D]`, `weight`
@@ -518,13 +433,7 @@ pub fn rms_norm_with(
             max_threads as c_int,
         )
     };
-    if status != 0 {
-        return Err(KernelError(format!(
-            "{} does not run on this CPU",
-            isa.name()
-        )));
-    }
-    Ok(())
+    ran(status, isa, None)
 }
 
 /// Queries' and keys' per-head RMSNorm (when `norm` gives the `[H, hd]`
@@ -542,43 +451,63 @@ pub fn norm_rope(
     signed_sin: &Array,
     traditional: bool,
 ) -> Result<Option<Array>, KernelError> {
+    let (w, eps) = match norm {
+        Some((w, eps)) => (handle(w), eps),
+        None => (Handle::NULL, 0.0),
+    };
+    node(|out, stream, err, n| {
+        // SAFETY: see `node`; a null weight handle means no norm.
+        unsafe {
+            emlx_kernels_norm_rope(
+                out,
+                handle(x),
+                w,
+                eps,
+                handle(cos),
+                handle(signed_sin),
+                traditional as c_int,
+                stream,
+                err,
+                n,
+            )
+        }
+    })
+}
+
+/// The MLX-C handle of `a`, borrowed: valid while `a` lives.
+fn handle(a: &Array) -> Handle {
+    Handle {
+        ctx: a.as_ptr().ctx,
+    }
+}
+
+/// Builds one primitive node through a C builder on the calling thread's
+/// default stream: `build` gets the out handle, the stream's handle and an
+/// error buffer (pointer, length) and returns the builder's status (see
+/// [`built`]). `Ok(None)` without calling it when the kernels are off.
+///
+/// SAFETY (of the callers' `unsafe` blocks): the array handles they pass come
+/// from `&Array`s borrowed for the whole call, the stream lives until `node`
+/// returns, and `out` and the error buffer (`n` bytes, NUL-terminated by the
+/// C side) are valid for the call; on success the C side writes a new heap
+/// array into `out`, which [`built`] hands to an `Array` that takes it over.
+fn node(
+    build: impl FnOnce(*mut Handle, Handle, *mut c_char, usize) -> c_int,
+) -> Result<Option<Array>, KernelError> {
     if !enabled() {
         return Ok(None);
     }
     let stream = Stream::thread_local_or_default();
     let mut err = [0 as c_char; 512];
-    let mut out = Handle {
-        ctx: std::ptr::null_mut(),
-    };
-    let handle = |a: &Array| Handle {
-        ctx: a.as_ptr().ctx,
-    };
-    let (w, eps) = match norm {
-        Some((w, eps)) => (handle(w), eps),
-        None => (
-            Handle {
-                ctx: std::ptr::null_mut(),
-            },
-            0.0,
-        ),
-    };
-    // SAFETY: as in `causal_softmax`; a null weight handle means no norm.
-    let status = unsafe {
-        emlx_kernels_norm_rope(
-            &mut out,
-            handle(x),
-            w,
-            eps,
-            handle(cos),
-            handle(signed_sin),
-            traditional as c_int,
-            Handle {
-                ctx: stream.as_ptr().ctx,
-            },
-            err.as_mut_ptr(),
-            err.len(),
-        )
-    };
+    let mut out = Handle::NULL;
+    let status = build(
+        &mut out,
+        Handle {
+            ctx: stream.as_ptr().ctx,
+        },
+        err.as_mut_ptr(),
+        err.len(),
+    );
     built(status, out, &err)
 }
 
@@ -596,6 +525,22 @@ fn built(status: c_int, out: Handle, err: &[c_char]) -> Result<Option<Array>, Ke
             let message = unsafe { CStr::from_ptr(err.as_ptr()) };
             Err(KernelError(message.to_string_lossy().into_owned()))
         }
+    }
+}
+
+/// What a raw-buffer kernel returned: 0 it ran, else the variant does not
+/// run on this CPU (the message names the kernel when `kernel` does).
+fn ran(status: c_int, isa: Isa, kernel: Option<&str>) -> Result<(), KernelError> {
+    match (status, kernel) {
+        (0, _) => Ok(()),
+        (_, Some(kernel)) => Err(KernelError(format!(
+            "{kernel}: this CPU does not run the {} variant",
+            isa.name()
+        ))),
+        (_, None) => Err(KernelError(format!(
+            "{} does not run on this CPU",
+            isa.name()
+        ))),
     }
 }
 
@@ -635,13 +580,7 @@ pub fn softmax_with(
             max_threads as c_int,
         )
     };
-    if status != 0 {
-        return Err(KernelError(format!(
-            "{} does not run on this CPU",
-            isa.name()
-        )));
-    }
-    Ok(())
+    ran(status, isa, None)
 }
 
 /// A bfloat16 value as stored (its bits), for scales and biases read as
@@ -714,13 +653,7 @@ pub fn qmm_with(
             max_threads.min(i32::MAX as usize) as c_int,
         )
     };
-    if status != 0 {
-        return Err(KernelError(format!(
-            "qmm: this CPU does not run the {} variant",
-            isa.name()
-        )));
-    }
-    Ok(())
+    ran(status, isa, Some("qmm"))
 }
 
 /// The rows of `x` when every buffer matches the matrix's shapes.
@@ -779,13 +712,7 @@ pub fn qmm_int8_with<P: Param>(
             max_threads.min(i32::MAX as usize) as c_int,
         )
     };
-    if status != 0 {
-        return Err(KernelError(format!(
-            "qmm: this CPU does not run the {} variant",
-            isa.name()
-        )));
-    }
-    Ok(())
+    ran(status, isa, Some("qmm"))
 }
 
 /// The CBLAS `cblas_sgemm` entry point, exported so that libmlx, which
@@ -871,11 +798,5 @@ pub fn sgemm_with(
             int(max_threads)?,
         )
     };
-    if status != 0 {
-        return Err(KernelError(format!(
-            "sgemm: this CPU does not run the {} variant",
-            isa.name()
-        )));
-    }
-    Ok(())
+    ran(status, isa, Some("sgemm"))
 }
