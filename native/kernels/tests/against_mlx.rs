@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::on_cpu;
+use common::{on_cpu, rel_err};
 use emlx_axon_kernels::{qmm_with, quantized_linear, Isa, QuantizedMatrix};
 use mlx_rs::ops::{quantize, quantized_matmul};
 use mlx_rs::random::{key, normal};
@@ -33,15 +33,6 @@ fn case(seed: u64, m: i32, n: i32, k: i32, bits: i32, group: i32) -> Case {
         biases,
         expected: y.as_slice::<f32>().to_vec(),
     }
-}
-
-/// Largest difference relative to the largest reference magnitude.
-fn rel_err(ours: &[f32], theirs: &[f32]) -> f32 {
-    assert_eq!(ours.len(), theirs.len());
-    let scale = theirs.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-    ours.iter()
-        .zip(theirs)
-        .fold(0f32, |m, (a, b)| m.max((a - b).abs() / scale))
 }
 
 fn run_raw(

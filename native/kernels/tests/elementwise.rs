@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::on_cpu;
+use common::{on_cpu, rel_err};
 use emlx_axon_kernels::{
     causal_softmax, norm_rope, rms_norm, rms_norm_with, softmax_with, swiglu, swiglu_with, Isa,
 };
@@ -157,15 +157,6 @@ fn expected_swiglu(x: &Array, f: i32) -> Vec<f32> {
         .unwrap();
     y.eval().unwrap();
     y.as_slice::<f32>().to_vec()
-}
-
-/// Largest difference relative to the largest reference magnitude.
-fn rel_err(ours: &[f32], theirs: &[f32]) -> f32 {
-    assert_eq!(ours.len(), theirs.len());
-    let scale = theirs.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-    ours.iter()
-        .zip(theirs)
-        .fold(0f32, |m, (a, b)| m.max((a - b).abs() / scale))
 }
 
 #[test]

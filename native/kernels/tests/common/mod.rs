@@ -251,3 +251,12 @@ pub fn check_within_bound(c: &Case, bound: &[f64], ours: &[f32], what: &str) -> 
     }
     worst
 }
+
+/// Largest difference relative to the largest reference magnitude.
+pub fn rel_err(ours: &[f32], theirs: &[f32]) -> f32 {
+    assert_eq!(ours.len(), theirs.len());
+    let scale = theirs.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+    ours.iter()
+        .zip(theirs)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs() / scale))
+}
