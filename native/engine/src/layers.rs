@@ -642,9 +642,19 @@ impl Embedding {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::device::{DeviceKind, Lease};
+
+    /// The largest difference between `ours` and `theirs`, relative to the
+    /// largest magnitude in `theirs`.
+    pub(crate) fn relative_error(ours: &[f32], theirs: &[f32]) -> f32 {
+        assert_eq!(ours.len(), theirs.len());
+        let scale = theirs.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+        ours.iter()
+            .zip(theirs)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs() / scale))
+    }
 
     /// q/k/v-shaped members (rows 8, 4, 4 of 128 columns) quantized with
     /// the given bits each, with biases, as checkpoint tensors.
@@ -743,11 +753,7 @@ mod tests {
                     let ours = matmul(&x, dense.t()).unwrap();
                     assert_eq!(ours.shape(), theirs.shape());
                     let (ours, theirs) = (ours.as_slice::<f32>(), theirs.as_slice::<f32>());
-                    let scale = theirs.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-                    let worst = ours
-                        .iter()
-                        .zip(theirs)
-                        .fold(0f32, |m, (a, b)| m.max((a - b).abs() / scale));
+                    let worst = relative_error(ours, theirs);
                     assert!(worst < 1e-5, "bits {bits} shape {shape:?}: {worst}");
                     // On this CPU stream the layer itself keeps MLX's op.
                     let layer = weight.apply_transposed(&x).unwrap();
