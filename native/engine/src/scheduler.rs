@@ -486,11 +486,24 @@ impl Scheduler {
                 None => false,
             };
         // Requests that come together reach the scheduler between its
-        // calls: the first is seated alone, and a full call of decode steps
-        // would run it far ahead of the others (on a fast device, most of
-        // its answer) before they can join. So a call that seats a row with
-        // nobody else waiting decodes one step and returns to let them in.
-        let steps = if seated && self.queue.is_empty() {
+        // calls, or more of them than one prefill pass takes: the first are
+        // seated alone, and a full call of decode steps would run them far
+        // ahead of the others (on a fast device, most of their answers)
+        // before those can join. So a call that seats rows returns early:
+        // at once while no row has taken a step and others may still join,
+        // so that rows of equal prompts keep one position and step without
+        // a mask; after one step when nobody waits.
+        let fresh = || {
+            self.slots
+                .iter()
+                .flatten()
+                .all(|r| r.position as usize == r.request.prompt.len())
+        };
+        let steps = if !seated {
+            max_decode_steps
+        } else if fresh() && (self.queue.is_empty() || self.free_slot().is_some()) {
+            0
+        } else if self.queue.is_empty() {
             max_decode_steps.min(1)
         } else {
             max_decode_steps
@@ -721,9 +734,13 @@ impl Scheduler {
         let n = top.next_power_of_two().min(self.slots.len());
         let last = self.cache.capacity() - 1;
         let shift = i32::from(after.is_some());
+        let position = |r: &Running| (r.position + shift).min(last);
+        // A free slot takes the furthest row's position (what it writes is
+        // never read), so that rows at one position make a step without a mask.
+        let furthest = self.slots[..n].iter().flatten().map(position).max();
         let positions: Vec<i32> = self.slots[..n]
             .iter()
-            .map(|s| s.as_ref().map_or(0, |r| (r.position + shift).min(last)))
+            .map(|s| s.as_ref().map_or(furthest.unwrap_or(0), position))
             .collect();
         let rows = n as i32;
         let ids = match after {

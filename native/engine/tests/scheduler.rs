@@ -530,8 +530,10 @@ fn a_step_budget_ends_a_call_after_the_step_running_when_it_passes() {
     let id = s.admit(p[0].clone(), greedy(20)).unwrap();
     let tokens = |events: Vec<emlx_axon_engine::Event>| tokens_of(id, &events);
     let spent = Some(std::time::Duration::from_nanos(1));
-    // The prompt's token, then one decode step: the budget is gone.
-    assert_eq!(tokens(s.step_within(64, spent).unwrap()), 2);
+    // The prompt's token (a call seating a lone row returns at once).
+    assert_eq!(tokens(s.step_within(64, spent).unwrap()), 1);
+    // One decode step: the budget is gone.
+    assert_eq!(tokens(s.step_within(64, spent).unwrap()), 1);
     assert_eq!(tokens(s.step_within(64, spent).unwrap()), 1);
     // Without a budget, up to the step count: the rest at once.
     assert_eq!(tokens(s.step_within(64, None).unwrap()), 17);
@@ -547,24 +549,69 @@ fn tokens_of(id: RequestId, events: &[emlx_axon_engine::Event]) -> usize {
 }
 
 #[test]
-fn a_call_that_seats_the_only_waiting_request_decodes_one_step() {
+fn a_call_that_seats_the_only_waiting_request_returns_early() {
     let _g = serial();
     let model = model();
     let p = prompts();
-    let mut s = Scheduler::new(model.clone(), None, config(2, 64, 0)).unwrap();
+    let mut s = Scheduler::new(model.clone(), None, config(3, 64, 0)).unwrap();
     let first = s.admit(p[0].clone(), greedy(20)).unwrap();
-    // Seated with nobody else waiting: the prompt's token and one step, so
-    // that a request arriving meanwhile joins before this one runs ahead.
-    assert_eq!(tokens_of(first, &s.step(64).unwrap()), 2);
+    // Seated alone with nobody else waiting: the prompt's token only, so
+    // that a request arriving meanwhile joins at the same step.
+    assert_eq!(tokens_of(first, &s.step(64).unwrap()), 1);
+    let second = s.admit(p[1].clone(), greedy(20)).unwrap();
+    // The first has taken no step yet: the second's token only.
+    let events = s.step(64).unwrap();
+    assert_eq!(tokens_of(first, &events), 0);
+    assert_eq!(tokens_of(second, &events), 1);
+    // Nobody seated: a whole call, to the end of both answers.
+    let events = s.step(64).unwrap();
+    assert_eq!(tokens_of(first, &events), 19);
+    assert_eq!(tokens_of(second, &events), 19);
+    assert!(s.is_idle());
+
+    // Seated beside a row that has taken steps: the prompt's token and one
+    // step, as long as nobody else waits.
+    let first = s.admit(p[0].clone(), greedy(20)).unwrap();
+    s.step(64).unwrap();
+    s.step_within(1, None).unwrap();
     let second = s.admit(p[1].clone(), greedy(20)).unwrap();
     let events = s.step(64).unwrap();
     assert_eq!(tokens_of(first, &events), 1);
     assert_eq!(tokens_of(second, &events), 2);
-    // Nobody seated: a whole call, to the end of both answers.
-    let events = s.step(64).unwrap();
-    assert_eq!(tokens_of(first, &events), 17);
-    assert_eq!(tokens_of(second, &events), 18);
+    s.step(64).unwrap();
     assert!(s.is_idle());
+
+    // Two prompts of one length, the second arriving after the first was
+    // seated, run at one position: the same tokens as their solo runs.
+    let same = p[0][p[0].len() - 3..].to_vec();
+    let other = p[1][p[1].len() - 3..].to_vec();
+    let a = s.admit(same.clone(), greedy(6)).unwrap();
+    let mut c = Collected::default();
+    c.step(&mut s, 64);
+    let b = s.admit(other.clone(), greedy(6)).unwrap();
+    c.drain(&mut s);
+    assert_eq!(c.ids[&a], solo(&model, &same, greedy(6)));
+    assert_eq!(c.ids[&b], solo(&model, &other, greedy(6)));
+
+    // More waiting than a prefill pass takes (a chunk of 3 tokens): calls
+    // seat them one by one with no step, until every slot is taken.
+    let third = p[2][p[2].len() - 3..].to_vec();
+    let mut s = Scheduler::new(model.clone(), None, config(3, 3, 0)).unwrap();
+    let prompts = [same, other, third];
+    let ids: Vec<RequestId> = prompts
+        .iter()
+        .map(|q| s.admit(q.clone(), greedy(6)).unwrap())
+        .collect();
+    let mut c = Collected::default();
+    for seated in 1..=3 {
+        c.step(&mut s, 64);
+        let got: usize = c.ids.values().map(Vec::len).sum();
+        assert_eq!(got, seated, "call {seated}: one prompt's token, no step");
+    }
+    c.drain(&mut s);
+    for (id, q) in ids.iter().zip(&prompts) {
+        assert_eq!(c.ids[id], solo(&model, q, greedy(6)), "request {id}");
+    }
 
     // With a request still waiting (one slot), seating is no reason to stop.
     let mut s = Scheduler::new(model, None, config(1, 64, 0)).unwrap();
@@ -575,4 +622,35 @@ fn a_call_that_seats_the_only_waiting_request_decodes_one_step() {
     let mut got = [tokens_of(first, &events), tokens_of(second, &events)];
     got.sort();
     assert_eq!(got, [0, 20]);
+}
+
+#[test]
+fn equal_length_rows_step_without_a_mask_and_equal_their_solo_runs() {
+    let _g = serial();
+    let model = model();
+    // Three different prompts of one length: the rows keep one position,
+    // also after the shortest answer leaves a free slot among them.
+    let len = prompts().iter().map(Vec::len).min().unwrap();
+    let p: Vec<Vec<u32>> = prompts()
+        .iter()
+        .filter(|p| p.len() > len)
+        .take(3)
+        .map(|p| p[p.len() - len..].to_vec())
+        .collect();
+    assert_eq!(p.len(), 3, "the fixture has three prompts to cut");
+    let mut s = Scheduler::new(model.clone(), None, config(4, 4 * 18, 0)).unwrap();
+    let requests = [
+        (p[0].clone(), greedy(12)),
+        (p[1].clone(), greedy(4)),
+        (p[2].clone(), greedy(9)),
+    ];
+    let ids: Vec<RequestId> = requests
+        .iter()
+        .map(|(prompt, o)| s.admit(prompt.clone(), o.clone()).unwrap())
+        .collect();
+    let mut c = Collected::default();
+    c.drain(&mut s);
+    for (id, (prompt, o)) in ids.iter().zip(&requests) {
+        assert_eq!(c.ids[id], solo(&model, prompt, o.clone()), "request {id}");
+    }
 }

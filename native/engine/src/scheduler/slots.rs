@@ -30,6 +30,9 @@ pub struct SlotCache {
     /// Keys read this step: one past the furthest position, or its bucket.
     attend: i32,
     bucketed: bool,
+    /// Every slot of the step sits at the last key it reads, so the mask
+    /// would keep every key.
+    uniform: bool,
 }
 
 /// Bytes of a slot cache (`None` on overflow).
@@ -72,6 +75,7 @@ impl SlotCache {
             scatter_at: Array::from_slice(&vec![0i32; slots as usize], &[slots, 1, 1, 1]),
             attend: 1,
             bucketed: false,
+            uniform: false,
         };
         mlx_rs::transforms::eval(cache.arrays())?;
         Ok(cache)
@@ -108,6 +112,7 @@ impl SlotCache {
         } else {
             furthest + 1
         };
+        self.uniform = self.attend == furthest + 1 && positions.iter().all(|&p| p == furthest);
         Ok(())
     }
 
@@ -132,6 +137,7 @@ impl SlotCache {
             scatter_at,
             attend,
             bucketed: true,
+            uniform: false,
         }
     }
 
@@ -163,8 +169,14 @@ impl SlotCache {
         Ok((inputs, &mut self.layers))
     }
 
-    /// The step's attention mask with the rows' key ranges.
+    /// The step's attention mask with the rows' key ranges. Rows at one
+    /// position need none, and MLX's attention then has a single-query
+    /// kernel on every device (with a mask, CUDA falls back to separate
+    /// products, masking and softmax).
     pub fn ranges(&self) -> Result<AttentionMask> {
+        if self.uniform {
+            return Ok(AttentionMask::None);
+        }
         let (mask, starts, ends) = self.key_ranges()?;
         Ok(AttentionMask::Ranges { mask, starts, ends })
     }
@@ -246,4 +258,43 @@ impl KvStore for SlotCache {
     }
 
     fn advance(&mut self, _n: i32) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cache(slots: i32) -> SlotCache {
+        SlotCache {
+            layers: Vec::new(),
+            slots,
+            capacity: 64,
+            rows: slots,
+            positions: Array::from_slice(&vec![0i32; slots as usize], &[slots]),
+            scatter_at: Array::from_slice(&vec![0i32; slots as usize], &[slots, 1, 1, 1]),
+            attend: 1,
+            bucketed: false,
+            uniform: false,
+        }
+    }
+
+    #[test]
+    fn rows_at_one_position_attend_without_a_mask() {
+        let mut c = cache(4);
+        c.set_positions(&[9, 9, 9, 9]).unwrap();
+        assert!(matches!(c.ranges().unwrap(), AttentionMask::None));
+        c.set_positions(&[9, 8, 9, 9]).unwrap();
+        assert!(matches!(c.ranges().unwrap(), AttentionMask::Ranges { .. }));
+        c.set_positions(&[3, 3]).unwrap();
+        assert!(matches!(c.ranges().unwrap(), AttentionMask::None));
+    }
+
+    #[test]
+    fn bucketed_steps_keep_their_mask() {
+        // A bucket reads keys past the rows' positions, which only the mask hides.
+        let mut c = cache(2);
+        c.bucket_attention();
+        c.set_positions(&[5, 5]).unwrap();
+        assert!(matches!(c.ranges().unwrap(), AttentionMask::Ranges { .. }));
+    }
 }
