@@ -66,7 +66,14 @@ impl SlotCache {
                 zeros_dtype(&shape, model.dtype)?,
             ));
         }
-        let cache = SlotCache {
+        let cache = Self::over(layers, slots, capacity);
+        mlx_rs::transforms::eval(cache.arrays())?;
+        Ok(cache)
+    }
+
+    /// A cache over `layers`, every slot at position 0.
+    fn over(layers: Vec<(Array, Array)>, slots: i32, capacity: i32) -> Self {
+        SlotCache {
             layers,
             slots,
             capacity,
@@ -76,9 +83,7 @@ impl SlotCache {
             attend: 1,
             bucketed: false,
             uniform: false,
-        };
-        mlx_rs::transforms::eval(cache.arrays())?;
-        Ok(cache)
+        }
     }
 
     pub fn capacity(&self) -> i32 {
@@ -265,17 +270,7 @@ mod tests {
     use super::*;
 
     fn cache(slots: i32) -> SlotCache {
-        SlotCache {
-            layers: Vec::new(),
-            slots,
-            capacity: 64,
-            rows: slots,
-            positions: Array::from_slice(&vec![0i32; slots as usize], &[slots]),
-            scatter_at: Array::from_slice(&vec![0i32; slots as usize], &[slots, 1, 1, 1]),
-            attend: 1,
-            bucketed: false,
-            uniform: false,
-        }
+        SlotCache::over(Vec::new(), slots, 64)
     }
 
     #[test]
