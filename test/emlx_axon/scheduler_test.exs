@@ -258,7 +258,9 @@ defmodule EMLXAxon.SchedulerTest do
     # The slot cache keeps its last step's positions (4 bytes a row run):
     # end on the warm-up's shape so that the figures compare like with like.
     assert {:ok, _} = warm.()
-    assert await_active(before) == before
+    # Not above the figure before: a leak. Below it by a few bytes can only
+    # be something of an earlier test's, freed meanwhile.
+    assert await_active(before) <= before
     growth = growth(rss_before, rss())
 
     IO.puts(

@@ -224,6 +224,8 @@ pub struct Scheduler {
     next_id: RequestId,
     /// Reused host buffer for the constrained rows' logit bias.
     bias: Vec<f32>,
+    /// Calls in a row that returned before any decode step (see `step_into`).
+    held: usize,
 }
 
 impl Scheduler {
@@ -292,6 +294,7 @@ impl Scheduler {
             prefill: None,
             next_id: 1,
             bias: vec![],
+            held: 0,
         })
     }
 
@@ -492,7 +495,9 @@ impl Scheduler {
         // before those can join. So a call that seats rows returns early:
         // at once while no row has taken a step and others may still join,
         // so that rows of equal prompts keep one position and step without
-        // a mask; after one step when nobody waits.
+        // a mask; after one step when nobody waits. At most `slots` calls in
+        // a row return at once (requests that end at their first token take
+        // no slot), so the rows seated keep their pace.
         let fresh = || {
             self.slots
                 .iter()
@@ -501,13 +506,17 @@ impl Scheduler {
         };
         let steps = if !seated {
             max_decode_steps
-        } else if fresh() && (self.queue.is_empty() || self.free_slot().is_some()) {
+        } else if fresh()
+            && (self.queue.is_empty() || self.free_slot().is_some())
+            && self.held < self.slots.len()
+        {
             0
         } else if self.queue.is_empty() {
             max_decode_steps.min(1)
         } else {
             max_decode_steps
         };
+        self.held = if steps == 0 { self.held + 1 } else { 0 };
         self.decode(steps, deadline, events)
     }
 

@@ -625,6 +625,32 @@ fn a_call_that_seats_the_only_waiting_request_returns_early() {
 }
 
 #[test]
+fn requests_ending_at_their_first_token_do_not_hold_a_seated_row_back() {
+    let _g = serial();
+    let model = model();
+    let p = prompts();
+    // One prompt per prefill pass; one-token requests take no slot, so
+    // slots stay free while they wait.
+    let mut s = Scheduler::new(model.clone(), None, config(2, 3, 0)).unwrap();
+    let cut = |q: &Vec<u32>| q[q.len() - 3..].to_vec();
+    let row = s.admit(cut(&p[0]), greedy(8)).unwrap();
+    for q in p.iter().cycle().skip(1).take(6) {
+        s.admit(cut(q), greedy(1)).unwrap();
+    }
+    let mut c = Collected::default();
+    for _ in 0..3 {
+        c.step(&mut s, 64);
+    }
+    // At most `slots` calls return before a step: the third one decodes.
+    assert!(
+        c.ids[&row].len() > 1,
+        "the seated row waited for the one-token requests"
+    );
+    c.drain(&mut s);
+    assert_eq!(c.ids[&row], solo(&model, &cut(&p[0]), greedy(8)));
+}
+
+#[test]
 fn equal_length_rows_step_without_a_mask_and_equal_their_solo_runs() {
     let _g = serial();
     let model = model();
