@@ -76,7 +76,7 @@ void qmm(const QmmArgs& a, Isa isa, int max_threads) {
   const Kernels k = kernels_for(isa);
   // Decode-sized inputs use the fused matrix-vector form; larger ones the
   // tiled matrix product, which dequantizes each weight block once per tile.
-  const bool gemv = a.M <= 2;
+  const bool gemv = a.M <= k.gemv_rows;
   std::vector<float> xsum;
   if (gemv) {
     const int groups = a.K / a.group;

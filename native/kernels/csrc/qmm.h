@@ -47,6 +47,10 @@ using GemvFn = void (*)(const QmmArgs&, const float* xsum, int n0, int n1);
 struct Kernels {
   GemvFn gemv;
   RowsFn gemm;
+  // Up to this many rows of x take the matrix-vector form: the AVX-512 one
+  // unpacks each weight once for several rows (decode batches, short
+  // prompts); the others would unpack it again for every row.
+  int gemv_rows = 2;
 };
 
 Kernels scalar_kernels();

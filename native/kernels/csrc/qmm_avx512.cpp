@@ -60,7 +60,11 @@ static inline __m512 params16(const void* p, long i, __mmask16 m, bool bf16) {
   return _mm512_maskz_loadu_ps(m, (const float*)p + i);
 }
 
-template <int BITS, int R>
+// R weight rows against MB rows of x at a time: a row's unpacked values
+// serve every x row, so a decode batch or a short prompt reads and unpacks
+// the weights once. Each output sums exactly as with MB = 1 (the same
+// products in the same order), so a batch row gets its single row's bits.
+template <int BITS, int R, int MB>
 static void gemv_lanes(const emlx::QmmArgs& a, const float* xsum, int n0, int n1) {
   constexpr int VPL = 32 / BITS;  // values per lane
   constexpr int BV = 16 * VPL;  // values per 512-bit load
@@ -76,75 +80,100 @@ static void gemv_lanes(const emlx::QmmArgs& a, const float* xsum, int n0, int n1
   const __mmask16 span_mask = (__mmask16)((1u << span) - 1);
   const __m512i vmask = _mm512_set1_epi32((1 << BITS) - 1);
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  float* xr = (float*)aligned_alloc(64, ((size_t)K * sizeof(float) + 63) / 64 * 64);
+  float* xr = (float*)aligned_alloc(64, ((size_t)a.M * K * sizeof(float) + 63) / 64 * 64);
   if (!xr) return;
   for (int m = 0; m < a.M; ++m) {
     const float* x = a.x + (long)m * K;
-    const float* xs = xsum + (long)m * groups;
+    float* xm = xr + (long)m * K;
     for (int b = 0; b < blocks; ++b)
       for (int s = 0; s < VPL; ++s)
-        for (int i = 0; i < 16; ++i) xr[b * BV + s * 16 + i] = x[b * BV + i * VPL + s];
-    float* y = a.y + (long)m * a.N;
-    for (int n = n0; n < n1; n += R) {
-      // R rows at once: each x vector serves them all, and their loads
-      // overlap.
-      const int rows = n1 - n < R ? n1 - n : R;
-      const uint32_t* wrow[R];
-      // Checkpoint tensors sit at any 4-byte offset (safetensors), and a
-      // 64-byte load across two cache lines halves the rate at which the
-      // weights stream from memory: a row off a line boundary is read as
-      // aligned lines, each block taken from two of them (one shuffle). The
-      // lines' bytes outside the row lie in the same cache lines as row
-      // bytes, so never on another page.
-      const uint32_t* wline[R];
-      __m512i pick[R];
-      bool offset[R];
-      long params[R];
-      for (int r = 0; r < R; ++r) {
-        const long row = n + (r < rows ? r : rows - 1);
-        wrow[r] = a.w + row * (K / VPL);
-        const int off = (int)(((uintptr_t)wrow[r] & 63) / 4);
-        wline[r] = wrow[r] - off;
-        offset[r] = off != 0;
-        pick[r] = _mm512_add_epi32(iota, _mm512_set1_epi32(off));
-        params[r] = row * groups;
-      }
-      __m512 tot[R];
-      for (int r = 0; r < R; ++r) tot[r] = _mm512_setzero_ps();
+        for (int i = 0; i < 16; ++i) xm[b * BV + s * 16 + i] = x[b * BV + i * VPL + s];
+  }
+  for (int n = n0; n < n1; n += R) {
+    // R rows at once: each x vector serves them all, and their loads
+    // overlap.
+    const int rows = n1 - n < R ? n1 - n : R;
+    const uint32_t* wrow[R];
+    // Checkpoint tensors sit at any 4-byte offset (safetensors), and a
+    // 64-byte load across two cache lines halves the rate at which the
+    // weights stream from memory: a row off a line boundary is read as
+    // aligned lines, each block taken from two of them (one shuffle). The
+    // lines' bytes outside the row lie in the same cache lines as row
+    // bytes, so never on another page.
+    const uint32_t* wline[R];
+    __m512i pick[R];
+    bool offset[R];
+    long params[R];
+    for (int r = 0; r < R; ++r) {
+      const long row = n + (r < rows ? r : rows - 1);
+      wrow[r] = a.w + row * (K / VPL);
+      const int off = (int)(((uintptr_t)wrow[r] & 63) / 4);
+      wline[r] = wrow[r] - off;
+      offset[r] = off != 0;
+      pick[r] = _mm512_add_epi32(iota, _mm512_set1_epi32(off));
+      params[r] = row * groups;
+    }
+    // The x rows in passes of MB (the last pass repeats its last row); the
+    // R weight rows stay in L1 between passes.
+    for (int m0 = 0; m0 < a.M; m0 += MB) {
+      const int xrows = a.M - m0 < MB ? a.M - m0 : MB;
+      const float* xm[MB];
+      for (int j = 0; j < MB; ++j) xm[j] = xr + (long)(m0 + (j < xrows ? j : xrows - 1)) * K;
+      __m512 tot[R][MB];
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < MB; ++j) tot[r][j] = _mm512_setzero_ps();
       for (int b = 0; b < blocks; ++b) {
         __m512i v[R];
         for (int r = 0; r < R; ++r)
           v[r] = offset[r] ? _mm512_permutex2var_epi32(_mm512_load_si512(wline[r] + b * 16), pick[r],
                                                        _mm512_load_si512(wline[r] + b * 16 + 16))
                            : _mm512_load_si512(wrow[r] + b * 16);
-        const float* xb = xr + b * BV;
-        __m512 acc[R][2];
+        __m512 acc[R][MB][2];
+        // Fully unrolled (as are the loops below), so that every
+        // accumulator is a register.
+#pragma GCC unroll 8
         for (int s = 0; s < VPL; ++s) {
-          const __m512 xv = _mm512_load_ps(xb + s * 16);
+          __m512 qf[R];
+#pragma GCC unroll 4
           for (int r = 0; r < R; ++r) {
             __m512i q = s == 0 ? v[r] : _mm512_srli_epi32(v[r], s * BITS);
             if (s != VPL - 1) q = _mm512_and_si512(q, vmask);
-            const __m512 qf = _mm512_cvtepi32_ps(q);
-            acc[r][s % 2] = s < 2 ? _mm512_mul_ps(qf, xv) : _mm512_fmadd_ps(qf, xv, acc[r][s % 2]);
+            qf[r] = _mm512_cvtepi32_ps(q);
+          }
+#pragma GCC unroll 8
+          for (int j = 0; j < MB; ++j) {
+            const __m512 xv = _mm512_load_ps(xm[j] + b * BV + s * 16);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r)
+              acc[r][j][s % 2] =
+                  s < 2 ? _mm512_mul_ps(qf[r], xv) : _mm512_fmadd_ps(qf[r], xv, acc[r][j][s % 2]);
           }
         }
         const long gb = (long)b * BV / G;
         for (int r = 0; r < R; ++r) {
           const __m512 sv = _mm512_permutexvar_ps(
               gidx, params16(a.scales, params[r] + gb, span_mask, a.bf16_params));
-          tot[r] = _mm512_fmadd_ps(_mm512_add_ps(acc[r][0], acc[r][1]), sv, tot[r]);
+          for (int j = 0; j < MB; ++j)
+            tot[r][j] = _mm512_fmadd_ps(_mm512_add_ps(acc[r][j][0], acc[r][j][1]), sv, tot[r][j]);
         }
       }
-      for (int r = 0; r < rows; ++r) {
-        // Bias terms: sum over groups of bias * (sum of x over the group).
-        __m512 bt = _mm512_setzero_ps();
-        for (int g = 0; g < groups; g += 16) {
-          const int c = groups - g < 16 ? groups - g : 16;
-          const __mmask16 mk = (__mmask16)(c == 16 ? 0xFFFFu : (1u << c) - 1);
-          bt = _mm512_fmadd_ps(params16(a.biases, params[r] + g, mk, a.bf16_params),
-                               _mm512_maskz_loadu_ps(mk, xs + g), bt);
+      // Constant bounds here too: tot is indexed by them.
+      for (int j = 0; j < MB; ++j) {
+        if (j >= xrows) break;
+        const float* xs = xsum + (long)(m0 + j) * groups;
+        float* y = a.y + (long)(m0 + j) * a.N;
+        for (int r = 0; r < R; ++r) {
+          if (r >= rows) break;
+          // Bias terms: sum over groups of bias * (sum of x over the group).
+          __m512 bt = _mm512_setzero_ps();
+          for (int g = 0; g < groups; g += 16) {
+            const int c = groups - g < 16 ? groups - g : 16;
+            const __mmask16 mk = (__mmask16)(c == 16 ? 0xFFFFu : (1u << c) - 1);
+            bt = _mm512_fmadd_ps(params16(a.biases, params[r] + g, mk, a.bf16_params),
+                                 _mm512_maskz_loadu_ps(mk, xs + g), bt);
+          }
+          y[n + r] = _mm512_reduce_add_ps(tot[r][j]) + _mm512_reduce_add_ps(bt);
         }
-        y[n + r] = _mm512_reduce_add_ps(tot[r]) + _mm512_reduce_add_ps(bt);
       }
     }
   }
@@ -152,13 +181,22 @@ static void gemv_lanes(const emlx::QmmArgs& a, const float* xsum, int n0, int n1
 }
 
 // Rows per pass of the lane form: 8 spill registers, 2 leave the weight
-// stream latency-bound.
+// stream latency-bound. With several x rows, 2 weight rows against 4 x
+// rows keep the accumulators in registers.
 #define LANE_ROWS 4
+template <int BITS>
+static void gemv_lanes_for(const emlx::QmmArgs& a, const float* xsum, int n0, int n1) {
+  if (a.M == 1)
+    gemv_lanes<BITS, LANE_ROWS, 1>(a, xsum, n0, n1);
+  else
+    gemv_lanes<BITS, 2, 4>(a, xsum, n0, n1);
+}
+
 static void gemv_best(const emlx::QmmArgs& a, const float* xsum, int n0, int n1) {
   if (a.bits == 4 && a.K % 128 == 0)
-    gemv_lanes<4, LANE_ROWS>(a, xsum, n0, n1);
+    gemv_lanes_for<4>(a, xsum, n0, n1);
   else if (a.bits == 8 && a.K % 64 == 0)
-    gemv_lanes<8, LANE_ROWS>(a, xsum, n0, n1);
+    gemv_lanes_for<8>(a, xsum, n0, n1);
   else
     gemv_any(a, xsum, n0, n1);
 }
@@ -170,7 +208,7 @@ static void gemv_best(const emlx::QmmArgs& a, const float* xsum, int n0, int n1)
 
 }  // namespace avx512
 
-Kernels avx512_kernels() { return Kernels{avx512::gemv_best, avx512::gemm_any}; }
+Kernels avx512_kernels() { return Kernels{avx512::gemv_best, avx512::gemm_any, 8}; }
 GemmColsFn avx512_gemm() { return avx512::gemm_cols; }
 GemmColsFn avx512_gemm_small() { return avx512::gemm_small; }
 

@@ -284,3 +284,47 @@ fn weights_at_any_word_offset_give_the_same_products() {
         }
     })
 }
+
+#[test]
+fn a_batch_row_gets_its_single_row_products_bit_for_bit() {
+    // The AVX-512 matrix-vector form takes up to 8 rows of x in one pass
+    // over the weights, summing each output as for one row: a decode batch
+    // row then equals its single run. Weights at a word offset included.
+    if !Isa::Avx512.supported() {
+        return;
+    }
+    on_cpu(|| {
+        for (bits, group, k) in [(4, 64, 1024), (8, 32, 512), (4, 128, 384)] {
+            for m in 2..=8 {
+                let c = case(500 + bits as u64 * 10 + m as u64, m, 45, k, bits, group);
+                for a in [&c.x, &c.w, &c.scales, &c.biases] {
+                    a.eval().unwrap();
+                }
+                let words = c.w.as_slice::<u32>();
+                let mut padded = vec![0u32; words.len() + 3];
+                padded[3..].copy_from_slice(words);
+                let matrix = QuantizedMatrix {
+                    w: &padded[3..],
+                    scales: c.scales.as_slice::<f32>(),
+                    biases: c.biases.as_slice::<f32>(),
+                    rows: 45,
+                    cols: k as usize,
+                    bits,
+                    group_size: group,
+                };
+                let x = c.x.as_slice::<f32>();
+                let mut batch = vec![f32::NAN; m as usize * 45];
+                qmm_with(Isa::Avx512, 0, x, &matrix, &mut batch).unwrap();
+                for (row, ys) in x.chunks(k as usize).zip(batch.chunks(45)) {
+                    let mut single = vec![f32::NAN; 45];
+                    qmm_with(Isa::Avx512, 0, row, &matrix, &mut single).unwrap();
+                    let same = ys
+                        .iter()
+                        .zip(&single)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "bits={bits} group={group} k={k} m={m}");
+                }
+            }
+        }
+    })
+}
