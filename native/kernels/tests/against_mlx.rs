@@ -35,6 +35,27 @@ fn case(seed: u64, m: i32, n: i32, k: i32, bits: i32, group: i32) -> Case {
     }
 }
 
+/// The case's matrix (evaluated) with its packed words at `words`: a copy
+/// at another offset.
+fn with_words<'a>(
+    c: &'a Case,
+    words: &'a [u32],
+    rows: usize,
+    k: i32,
+    bits: i32,
+    group: i32,
+) -> QuantizedMatrix<'a> {
+    QuantizedMatrix {
+        w: words,
+        scales: c.scales.as_slice::<f32>(),
+        biases: c.biases.as_slice::<f32>(),
+        rows,
+        cols: k as usize,
+        bits,
+        group_size: group,
+    }
+}
+
 fn run_raw(
     c: &Case,
     isa: Isa,
@@ -265,15 +286,14 @@ fn weights_at_any_word_offset_give_the_same_products() {
             let mut padded = vec![0u32; words.len() + 16];
             for offset in 0..16 {
                 padded[offset..offset + words.len()].copy_from_slice(words);
-                let matrix = QuantizedMatrix {
-                    w: &padded[offset..offset + words.len()],
-                    scales: c.scales.as_slice::<f32>(),
-                    biases: c.biases.as_slice::<f32>(),
-                    rows: 37,
-                    cols: k as usize,
+                let matrix = with_words(
+                    &c,
+                    &padded[offset..offset + words.len()],
+                    37,
+                    k,
                     bits,
-                    group_size: group,
-                };
+                    group,
+                );
                 for isa in Isa::ALL.into_iter().filter(|i| i.supported()) {
                     let mut y = vec![f32::NAN; 37];
                     qmm_with(isa, 1, c.x.as_slice::<f32>(), &matrix, &mut y).unwrap();
@@ -303,15 +323,7 @@ fn a_batch_row_gets_its_single_row_products_bit_for_bit() {
                 let words = c.w.as_slice::<u32>();
                 let mut padded = vec![0u32; words.len() + 3];
                 padded[3..].copy_from_slice(words);
-                let matrix = QuantizedMatrix {
-                    w: &padded[3..],
-                    scales: c.scales.as_slice::<f32>(),
-                    biases: c.biases.as_slice::<f32>(),
-                    rows: 45,
-                    cols: k as usize,
-                    bits,
-                    group_size: group,
-                };
+                let matrix = with_words(&c, &padded[3..], 45, k, bits, group);
                 let x = c.x.as_slice::<f32>();
                 let mut batch = vec![f32::NAN; m as usize * 45];
                 qmm_with(Isa::Avx512, 0, x, &matrix, &mut batch).unwrap();
