@@ -66,6 +66,23 @@ RmsNormRowFn rms_norm_fn(Isa isa) {
   return rms_norm_row_scalar;
 }
 
+// Runs part(u0, u1) over units 0..units: on the calling thread when the
+// `elements` are too few to wake the pool (or there is one unit), else in
+// up to `chunks` pieces per thread of the pool (at most `max_threads`, 0 for
+// all), taken in turn by whichever thread is free.
+template <typename Part>
+void split(long units, long elements, int max_threads, long chunks, const Part& part) {
+  Pool& pool = Pool::shared();
+  int threads = pool.size();
+  if (max_threads > 0) threads = std::min(threads, max_threads);
+  if (threads == 1 || elements < kMinParallel || units < 2) {
+    part(0, units);
+    return;
+  }
+  const int tasks = (int)std::min<long>(units, threads * chunks);
+  pool.run(tasks, [&](int t) { part(units * t / tasks, units * (t + 1) / tasks); });
+}
+
 }  // namespace
 
 void softmax(const SoftmaxArgs& a, Isa isa, int max_threads) {
@@ -77,26 +94,13 @@ void softmax(const SoftmaxArgs& a, Isa isa, int max_threads) {
       fn(a.x + r * a.S, a.y + r * a.S, std::max(1, std::min(seen, a.S)), a.S);
     }
   };
-  Pool& pool = Pool::shared();
-  int threads = pool.size();
-  if (max_threads > 0) threads = std::min(threads, max_threads);
-  if (a.rows * a.S < kMinParallel || a.rows < 2) threads = 1;
-  if (threads == 1) {
-    rows(0, a.rows);
-    return;
-  }
   // Causal rows grow in length: many small chunks balance the threads.
-  const int tasks = (int)std::min<long>(a.rows, threads * 16L);
-  pool.run(tasks, [&](int t) { rows(a.rows * t / tasks, a.rows * (t + 1) / tasks); });
+  split(a.rows, a.rows * a.S, max_threads, 16, rows);
 }
 
 void swiglu(const SwigluArgs& a, Isa isa, int max_threads) {
   if (a.rows <= 0 || a.F <= 0) return;
   const SwigluRowFn fn = swiglu_fn(isa);
-  Pool& pool = Pool::shared();
-  int threads = pool.size();
-  if (max_threads > 0) threads = std::min(threads, max_threads);
-  if (a.rows * a.F < kMinParallel) threads = 1;
   // Split over rows, and a single row (a decode step) over its columns in
   // blocks of 64.
   const long units = a.rows > 1 ? a.rows : (a.F + 63) / 64;
@@ -111,12 +115,7 @@ void swiglu(const SwigluArgs& a, Isa isa, int max_threads) {
       if (c0 < c1) fn(a.x + c0, a.x + a.F + c0, a.y + c0, c1 - c0);
     }
   };
-  if (threads == 1 || units < 2) {
-    part(0, units);
-    return;
-  }
-  const int tasks = (int)std::min<long>(units, threads * 4L);
-  pool.run(tasks, [&](int t) { part(units * t / tasks, units * (t + 1) / tasks); });
+  split(units, a.rows * a.F, max_threads, 4, part);
 }
 
 void norm_rope(const NormRopeArgs& a, int max_threads) {
@@ -146,16 +145,7 @@ void norm_rope(const NormRopeArgs& a, int max_threads) {
       }
     }
   };
-  Pool& pool = Pool::shared();
-  int threads = pool.size();
-  if (max_threads > 0) threads = std::min(threads, max_threads);
-  if (rows * a.hd < kMinParallel) threads = 1;
-  if (threads == 1) {
-    part(0, rows);
-    return;
-  }
-  const int tasks = (int)std::min<long>(rows, threads * 4L);
-  pool.run(tasks, [&](int t) { part(rows * t / tasks, rows * (t + 1) / tasks); });
+  split(rows, rows * a.hd, max_threads, 4, part);
 }
 
 void rms_norm(const RmsNormArgs& a, Isa isa, int max_threads) {
@@ -165,16 +155,7 @@ void rms_norm(const RmsNormArgs& a, Isa isa, int max_threads) {
     for (long r = r0; r < r1; ++r)
       fn(a.x + r * a.D, a.w + (r % a.R) * (long)a.D, a.y + r * a.D, a.D, a.eps);
   };
-  Pool& pool = Pool::shared();
-  int threads = pool.size();
-  if (max_threads > 0) threads = std::min(threads, max_threads);
-  if (a.rows * a.D < kMinParallel || a.rows < 2) threads = 1;
-  if (threads == 1) {
-    rows(0, a.rows);
-    return;
-  }
-  const int tasks = (int)std::min<long>(a.rows, threads * 4L);
-  pool.run(tasks, [&](int t) { rows(a.rows * t / tasks, a.rows * (t + 1) / tasks); });
+  split(a.rows, a.rows * a.D, max_threads, 4, rows);
 }
 
 }  // namespace emlx
