@@ -53,14 +53,13 @@ fn check_fixture(name: &str, suffix: &str, options: LoadOptions) {
     check_model(name, suffix, load(name, &options), true);
 }
 
-/// Greedy ids against mlx-lm's, and with `logits` every step's logits.
+/// Greedy ids against mlx-lm's, and with `check_logits` every step's logits.
 fn check_model(
     name: &str,
     suffix: &str,
     model: std::sync::Arc<emlx_axon_engine::Model>,
-    logits: bool,
+    check_logits: bool,
 ) {
-    let check_logits = logits;
     let logits = reference_logits(name, suffix);
     for (prompt_name, prompt, expected) in reference(name, suffix) {
         let out = generate(model.clone(), None, &prompt, greedy(expected.len())).unwrap();
