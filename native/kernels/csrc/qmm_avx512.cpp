@@ -79,6 +79,7 @@ static void gemv_lanes(const emlx::QmmArgs& a, const float* xsum, int n0, int n1
   const __m512i gidx = _mm512_load_si512(lane_group);
   const __mmask16 span_mask = (__mmask16)((1u << span) - 1);
   const __m512i vmask = _mm512_set1_epi32((1 << BITS) - 1);
+  const __m512 nibbles = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   float* xr = (float*)aligned_alloc(64, ((size_t)a.M * K * sizeof(float) + 63) / 64 * 64);
   if (!xr) return;
@@ -124,6 +125,7 @@ static void gemv_lanes(const emlx::QmmArgs& a, const float* xsum, int n0, int n1
         for (int j = 0; j < MB; ++j) tot[r][j] = _mm512_setzero_ps();
       for (int b = 0; b < blocks; ++b) {
         __m512i v[R];
+        for (int r = 0; r < R; ++r) emlx::prefetch_weights(wrow[r] + b * 16);
         for (int r = 0; r < R; ++r)
           v[r] = offset[r] ? _mm512_permutex2var_epi32(_mm512_load_si512(wline[r] + b * 16), pick[r],
                                                        _mm512_load_si512(wline[r] + b * 16 + 16))
@@ -137,8 +139,15 @@ static void gemv_lanes(const emlx::QmmArgs& a, const float* xsum, int n0, int n1
 #pragma GCC unroll 4
           for (int r = 0; r < R; ++r) {
             __m512i q = s == 0 ? v[r] : _mm512_srli_epi32(v[r], s * BITS);
-            if (s != VPL - 1) q = _mm512_and_si512(q, vmask);
-            qf[r] = _mm512_cvtepi32_ps(q);
+            if (BITS == 4) {
+              // A 4-bit value is its own index into a table of 0..15 as
+              // floats: the permute reads only each lane's low 4 bits, so
+              // one instruction masks and converts.
+              qf[r] = _mm512_permutexvar_ps(q, nibbles);
+            } else {
+              if (s != VPL - 1) q = _mm512_and_si512(q, vmask);
+              qf[r] = _mm512_cvtepi32_ps(q);
+            }
           }
 #pragma GCC unroll 8
           for (int j = 0; j < MB; ++j) {

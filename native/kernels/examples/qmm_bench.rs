@@ -3,7 +3,7 @@
 //! thread count.
 //!
 //! cargo run --release -p emlx_axon_kernels --example qmm_bench -- [ROWS COLS BITS GROUP]
-//!     [--all-variants] [--batches 1,4,16]
+//!     [--all-variants] [--batches 1,4,16] [--layers L]
 //!
 //! Without a shape, the projections of the Qwen3-0.6B-shaped bench checkpoint
 //! (hidden 1024, 16 x 128 query heads, 8 x 128 key/value heads, MLP 3072,
@@ -12,7 +12,9 @@
 //! (prefill) unless `--batches`, threads 1 and 2; the selected variant only
 //! unless `--all-variants`. Prints one line per case: milliseconds per product,
 //! GB/s of weights read (packed values + scales + biases) and GFLOP/s, for
-//! each activation precision, and the int8 speed-up.
+//! each activation precision, and the int8 speed-up. `--layers L` instead
+//! runs L layers' products at batch 1 one after another, each layer its own
+//! matrices, as a decode step reads them from memory.
 
 use std::time::Instant;
 
@@ -29,12 +31,18 @@ struct Shape {
 
 fn main() {
     let mut all_variants = false;
+    let mut layers = 0usize;
     let mut batches: Option<Vec<usize>> = None;
     let mut numbers = Vec::new();
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         if a == "--all-variants" {
             all_variants = true;
+        } else if a == "--layers" {
+            layers = args
+                .next()
+                .and_then(|n| n.parse().ok())
+                .expect("--layers takes a number");
         } else if a == "--batches" {
             let list = args.next().expect("--batches takes a list");
             batches = Some(
@@ -86,8 +94,103 @@ fn main() {
         isas.iter().map(|i| i.name()).collect::<Vec<_>>().join(", "),
         emlx_axon_kernels::int8_uses_vnni()
     );
+    if layers > 0 {
+        for &isa in &isas {
+            bench_layers(&shapes, layers, isa);
+        }
+        return;
+    }
     for shape in &shapes {
         bench_shape(shape, &isas, batches.as_deref());
+    }
+}
+
+/// A pseudo-random matrix in MLX's layout: the speed does not depend on the
+/// values.
+struct Weights {
+    w: Vec<u32>,
+    scales: Vec<f32>,
+    biases: Vec<f32>,
+}
+
+impl Weights {
+    fn new(n: usize, k: usize, bits: i32, group: i32, seed: u64) -> Self {
+        let mut state = 0x2545F4914F6CDD1Du64 ^ seed;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let w = (0..n * k * bits as usize / 32)
+            .map(|_| next() as u32)
+            .collect();
+        let groups = n * k / group as usize;
+        let scales = (0..groups).map(|i| 0.01 + (i % 7) as f32 * 1e-3).collect();
+        let biases = (0..groups).map(|i| -0.05 + (i % 5) as f32 * 1e-3).collect();
+        Weights { w, scales, biases }
+    }
+
+    fn matrix(&self, shape: &Shape) -> QuantizedMatrix<'_> {
+        QuantizedMatrix {
+            w: &self.w,
+            scales: &self.scales,
+            biases: &self.biases,
+            rows: shape.n,
+            cols: shape.k,
+            bits: shape.bits,
+            group_size: shape.group,
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        self.w.len() * 4 + (self.scales.len() + self.biases.len()) * 4
+    }
+}
+
+/// Decode as a model runs it: every layer's products at batch 1, each
+/// matrix its own (so the weights stream from memory, not from cache), one
+/// after another.
+fn bench_layers(shapes: &[Shape], layers: usize, isa: Isa) {
+    let per_layer: Vec<&Shape> = shapes.iter().filter(|s| !s.decode_only).collect();
+    let mut all = Vec::new();
+    for layer in 0..layers {
+        for (i, shape) in per_layer.iter().enumerate() {
+            let w = Weights::new(
+                shape.n,
+                shape.k,
+                shape.bits,
+                shape.group,
+                (layer * 8 + i) as u64,
+            );
+            all.push((*shape, w));
+        }
+    }
+    let bytes: usize = all.iter().map(|(_, w)| w.bytes()).sum();
+    let widest = all.iter().map(|(s, _)| s.n.max(s.k)).max().unwrap_or(0);
+    let mut x = vec![0.1f32; widest];
+    let mut y = vec![0f32; widest];
+    for threads in [1usize, 2] {
+        let s = time(|| {
+            for (shape, w) in &all {
+                qmm_with(
+                    isa,
+                    threads,
+                    &x[..shape.k],
+                    &w.matrix(shape),
+                    &mut y[..shape.n],
+                )
+                .unwrap();
+                x[0] = y[0] * 1e-6;
+            }
+        });
+        println!(
+            "{:7} {layers} layers x {} products, m=1 t={threads}: {:8.3} ms {:6.1} GB/s",
+            isa.name(),
+            per_layer.len(),
+            s * 1e3,
+            bytes as f64 / s / 1e9
+        );
     }
 }
 
