@@ -142,6 +142,7 @@ class Metrics:
         m = row.get("measure")
         if m == "load":
             self.put("load time", peer, rep, row.get("load_ms"), "ms")
+            self.put("device set-up before load", peer, rep, row.get("device_setup_ms"), "ms")
             self.put("RSS before load (runtime baseline)", peer, rep, row.get("rss_before_load_mb"), "MB")
             self.put("of which the tokenizer (loaded by the Elixir peer)", peer, rep, row.get("tokenizer_rss_mb"), "MB")
             self.put("of which the tokenizer (Elixir loads it for TextGeneration.run)", peer, rep,

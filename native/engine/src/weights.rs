@@ -26,13 +26,8 @@ impl Weights {
             tensors: HashMap::new(),
             bytes: 0,
         };
-        let mlx_loader = std::env::var("EMLX_AXON_LOADER").as_deref() != Ok("copy");
         for file in weight_files(dir)? {
-            if mlx_loader {
-                weights.load_file_mlx(&file)?;
-            } else {
-                weights.load_file(&file)?;
-            }
+            weights.load_file(&file)?;
         }
         Ok(weights)
     }
@@ -76,18 +71,6 @@ impl Weights {
             self.tensors.insert(name, array);
         }
         self.bytes += bytes;
-        Ok(())
-    }
-
-    fn load_file_mlx(&mut self, path: &Path) -> Result<()> {
-        let tensors = Array::load_safetensors(path).map_err(|e| Error::Safetensors {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
-        let bytes = tensors.values().map(|a| a.nbytes()).sum();
-        crate::memory::ensure_fits(Some(bytes), &format!("loading {}", path.display()))?;
-        self.bytes += bytes;
-        self.tensors.extend(tensors);
         Ok(())
     }
 
