@@ -195,32 +195,11 @@ fn bench_layers(shapes: &[Shape], layers: usize, isa: Isa) {
 }
 
 fn bench_shape(shape: &Shape, isas: &[Isa], batches: Option<&[usize]>) {
-    let (n, k, bits, group) = (shape.n, shape.k, shape.bits, shape.group);
-    // A fixed pseudo-random pattern: the speed does not depend on the values.
-    let mut state = 0x2545F4914F6CDD1Du64;
-    let mut next = || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
-    let w: Vec<u32> = (0..n * k * bits as usize / 32)
-        .map(|_| next() as u32)
-        .collect();
-    let groups = n * k / group as usize;
-    let scales: Vec<f32> = (0..groups).map(|i| 0.01 + (i % 7) as f32 * 1e-3).collect();
-    let biases: Vec<f32> = (0..groups).map(|i| -0.05 + (i % 5) as f32 * 1e-3).collect();
-    let matrix = QuantizedMatrix {
-        w: &w,
-        scales: &scales,
-        biases: &biases,
-        rows: n,
-        cols: k,
-        bits,
-        group_size: group,
-    };
+    let (n, k) = (shape.n, shape.k);
+    let weights = Weights::new(n, k, shape.bits, shape.group, 0);
+    let matrix = weights.matrix(shape);
     // Packed values and float32 scales and biases.
-    let weight_bytes = (w.len() * 4 + groups * 8) as f64;
+    let weight_bytes = weights.bytes() as f64;
     let batches: &[usize] = match batches {
         Some(list) => list,
         None if shape.decode_only => &[1],
