@@ -114,7 +114,8 @@ struct Weights {
 }
 
 impl Weights {
-    fn new(n: usize, k: usize, bits: i32, group: i32, seed: u64) -> Self {
+    fn new(shape: &Shape, seed: u64) -> Self {
+        let (n, k, bits, group) = (shape.n, shape.k, shape.bits, shape.group);
         let mut state = 0x2545F4914F6CDD1Du64 ^ seed;
         let mut next = || {
             state ^= state << 13;
@@ -156,19 +157,12 @@ fn bench_layers(shapes: &[Shape], layers: usize, isa: Isa) {
     let mut all = Vec::new();
     for layer in 0..layers {
         for (i, shape) in per_layer.iter().enumerate() {
-            let w = Weights::new(
-                shape.n,
-                shape.k,
-                shape.bits,
-                shape.group,
-                (layer * 8 + i) as u64,
-            );
-            all.push((*shape, w));
+            all.push((*shape, Weights::new(shape, (layer * 8 + i) as u64)));
         }
     }
     let bytes: usize = all.iter().map(|(_, w)| w.bytes()).sum();
     let widest = all.iter().map(|(s, _)| s.n.max(s.k)).max().unwrap_or(0);
-    let mut x = vec![0.1f32; widest];
+    let x = vec![0.1f32; widest];
     let mut y = vec![0f32; widest];
     for threads in [1usize, 2] {
         let s = time(|| {
@@ -181,7 +175,6 @@ fn bench_layers(shapes: &[Shape], layers: usize, isa: Isa) {
                     &mut y[..shape.n],
                 )
                 .unwrap();
-                x[0] = y[0] * 1e-6;
             }
         });
         println!(
@@ -196,7 +189,7 @@ fn bench_layers(shapes: &[Shape], layers: usize, isa: Isa) {
 
 fn bench_shape(shape: &Shape, isas: &[Isa], batches: Option<&[usize]>) {
     let (n, k) = (shape.n, shape.k);
-    let weights = Weights::new(n, k, shape.bits, shape.group, 0);
+    let weights = Weights::new(shape, 0);
     let matrix = weights.matrix(shape);
     // Packed values and float32 scales and biases.
     let weight_bytes = weights.bytes() as f64;
