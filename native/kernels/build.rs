@@ -20,6 +20,7 @@ fn main() {
         .flag_if_supported("-fno-math-errno")
         .files([
             "csrc/primitive.cpp",
+            "csrc/decode_layer.cpp",
             "csrc/qmm.cpp",
             "csrc/qmm_int8.cpp",
             "csrc/pool.cpp",

@@ -44,8 +44,8 @@ struct QkNorm {
 
 pub(crate) struct Attention {
     /// q, k and v projections, outputs in that order.
-    qkv: LinearGroup,
-    o: Linear,
+    pub(crate) qkv: LinearGroup,
+    pub(crate) o: Linear,
     norm: Option<QkNorm>,
     /// The softmax scale as MLX's attention applies it, in the compute
     /// dtype, as a scalar and shaped like a one-token batch-1 step's queries
@@ -146,6 +146,12 @@ impl Attention {
         }
         all.extend([&self.scale, &self.scale_step]);
         all
+    }
+
+    /// The queries' and keys' per-head norm (weights `[heads + kv_heads,
+    /// head_dim]`) and its eps, if the model has one.
+    pub(crate) fn qk_norm(&self) -> Option<(&Array, f32)> {
+        self.norm.as_ref().map(|n| (n.both.weight(), n.both.eps()))
     }
 
     pub(crate) fn is_quantized(&self) -> bool {

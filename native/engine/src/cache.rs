@@ -18,6 +18,13 @@ pub enum RopeOffset {
     PerRow(Array),
 }
 
+/// Each row's position in a one-token step (where its key goes, and its
+/// RoPE position) and the first key it attends, as the host knows them.
+pub struct StepRows {
+    pub positions: Vec<i32>,
+    pub starts: Vec<i32>,
+}
+
 /// A cache the model's layers write keys and values into.
 pub trait KvStore {
     fn rope_offset(&self) -> RopeOffset;
@@ -26,6 +33,15 @@ pub trait KvStore {
     fn update(&mut self, layer: usize, k: &Array, v: &Array) -> Result<(Array, Array)>;
     /// Called once per forward pass with the number of new positions.
     fn advance(&mut self, n: i32);
+    /// The rows of a one-token step, for layers that read the cache's
+    /// whole buffers (see [`crate::decode_layer`]); `None` when this cache
+    /// cannot say or has no room (the layers are then built from MLX ops).
+    fn step_rows(&self) -> Option<StepRows> {
+        None
+    }
+    /// Layer `layer`'s whole key and value buffers, `[rows, kv_heads,
+    /// capacity, head_dim]`, which such a layer reads after `update`.
+    fn buffers(&self, layer: usize) -> &(Array, Array);
 }
 
 pub struct KvCache {
@@ -102,6 +118,18 @@ impl KvStore for KvCache {
 
     fn advance(&mut self, n: i32) {
         self.offset += n;
+    }
+
+    fn step_rows(&self) -> Option<StepRows> {
+        let rows = self.layers.first()?.0.dim(0) as usize;
+        (self.offset < self.capacity).then(|| StepRows {
+            positions: vec![self.offset; rows],
+            starts: vec![0; rows],
+        })
+    }
+
+    fn buffers(&self, layer: usize) -> &(Array, Array) {
+        &self.layers[layer]
     }
 
     /// Writes `k`, `v` (`[B, kv_heads, L, head_dim]`) at the offset and returns

@@ -350,6 +350,28 @@ impl Linear {
     pub fn is_quantized(&self) -> bool {
         self.projection.weight.is_quantized()
     }
+
+    /// The weight as our kernels take it, and the bias.
+    pub fn quantized(&self) -> Option<(emlx_axon_kernels::QuantWeight<'_>, Option<&Array>)> {
+        match &self.projection.weight {
+            Weight::Quantized {
+                w,
+                scales,
+                biases,
+                spec,
+            } => Some((
+                emlx_axon_kernels::QuantWeight {
+                    w,
+                    scales,
+                    biases,
+                    bits: spec.bits,
+                    group_size: spec.group_size,
+                },
+                self.bias.as_ref(),
+            )),
+            Weight::Dense(_) => None,
+        }
+    }
 }
 
 /// RMSNorm over the last axis with a weight of shape `rows x dim` (`rows`
@@ -560,6 +582,22 @@ impl LinearGroup {
             .try_into()
             .map_err(|_| Error::invalid("the MLP's gate/up projection has two outputs"))?;
         Ok(gate.multiply(mlx_rs::ops::sigmoid(&gate)?)?.multiply(&up)?)
+    }
+
+    /// The stacked weight as [`Linear::quantized`] gives it, when the members
+    /// share one and it is quantized.
+    pub fn stacked_quantized(
+        &self,
+    ) -> Option<(emlx_axon_kernels::QuantWeight<'_>, Option<&Array>)> {
+        match &self.layout {
+            GroupLayout::Stacked(linear) => linear.quantized(),
+            GroupLayout::Apart(_) => None,
+        }
+    }
+
+    /// Each member's output width, in order.
+    pub fn sizes(&self) -> &[i32] {
+        &self.sizes
     }
 
     /// Whether the members share one stacked weight.

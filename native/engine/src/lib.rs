@@ -9,6 +9,7 @@ pub mod cache;
 pub mod config;
 pub mod constraint;
 pub mod decode_attention;
+mod decode_layer;
 pub mod decode_step;
 pub mod device;
 pub mod error;

@@ -42,17 +42,17 @@ impl Default for LoadOptions {
     }
 }
 
-struct Mlp {
+pub(crate) struct Mlp {
     /// gate and up projections, outputs in that order.
-    gate_up: LinearGroup,
-    down: Linear,
+    pub(crate) gate_up: LinearGroup,
+    pub(crate) down: Linear,
 }
 
-struct Block {
-    attn: Attention,
-    mlp: Mlp,
-    input_norm: RmsNorm,
-    post_norm: RmsNorm,
+pub(crate) struct Block {
+    pub(crate) attn: Attention,
+    pub(crate) mlp: Mlp,
+    pub(crate) input_norm: RmsNorm,
+    pub(crate) post_norm: RmsNorm,
 }
 
 /// Which positions' logits a forward pass returns.
@@ -324,7 +324,22 @@ impl Model {
             &self.rope_probe,
             cpu_ops,
         )?;
+        // One-token steps on a CPU stream: a node per layer where it can.
+        let step_rows = match mask {
+            AttentionMask::None | AttentionMask::Ranges { .. } if cpu_ops && ids.dim(1) == 1 => {
+                cache.step_rows()
+            }
+            _ => None,
+        };
         for (i, block) in self.blocks.iter().enumerate() {
+            if let Some(rows) = &step_rows {
+                if let Some(next) =
+                    crate::decode_layer::forward(c, block, &h, cache, i, &rope, rows)?
+                {
+                    h = next;
+                    continue;
+                }
+            }
             let r = block.attn.forward(
                 c,
                 &block.input_norm.forward(&h, cpu_ops)?,
@@ -421,6 +436,120 @@ mod tests {
                         assert!(a == b, "{name} ({dtype:?}): step {step} differs");
                     }
                 }
+            });
+        }
+    }
+
+    /// One-token steps on a CPU stream run each layer as two nodes of our
+    /// kernels (see `crate::decode_layer`); an array mask with the same
+    /// content keeps the separate nodes. Both give the same logits, for a
+    /// batch-1 cache and for the scheduler's rows at different positions:
+    /// Qwen3 at 0.6B widths with 8-bit group-32 down projections (threaded
+    /// products), and Qwen2 with q/k/v biases and traditional RoPE.
+    #[test]
+    fn one_token_layer_nodes_give_the_separate_nodes_logits() {
+        use crate::scheduler::SlotCache;
+        if !emlx_axon_kernels::enabled() {
+            return;
+        }
+        let lease = Lease::new(DeviceKind::Cpu).unwrap();
+        let all_keys = |len: i32| {
+            AttentionMask::Array(Array::from_slice(
+                &vec![true; len as usize],
+                &[1, 1, 1, len],
+            ))
+        };
+        let step = |model: &Model, cache: &mut dyn FnMut(&Model, bool) -> Vec<f32>| {
+            let (layers, separate) = (cache(model, true), cache(model, false));
+            crate::layers::tests::relative_error(&layers, &separate)
+        };
+        for name in ["qwen3-wide", "qwen2-rope-traditional"] {
+            lease.stream().run(|| {
+                let options = LoadOptions {
+                    cpu_parallel: Some(false),
+                    ..LoadOptions::default()
+                };
+                let model = Model::load(&fixture(name), &options).unwrap();
+                let c = &model.config;
+                let prompt = Array::from_slice(&[3u32, 14, 15, 92, 6], &[1, 5]);
+                let prefilled = || {
+                    let mut cache = KvCache::new(&model, 1, 16).unwrap();
+                    model
+                        .forward_ops(
+                            &prompt,
+                            &mut cache,
+                            &AttentionMask::Causal,
+                            Take::All,
+                            &[],
+                            true,
+                        )
+                        .unwrap();
+                    cache
+                };
+
+                // The layer nodes are taken for every layer of these models.
+                let mut cache = prefilled();
+                let rows = cache.step_rows().unwrap();
+                let h = model
+                    .embed
+                    .forward(&Array::from_slice(&[7u32], &[1, 1]))
+                    .unwrap();
+                let rope = Rope::new(
+                    c,
+                    cache.rope_offset(),
+                    1,
+                    1,
+                    c.num_heads + c.num_kv_heads,
+                    &model.rope_probe,
+                    true,
+                )
+                .unwrap();
+                for (i, block) in model.blocks.iter().enumerate() {
+                    let out =
+                        crate::decode_layer::forward(c, block, &h, &mut cache, i, &rope, &rows)
+                            .unwrap();
+                    assert!(out.is_some(), "{name}: layer {i} was not taken");
+                }
+
+                // Batch 1, three steps after the prompt.
+                let worst = step(&model, &mut |model: &Model, layers: bool| {
+                    let mut cache = prefilled();
+                    let mut all = Vec::new();
+                    for t in 0..3u32 {
+                        let ids = Array::from_slice(&[7 + t * 11], &[1, 1]);
+                        let mask = if layers {
+                            AttentionMask::None
+                        } else {
+                            all_keys(cache.offset() + 1)
+                        };
+                        let y = model
+                            .forward_ops(&ids, &mut cache, &mask, Take::All, &[], true)
+                            .unwrap();
+                        all.extend_from_slice(y.as_slice::<f32>());
+                    }
+                    all
+                });
+                assert!(worst < 1e-5, "{name}: batch 1: {worst}");
+
+                // Two slots at positions 5 and 3 (the second holds the first
+                // three prompt tokens), then one step each.
+                let worst = step(&model, &mut |model: &Model, layers: bool| {
+                    let full = prefilled();
+                    let mut slots = SlotCache::new(model, 2, 16).unwrap();
+                    slots.write_prompt(0, &full.prefix(5)).unwrap();
+                    slots.write_prompt(1, &full.prefix(3)).unwrap();
+                    slots.set_positions(&[5, 3]).unwrap();
+                    let mask = match slots.ranges().unwrap() {
+                        AttentionMask::Ranges { mask, .. } if !layers => AttentionMask::Array(mask),
+                        ranges => ranges,
+                    };
+                    let ids = Array::from_slice(&[7u32, 92], &[2, 1]);
+                    let y = model
+                        .forward_ops(&ids, &mut slots, &mask, Take::All, &[], true)
+                        .unwrap();
+                    y.as_slice::<f32>().to_vec()
+                });
+                assert!(worst < 1e-5, "{name}: two slots: {worst}");
             });
         }
     }

@@ -37,6 +37,45 @@ void rms_norm_row_scalar(const float* x, const float* w, float* y, int D, float 
   for (int i = 0; i < D; ++i) y[i] = (x[i] * scale) * w[i];
 }
 
+void attend_scalar(const float* q, const float* k, const float* v, float* scores, float* out,
+                   int G, int n, int hd) {
+  for (int j = 0; j < n; ++j) {
+    const float* kj = k + (long)j * hd;
+    for (int g = 0; g < G; ++g) {
+      const float* qg = q + (long)g * hd;
+      // Four partial sums, which the compiler keeps in vector registers.
+      float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      int e = 0;
+      for (; e + 4 <= hd; e += 4)
+        for (int u = 0; u < 4; ++u) s[u] += qg[e + u] * kj[e + u];
+      for (; e < hd; ++e) s[0] += qg[e] * kj[e];
+      scores[(long)g * n + j] = (s[0] + s[1]) + (s[2] + s[3]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float* row = scores + (long)g * n;
+    softmax_row_scalar(row, row, n, n);
+    float* og = out + (long)g * hd;
+    for (int e = 0; e < hd; ++e) og[e] = 0.0f;
+  }
+  for (int j = 0; j < n; ++j) {
+    const float* vj = v + (long)j * hd;
+    for (int g = 0; g < G; ++g) {
+      const float p = scores[(long)g * n + j];
+      float* og = out + (long)g * hd;
+      for (int e = 0; e < hd; ++e) og[e] += p * vj[e];
+    }
+  }
+}
+
+AttendFn attend_fn(Isa isa) {
+#if defined(__x86_64__)
+  if (isa == kAvx512) return attend_avx512;
+#endif
+  (void)isa;
+  return attend_scalar;
+}
+
 namespace {
 
 // Below this many elements one thread does it all.

@@ -86,4 +86,19 @@ struct NormRopeArgs {
 
 void norm_rope(const NormRopeArgs& a, int max_threads);
 
+// One token's attention for the G query heads q [G, hd] (already scaled)
+// that share one key head, over its n keys and values [n, hd]:
+// out[g] = softmax(q[g] . k) @ v, with scores [G, n] as scratch.
+using AttendFn = void (*)(const float* q, const float* k, const float* v, float* scores,
+                          float* out, int G, int n, int hd);
+
+void attend_scalar(const float* q, const float* k, const float* v, float* scores, float* out,
+                   int G, int n, int hd);
+#if defined(__x86_64__)
+void attend_avx512(const float* q, const float* k, const float* v, float* scores, float* out,
+                   int G, int n, int hd);
+#endif
+
+AttendFn attend_fn(Isa isa);
+
 }  // namespace emlx

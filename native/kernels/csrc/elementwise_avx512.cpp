@@ -84,5 +84,40 @@ void rms_norm_row_avx512(const float* x, const float* w, float* y, int D, float 
   }
 }
 
+void attend_avx512(const float* q, const float* k, const float* v, float* scores, float* out,
+                   int G, int n, int hd) {
+  for (int j = 0; j < n; ++j) {
+    const float* kj = k + (long)j * hd;
+    for (int g = 0; g < G; ++g) {
+      const float* qg = q + (long)g * hd;
+      __m512 acc = _mm512_setzero_ps();
+      for (int e = 0; e < hd; e += 16) {
+        const __mmask16 m = tail(hd - e);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, qg + e), _mm512_maskz_loadu_ps(m, kj + e), acc);
+      }
+      scores[(long)g * n + j] = _mm512_reduce_add_ps(acc);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float* row = scores + (long)g * n;
+    softmax_row_avx512(row, row, n, n);
+    float* og = out + (long)g * hd;
+    for (int e = 0; e < hd; ++e) og[e] = 0.0f;
+  }
+  for (int j = 0; j < n; ++j) {
+    const float* vj = v + (long)j * hd;
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[(long)g * n + j]);
+      float* og = out + (long)g * hd;
+      for (int e = 0; e < hd; e += 16) {
+        const __mmask16 m = tail(hd - e);
+        _mm512_mask_storeu_ps(og + e, m,
+                              _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(m, vj + e),
+                                              _mm512_maskz_loadu_ps(m, og + e)));
+      }
+    }
+  }
+}
+
 }  // namespace emlx
 #endif

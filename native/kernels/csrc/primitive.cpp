@@ -1,18 +1,15 @@
-// MLX integration: an MLX primitive whose CPU evaluation runs our kernels, so
+// MLX integration: MLX primitives whose CPU evaluation runs our kernels, so
 // a decode step stays one lazily built graph that MLX evaluates once, and a C
-// API for the Rust side.
-//
-// The Rust side hands over MLX-C handles (`mlx_array`, `mlx_stream`): each is
-// a struct holding a pointer to a heap-allocated `mlx::core::array` or
-// `mlx::core::Stream`, which is the layout declared here.
+// API for the Rust side (see glue.h for the handles).
 #include <cstring>
-#include <exception>
 #include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "elementwise.h"
+#include "glue.h"
 #include "mlx/allocator.h"
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -21,23 +18,9 @@
 #include "pool.h"
 #include "qmm.h"
 #include "qmm_int8.h"
-#include "elementwise.h"
-
-namespace mx = mlx::core;
-
-extern "C" {
-typedef struct {
-  void* ctx;
-} emlx_mlx_array;
-typedef struct {
-  void* ctx;
-} emlx_mlx_stream;
-}
 
 namespace emlx {
 namespace {
-
-std::vector<uint8_t> packed(const mx::array& a);
 
 // What our primitives share: built for CPU streams only, an output shaped
 // as the first input unless a primitive says otherwise, and a CPU
@@ -270,7 +253,17 @@ class NormRope : public KernelPrimitive {
   bool traditional_;
 };
 
-// A row-major copy of a strided array (elements of 2 or 4 bytes).
+// A raw-buffer kernel with a chosen variant: 0 when it ran, -1 when the
+// variant does not run on this CPU.
+template <typename Run>
+int run_raw(int isa, Run run) {
+  if (isa < kScalar || isa > kAvx512 || !isa_supported((Isa)isa)) return -1;
+  run((Isa)isa);
+  return 0;
+}
+
+}  // namespace
+
 std::vector<uint8_t> packed(const mx::array& a) {
   const size_t item = a.itemsize();
   std::vector<uint8_t> out(a.size() * item);
@@ -291,58 +284,6 @@ std::vector<uint8_t> packed(const mx::array& a) {
   return out;
 }
 
-void set_error(char* err, size_t len, const char* message) {
-  if (err && len) {
-    std::strncpy(err, message, len - 1);
-    err[len - 1] = '\0';
-  }
-}
-
-const mx::array& array_of(emlx_mlx_array handle) { return *static_cast<mx::array*>(handle.ctx); }
-
-// The C entry of every primitive: `handles_set` says whether the caller's
-// required handles are non-null; `build` gets the (CPU) stream and returns
-// the node, or nothing when the case is not ours. Returns 1 with the node in
-// *out (into the array there, if any), 0 when not ours (a GPU stream and
-// kernels turned off included), -1 with the message in err. No C++
-// exception crosses into Rust.
-template <typename Build>
-int build_node(const char* what, emlx_mlx_array* out, bool handles_set, emlx_mlx_stream stream,
-               char* err, size_t err_len, Build build) {
-  try {
-    if (!out || !handles_set || !stream.ctx) {
-      set_error(err, err_len, (std::string(what) + ": empty handle").c_str());
-      return -1;
-    }
-    const auto& s = *static_cast<mx::Stream*>(stream.ctx);
-    if (s.device.type != mx::Device::DeviceType::cpu || !kernels_preferred()) return 0;
-    std::optional<mx::array> y = build(s);
-    if (!y) return 0;
-    if (out->ctx) {
-      *static_cast<mx::array*>(out->ctx) = std::move(*y);
-    } else {
-      out->ctx = new mx::array(std::move(*y));
-    }
-    return 1;
-  } catch (const std::exception& e) {
-    set_error(err, err_len, e.what());
-    return -1;
-  } catch (...) {
-    set_error(err, err_len, (std::string(what) + ": unknown C++ exception").c_str());
-    return -1;
-  }
-}
-
-// A raw-buffer kernel with a chosen variant: 0 when it ran, -1 when the
-// variant does not run on this CPU.
-template <typename Run>
-int run_raw(int isa, Run run) {
-  if (isa < kScalar || isa > kAvx512 || !isa_supported((Isa)isa)) return -1;
-  run((Isa)isa);
-  return 0;
-}
-
-}  // namespace
 }  // namespace emlx
 
 extern "C" {

@@ -25,7 +25,9 @@
 //! scalar exp are primitives here too, threaded and vectorized:
 //! [`causal_softmax`] (a prompt's attention weights) and [`swiglu`] (the
 //! MLP's activation); [`rms_norm`] and [`norm_rope`] are one node each
-//! where MLX builds seven and about ten.
+//! where MLX builds seven and about ten. A one-token step's whole layer is
+//! two nodes, [`decode_qkv`] and [`decode_layer_rest`], around the cache's
+//! update.
 
 use std::ffi::{c_char, c_int, CStr};
 use std::fmt;
@@ -185,6 +187,36 @@ extern "C" {
         cos: Handle,
         sin: Handle,
         traditional: c_int,
+        stream: Handle,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn emlx_kernels_decode_qkv(
+        outs: *mut Handle,
+        arrays: *const Handle,
+        qkv_bias: Handle,
+        qk_norm: Handle,
+        heads: c_int,
+        kv_heads: c_int,
+        bits: c_int,
+        group: c_int,
+        eps_in: f32,
+        eps_qk: f32,
+        traditional: c_int,
+        stream: Handle,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    fn emlx_kernels_decode_layer_rest(
+        out: *mut Handle,
+        arrays: *const Handle,
+        bits: *const c_int,
+        group: *const c_int,
+        rows: c_int,
+        positions: *const c_int,
+        starts: *const c_int,
+        eps_post: f32,
+        scale: f32,
         stream: Handle,
         err: *mut c_char,
         err_len: usize,
@@ -474,6 +506,146 @@ pub fn norm_rope(
     })
 }
 
+/// An affine-quantized weight in MLX's layout, as [`quantized_linear`] takes it.
+#[derive(Clone, Copy)]
+pub struct QuantWeight<'a> {
+    pub w: &'a Array,
+    pub scales: &'a Array,
+    pub biases: &'a Array,
+    pub bits: i32,
+    pub group_size: i32,
+}
+
+/// The first part of a one-token step's layer, for [`decode_qkv`]: arrays
+/// float32 on a CPU stream, `h` `[rows, 1, hidden]`, `cos`/`signed_sin` the
+/// RoPE table `[1 or rows, 1, head_dim]` (see [`norm_rope`]).
+pub struct QkvParts<'a> {
+    pub h: &'a Array,
+    /// Input norm weight `[hidden]` and eps.
+    pub input_norm: (&'a Array, f32),
+    /// q, k and v projections stacked, and their bias if any.
+    pub qkv: QuantWeight<'a>,
+    pub qkv_bias: Option<&'a Array>,
+    /// Per-head norm `[heads + kv_heads, head_dim]` of queries and keys, and eps.
+    pub qk_norm: Option<(&'a Array, f32)>,
+    pub cos: &'a Array,
+    pub signed_sin: &'a Array,
+    pub traditional: bool,
+    pub heads: i32,
+    pub kv_heads: i32,
+}
+
+/// A one-token step's layer up to its new keys, as one lazy MLX node of our
+/// kernels: input RMSNorm, the stacked q/k/v product (and bias), per-head
+/// RMSNorm and RoPE. Returns the queries `[rows, heads, head_dim]` for
+/// [`decode_layer_rest`] and the new keys and values `[rows, kv_heads, 1,
+/// head_dim]` for the cache. `Ok(None)` when the case is not ours (kernels
+/// off, a GPU stream, dtypes, shapes).
+pub fn decode_qkv(p: &QkvParts) -> Result<Option<[Array; 3]>, KernelError> {
+    if !enabled() || !supports(p.qkv.bits, p.qkv.group_size) {
+        return Ok(None);
+    }
+    let arrays = [
+        handle(p.h),
+        handle(p.input_norm.0),
+        handle(p.qkv.w),
+        handle(p.qkv.scales),
+        handle(p.qkv.biases),
+        handle(p.cos),
+        handle(p.signed_sin),
+    ];
+    nodes(|outs, stream, err, n| {
+        // SAFETY: see `node`; `arrays` lives for the call and null optional
+        // handles mean absent.
+        unsafe {
+            emlx_kernels_decode_qkv(
+                outs,
+                arrays.as_ptr(),
+                p.qkv_bias.map_or(Handle::NULL, handle),
+                p.qk_norm.map_or(Handle::NULL, |(w, _)| handle(w)),
+                p.heads,
+                p.kv_heads,
+                p.qkv.bits,
+                p.qkv.group_size,
+                p.input_norm.1,
+                p.qk_norm.map_or(0.0, |(_, eps)| eps),
+                p.traditional as c_int,
+                stream,
+                err,
+                n,
+            )
+        }
+    })
+}
+
+/// The rest of a one-token step's layer, for [`decode_layer_rest`]: `h` and
+/// `q` as [`decode_qkv`] took and gave them, `keys`/`values` the layer's
+/// whole cache buffers `[>= rows, kv_heads, capacity, head_dim]` once they
+/// hold the step's keys.
+pub struct RestParts<'a> {
+    pub h: &'a Array,
+    pub q: &'a Array,
+    pub keys: &'a Array,
+    pub values: &'a Array,
+    /// The softmax scale.
+    pub scale: f32,
+    pub o: QuantWeight<'a>,
+    /// Post-attention norm weight `[hidden]` and eps.
+    pub post_norm: (&'a Array, f32),
+    /// gate and up projections stacked, gate first, of equal widths.
+    pub gate_up: QuantWeight<'a>,
+    pub down: QuantWeight<'a>,
+}
+
+/// The rest of a one-token step's layer as one lazy MLX node of our
+/// kernels: each row's attention over keys `starts[b]..=positions[b]`, the
+/// output product and residual, RMSNorm, the SwiGLU MLP and residual.
+/// Returns the residual stream out, `[rows, 1, hidden]`. `Ok(None)` when the
+/// case is not ours (as [`decode_qkv`], and positions outside the cache).
+pub fn decode_layer_rest(
+    p: &RestParts,
+    positions: &[i32],
+    starts: &[i32],
+) -> Result<Option<Array>, KernelError> {
+    let rows = p.h.shape().first().copied().unwrap_or(0);
+    let weights = [&p.o, &p.gate_up, &p.down];
+    if !enabled()
+        || positions.len() != rows as usize
+        || starts.len() != rows as usize
+        || !weights.iter().all(|w| supports(w.bits, w.group_size))
+    {
+        return Ok(None);
+    }
+    let mut arrays = vec![handle(p.h), handle(p.q), handle(p.keys), handle(p.values)];
+    arrays.extend([handle(p.o.w), handle(p.o.scales), handle(p.o.biases)]);
+    arrays.push(handle(p.post_norm.0));
+    for w in [&p.gate_up, &p.down] {
+        arrays.extend([handle(w.w), handle(w.scales), handle(w.biases)]);
+    }
+    let bits = weights.map(|w| w.bits);
+    let group = weights.map(|w| w.group_size);
+    node(|out, stream, err, n| {
+        // SAFETY: see `node`; `arrays`, `bits`, `group`, `positions` and
+        // `starts` live for the call and hold what the C side reads.
+        unsafe {
+            emlx_kernels_decode_layer_rest(
+                out,
+                arrays.as_ptr(),
+                bits.as_ptr(),
+                group.as_ptr(),
+                rows,
+                positions.as_ptr(),
+                starts.as_ptr(),
+                p.post_norm.1,
+                p.scale,
+                stream,
+                err,
+                n,
+            )
+        }
+    })
+}
+
 /// The MLX-C handle of `a`, borrowed: valid while `a` lives.
 fn handle(a: &Array) -> Handle {
     Handle {
@@ -494,31 +666,32 @@ fn handle(a: &Array) -> Handle {
 fn node(
     build: impl FnOnce(*mut Handle, Handle, *mut c_char, usize) -> c_int,
 ) -> Result<Option<Array>, KernelError> {
+    Ok(nodes::<1>(build)?.map(|[a]| a))
+}
+
+/// [`node`] for a node of `N` outputs: `build` gets `N` out handles.
+fn nodes<const N: usize>(
+    build: impl FnOnce(*mut Handle, Handle, *mut c_char, usize) -> c_int,
+) -> Result<Option<[Array; N]>, KernelError> {
     if !enabled() {
         return Ok(None);
     }
     let stream = Stream::thread_local_or_default();
     let mut err = [0 as c_char; 512];
-    let mut out = Handle::NULL;
+    let mut outs = [Handle::NULL; N];
     let status = build(
-        &mut out,
+        outs.as_mut_ptr(),
         Handle {
             ctx: stream.as_ptr().ctx,
         },
         err.as_mut_ptr(),
         err.len(),
     );
-    built(status, out, &err)
-}
-
-/// What a C builder of a primitive returned: 1 the array (taken over from
-/// `out`), 0 not ours, else the error message in `err`.
-fn built(status: c_int, out: Handle, err: &[c_char]) -> Result<Option<Array>, KernelError> {
     match status {
-        // SAFETY: on 1 `out` holds a new heap MLX array that `Array` takes over.
-        1 => Ok(Some(unsafe {
-            Array::from_ptr(mlx_sys::mlx_array { ctx: out.ctx })
-        })),
+        // SAFETY: on 1 `outs` holds N new heap MLX arrays that `Array` takes over.
+        1 => Ok(Some(outs.map(|o| unsafe {
+            Array::from_ptr(mlx_sys::mlx_array { ctx: o.ctx })
+        }))),
         0 => Ok(None),
         _ => {
             // SAFETY: the C side always NUL-terminates within `err`.

@@ -12,7 +12,7 @@ use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
 use mlx_rs::ops::{arange, concatenate, le, zeros, zeros_dtype};
 use mlx_rs::Array;
 
-use crate::cache::{KvStore, RopeOffset};
+use crate::cache::{KvStore, RopeOffset, StepRows};
 use crate::error::{Error, Result};
 use crate::model::{AttentionMask, Model};
 
@@ -24,6 +24,8 @@ pub struct SlotCache {
     rows: i32,
     /// This step's position of every slot it runs, `[rows]` int32.
     positions: Array,
+    /// `positions` on the host; empty in a traced step.
+    host_positions: Vec<i32>,
     /// Where each slot's new key goes, `[slots, 1, 1, 1]`: the step's
     /// positions, 0 for the slots it does not run.
     scatter_at: Array,
@@ -79,6 +81,7 @@ impl SlotCache {
             capacity,
             rows: slots,
             positions: Array::from_slice(&vec![0i32; slots as usize], &[slots]),
+            host_positions: vec![0; slots as usize],
             scatter_at: Array::from_slice(&vec![0i32; slots as usize], &[slots, 1, 1, 1]),
             attend: 1,
             bucketed: false,
@@ -111,6 +114,7 @@ impl SlotCache {
         at.resize(self.slots as usize, 0);
         self.rows = rows;
         self.positions = Array::from_slice(positions, &[rows]);
+        self.host_positions = positions.to_vec();
         self.scatter_at = Array::from_slice(&at, &[self.slots, 1, 1, 1]);
         self.attend = if self.bucketed {
             crate::decode_step::attend_for(furthest, self.capacity)
@@ -139,6 +143,7 @@ impl SlotCache {
             capacity,
             rows,
             positions,
+            host_positions: Vec::new(),
             scatter_at,
             attend,
             bucketed: true,
@@ -263,6 +268,18 @@ impl KvStore for SlotCache {
     }
 
     fn advance(&mut self, _n: i32) {}
+
+    /// Rows are the first slots; each attends its own keys from position 0.
+    fn step_rows(&self) -> Option<StepRows> {
+        (self.host_positions.len() == self.rows as usize).then(|| StepRows {
+            positions: self.host_positions.clone(),
+            starts: vec![0; self.rows as usize],
+        })
+    }
+
+    fn buffers(&self, layer: usize) -> &(Array, Array) {
+        &self.layers[layer]
+    }
 }
 
 #[cfg(test)]

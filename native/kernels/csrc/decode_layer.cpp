@@ -1,0 +1,415 @@
+// A layer of a one-token decode step as two MLX nodes on a CPU stream, on
+// either side of the cache write (MLX's own slice update or scatter).
+//
+// Built from the layer's separate nodes (norm, projections, per-head norm
+// and RoPE, reshapes, attention, residual adds), a 28-layer step is about
+// 940 MLX nodes, and on a 2-core CPU MLX's scheduling of them (a task per
+// node, handed from the evaluating thread to the stream's) costs a few
+// milliseconds a token beside 13 ms of products. The two nodes run the same
+// kernels in the same order; only attention is code of its own (scores,
+// softmax and weighted values per key head, in float32).
+//
+// The cache write stays MLX's: it updates the buffer in place only when
+// nothing else holds it, and a node of several outputs holds its inputs
+// once per output until it has run, which would make every step copy the
+// cache. For the same reason the nodes' tasks hold raw pointers, not arrays
+// (MLX keeps the inputs' buffers alive until a task has run).
+#include "decode_layer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <utility>
+#include <vector>
+
+#include "elementwise.h"
+#include "glue.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+#include "pool.h"
+#include "qmm_int8.h"
+
+namespace emlx {
+
+namespace {
+
+void product(const QuantWeight& p, const float* x, float* y, int M, int N, int K, Isa isa) {
+  QmmArgs args{x, p.w, p.scales, p.biases, y, M, N, K, p.bits, p.group, p.bf16_params};
+  if (selected_activations() == kActivationsInt8)
+    qmm_int8(args, isa, 0);
+  else
+    qmm(args, isa, 0);
+}
+
+// Attention below this many multiply-adds stays on the calling thread.
+constexpr long kMinParallelAttention = 1L << 16;
+
+}  // namespace
+
+void decode_qkv(const DecodeQkvArgs& a, Isa isa) {
+  const int H = a.nq + a.nkv;
+  const int W = (H + a.nkv) * a.hd;
+  std::vector<float> x((size_t)a.B * a.D), qkv((size_t)a.B * W);
+  rms_norm(RmsNormArgs{a.h, a.w_in, x.data(), a.B, a.D, 1, a.eps_in}, isa, 0);
+  product(a.qkv, x.data(), qkv.data(), a.B, W, a.D, isa);
+  std::vector<float> qk((size_t)H * a.hd);
+  for (int b = 0; b < a.B; ++b) {
+    float* row = qkv.data() + (size_t)b * W;
+    if (a.qkv_bias)
+      for (int i = 0; i < W; ++i) row[i] += a.qkv_bias[i];
+    const int t = a.T == 1 ? 0 : b;
+    norm_rope(NormRopeArgs{row, a.w_qk, a.cos + (size_t)t * a.hd, a.sin + (size_t)t * a.hd,
+                           qk.data(), 1, 1, H, a.hd, 1, a.eps_qk, a.traditional},
+              1);
+    const size_t qn = (size_t)a.nq * a.hd, kn = (size_t)a.nkv * a.hd;
+    std::memcpy(a.q + b * qn, qk.data(), qn * sizeof(float));
+    std::memcpy(a.k + b * kn, qk.data() + qn, kn * sizeof(float));
+    std::memcpy(a.v + b * kn, row + qn + kn, kn * sizeof(float));
+  }
+}
+
+void decode_rest(const DecodeRestArgs& a, Isa isa) {
+  const int G = a.nq / a.nkv;
+  std::vector<float> attn((size_t)a.B * a.nq * a.hd);
+  // One task per (row, key head): its query heads over the row's keys.
+  const AttendFn attend = attend_fn(isa);
+  auto task = [&](int u) {
+    const int b = u / a.nkv, g = u % a.nkv;
+    const int n = a.positions[b] - a.starts[b] + 1;
+    thread_local std::vector<float> q, scores;
+    q.resize((size_t)G * a.hd);
+    scores.resize((size_t)G * n);
+    const float* qs = a.q + ((size_t)b * a.nq + (size_t)g * G) * a.hd;
+    for (int i = 0; i < G * a.hd; ++i) q[i] = qs[i] * a.scale;
+    const size_t first = (((size_t)b * a.nkv + g) * a.cap + a.starts[b]) * a.hd;
+    attend(q.data(), a.keys + first, a.values + first, scores.data(),
+           attn.data() + ((size_t)b * a.nq + (size_t)g * G) * a.hd, G, n, a.hd);
+  };
+  long work = 0;
+  for (int b = 0; b < a.B; ++b) work += (long)(a.positions[b] - a.starts[b] + 1) * a.nq * a.hd;
+  const int units = a.B * a.nkv;
+  if (work < kMinParallelAttention || Pool::shared().size() == 1) {
+    for (int u = 0; u < units; ++u) task(u);
+  } else {
+    Pool::shared().run(units, task);
+  }
+
+  std::vector<float> h1((size_t)a.B * a.D), x((size_t)a.B * a.D);
+  std::vector<float> gu((size_t)a.B * 2 * a.F), act((size_t)a.B * a.F);
+  product(a.o, attn.data(), h1.data(), a.B, a.D, a.nq * a.hd, isa);
+  for (size_t i = 0; i < h1.size(); ++i) h1[i] = a.h[i] + h1[i];
+  rms_norm(RmsNormArgs{h1.data(), a.w_post, x.data(), a.B, a.D, 1, a.eps_post}, isa, 0);
+  product(a.gate_up, x.data(), gu.data(), a.B, 2 * a.F, a.D, isa);
+  swiglu(SwigluArgs{gu.data(), act.data(), a.B, a.F}, isa, 0);
+  product(a.down, act.data(), a.out, a.B, a.D, a.F, isa);
+  for (size_t i = 0; i < h1.size(); ++i) a.out[i] = h1[i] + a.out[i];
+}
+
+namespace {
+
+// Allocates the outputs and queues run(in, out): in[i] the row-major
+// contents of inputs[i], out[i] the floats of outputs[i]. See the file's
+// comment for why the task holds pointers.
+template <typename Run>
+void dispatch_raw(const mx::Stream& stream, const std::vector<mx::array>& inputs,
+                  std::vector<mx::array>& outputs, Run run) {
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  std::vector<const void*> in(inputs.size(), nullptr);
+  std::vector<std::pair<size_t, mx::array>> strided;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    encoder.set_input_array(inputs[i]);
+    if (inputs[i].flags().row_contiguous)
+      in[i] = inputs[i].data<uint8_t>();
+    else
+      strided.emplace_back(i, inputs[i]);
+  }
+  std::vector<float*> out;
+  for (auto& o : outputs) {
+    o.set_data(mx::allocator::malloc(o.nbytes()));
+    encoder.set_output_array(o);
+    out.push_back(o.data<float>());
+  }
+  encoder.dispatch([in, strided = std::move(strided), out, run]() mutable {
+    std::vector<std::vector<uint8_t>> held;
+    held.reserve(strided.size());
+    for (const auto& [i, a] : strided) {
+      held.push_back(packed(a));
+      in[i] = held.back().data();
+    }
+    run(in, out);
+  });
+}
+
+const float* f32(const void* p) { return static_cast<const float*>(p); }
+
+QuantWeight quant(const std::vector<const void*>& in, int w, bool bf16, int bits, int group) {
+  return QuantWeight{static_cast<const uint32_t*>(in[w]), in[w + 1], in[w + 2], bf16, bits, group};
+}
+
+// Inputs of DecodeQkv; the optional ones (qkv bias, q/k norm) follow, when present.
+enum QkvInput { kH, kNormIn, kQkvW, kQkvS, kQkvB, kCos, kSin, kQkvRequired };
+
+struct QkvShape {
+  int nq, nkv, hd, bits, group;
+  float eps_in, eps_qk;
+  bool traditional, bias, qk_norm;
+};
+
+class DecodeQkv : public mx::Primitive {
+ public:
+  DecodeQkv(mx::Stream stream, QkvShape shape) : mx::Primitive(stream), s_(shape) {}
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("decode qkv: no GPU evaluation");
+  }
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    DecodeQkvArgs a{};
+    a.B = inputs[kH].shape(0);
+    a.D = inputs[kH].shape(-1);
+    a.nq = s_.nq;
+    a.nkv = s_.nkv;
+    a.hd = s_.hd;
+    a.eps_in = s_.eps_in;
+    a.eps_qk = s_.eps_qk;
+    a.T = inputs[kCos].shape(0);
+    a.traditional = s_.traditional;
+    const bool bf16 = inputs[kQkvS].dtype() == mx::bfloat16;
+    const QkvShape s = s_;
+    dispatch_raw(stream(), inputs, outputs, [a, s, bf16](const auto& in, const auto& out) mutable {
+      a.h = f32(in[kH]);
+      a.w_in = f32(in[kNormIn]);
+      a.qkv = quant(in, kQkvW, bf16, s.bits, s.group);
+      a.cos = f32(in[kCos]);
+      a.sin = f32(in[kSin]);
+      int next = kQkvRequired;
+      a.qkv_bias = s.bias ? f32(in[next++]) : nullptr;
+      a.w_qk = s.qk_norm ? f32(in[next++]) : nullptr;
+      a.q = out[0];
+      a.k = out[1];
+      a.v = out[2];
+      decode_qkv(a, selected_isa());
+    });
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    const int B = inputs[kH].shape(0);
+    return {{B, s_.nq, s_.hd}, {B, s_.nkv, 1, s_.hd}, {B, s_.nkv, 1, s_.hd}};
+  }
+
+  const char* name() const override { return "DecodeQkv"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const DecodeQkv&>(other).s_;
+    return s_.nq == o.nq && s_.nkv == o.nkv && s_.hd == o.hd && s_.bits == o.bits &&
+           s_.group == o.group && s_.eps_in == o.eps_in && s_.eps_qk == o.eps_qk &&
+           s_.traditional == o.traditional && s_.bias == o.bias && s_.qk_norm == o.qk_norm;
+  }
+
+ private:
+  QkvShape s_;
+};
+
+// Inputs of DecodeLayerRest.
+enum RestInput {
+  kRH, kRQ, kKeys, kValues, kOW, kOS, kOB, kNormPost, kGuW, kGuS, kGuB, kDownW, kDownS, kDownB,
+  kRestInputs
+};
+
+struct RestShape {
+  int nkv, bits[3], group[3];  // o, gate_up, down
+  float eps_post, scale;
+};
+
+class DecodeLayerRest : public mx::UnaryPrimitive {
+ public:
+  DecodeLayerRest(mx::Stream stream, RestShape shape, std::vector<int> positions,
+                  std::vector<int> starts)
+      : mx::UnaryPrimitive(stream), s_(shape), positions_(std::move(positions)),
+        starts_(std::move(starts)) {}
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("decode layer: no GPU evaluation");
+  }
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    DecodeRestArgs a{};
+    a.B = inputs[kRH].shape(0);
+    a.D = inputs[kRH].shape(-1);
+    a.F = inputs[kGuW].shape(0) / 2;
+    a.nq = inputs[kRQ].shape(1);
+    a.hd = inputs[kRQ].shape(2);
+    a.nkv = s_.nkv;
+    a.cap = inputs[kKeys].shape(2);
+    a.scale = s_.scale;
+    a.eps_post = s_.eps_post;
+    const bool bf16[3] = {inputs[kOS].dtype() == mx::bfloat16,
+                          inputs[kGuS].dtype() == mx::bfloat16,
+                          inputs[kDownS].dtype() == mx::bfloat16};
+    std::vector<mx::array> outputs{out};  // the same array, as a vector
+    const RestShape s = s_;
+    dispatch_raw(stream(), inputs, outputs,
+                 [a, s, b0 = bf16[0], b1 = bf16[1], b2 = bf16[2], positions = positions_,
+                  starts = starts_](const auto& in, const auto& outs) mutable {
+                   a.positions = positions.data();
+                   a.starts = starts.data();
+                   a.h = f32(in[kRH]);
+                   a.q = f32(in[kRQ]);
+                   a.keys = f32(in[kKeys]);
+                   a.values = f32(in[kValues]);
+                   a.o = quant(in, kOW, b0, s.bits[0], s.group[0]);
+                   a.w_post = f32(in[kNormPost]);
+                   a.gate_up = quant(in, kGuW, b1, s.bits[1], s.group[1]);
+                   a.down = quant(in, kDownW, b2, s.bits[2], s.group[2]);
+                   a.out = outs[0];
+                   decode_rest(a, selected_isa());
+                 });
+  }
+
+  const char* name() const override { return "DecodeLayerRest"; }
+
+  bool is_equivalent(const mx::Primitive&) const override {
+    // Positions are the node's own: no two steps' layers are the same node.
+    return false;
+  }
+
+ private:
+  RestShape s_;
+  std::vector<int> positions_;
+  std::vector<int> starts_;
+};
+
+bool quant_ok(const mx::array& w, const mx::array& s, const mx::array& b, int N, int K, int bits,
+              int group) {
+  if (bits != 4 && bits != 8) return false;
+  if (group != 32 && group != 64 && group != 128) return false;
+  if (w.dtype() != mx::uint32 || (s.dtype() != mx::float32 && s.dtype() != mx::bfloat16) ||
+      b.dtype() != s.dtype())
+    return false;
+  if (w.ndim() != 2 || s.ndim() != 2 || b.shape() != s.shape() || K % group != 0) return false;
+  return w.shape(0) == N && w.shape(1) == (long)K * bits / 32 && s.shape(0) == N &&
+         s.shape(1) == K / group;
+}
+
+bool f32_shaped(const mx::array& a, const mx::Shape& shape) {
+  return a.dtype() == mx::float32 && a.shape() == shape;
+}
+
+std::vector<mx::array> arrays(const emlx_mlx_array* handles, int n) {
+  std::vector<mx::array> in;
+  for (int i = 0; i < n; ++i) in.push_back(array_of(handles[i]));
+  return in;
+}
+
+bool handles_set(const emlx_mlx_array* handles, int n) {
+  for (int i = 0; i < n; ++i)
+    if (!handles[i].ctx) return false;
+  return true;
+}
+
+}  // namespace
+}  // namespace emlx
+
+extern "C" {
+
+// Builds the DecodeQkv node (see the class) into outs[0..3): queries
+// [B, heads, hd], keys and values [B, kv_heads, 1, hd]. `arrays` holds h
+// [B, 1, D], the input norm's weight [D], the stacked q/k/v weight, scales
+// and biases, and the RoPE tables [T, 1, hd]; `qkv_bias` and `qk_norm` may
+// be null. Returns 1 when built, 0 when not ours (GPU stream, kernels off,
+// dtypes, shapes), -1 on an error (message in err).
+int emlx_kernels_decode_qkv(emlx_mlx_array* outs, const emlx_mlx_array* arrays,
+                            emlx_mlx_array qkv_bias, emlx_mlx_array qk_norm, int heads,
+                            int kv_heads, int bits, int group, float eps_in, float eps_qk,
+                            int traditional, emlx_mlx_stream stream, char* err, size_t err_len) {
+  const bool set = arrays && emlx::handles_set(arrays, emlx::kQkvRequired);
+  return emlx::build_nodes(
+      "decode qkv", outs, 3, set, stream, err, err_len,
+      [&](const mx::Stream& s) -> std::optional<std::vector<mx::array>> {
+        std::vector<mx::array> in = emlx::arrays(arrays, emlx::kQkvRequired);
+        const auto& H = in[emlx::kH];
+        const int nq = heads, nkv = kv_heads;
+        if (H.dtype() != mx::float32 || H.ndim() != 3 || H.shape(1) != 1 || H.shape(0) < 1 ||
+            nq <= 0 || nkv <= 0 || nq % nkv != 0)
+          return {};
+        const int B = H.shape(0), D = H.shape(2);
+        const auto& C = in[emlx::kCos];
+        if (C.ndim() != 3) return {};
+        const int T = C.shape(0), hd = C.shape(2);
+        if (hd % 2 != 0 || hd > 1024 || (T != 1 && T != B)) return {};
+        const int W = (nq + 2 * nkv) * hd;
+        if (!emlx::f32_shaped(in[emlx::kNormIn], {D}) || !emlx::f32_shaped(C, {T, 1, hd}) ||
+            !emlx::f32_shaped(in[emlx::kSin], {T, 1, hd}) ||
+            !emlx::quant_ok(in[emlx::kQkvW], in[emlx::kQkvS], in[emlx::kQkvB], W, D, bits, group))
+          return {};
+        emlx::QkvShape shape{nq,     nkv,    hd, bits, group, eps_in, eps_qk, traditional != 0,
+                             qkv_bias.ctx != nullptr, qk_norm.ctx != nullptr};
+        if (shape.bias) {
+          in.push_back(emlx::array_of(qkv_bias));
+          if (!emlx::f32_shaped(in.back(), {W})) return {};
+        }
+        if (shape.qk_norm) {
+          in.push_back(emlx::array_of(qk_norm));
+          if (!emlx::f32_shaped(in.back(), {nq + nkv, hd})) return {};
+        }
+        auto primitive = std::make_shared<emlx::DecodeQkv>(s, shape);
+        return mx::array::make_arrays(primitive->output_shapes(in),
+                                      {mx::float32, mx::float32, mx::float32}, primitive, in);
+      });
+}
+
+// Builds the DecodeLayerRest node (see the class) into *out: the residual
+// stream [B, 1, D] after the layer. `arrays` holds h [B, 1, D], the queries
+// [B, heads, hd] of emlx_kernels_decode_qkv, the layer's whole key and
+// value buffers [>= B, kv_heads, capacity, hd] (already holding the new
+// keys), the output projection's weight, scales and biases, the post norm's
+// weight [D], then the stacked gate/up projection's and the down
+// projection's; `bits` and `group` are those of the three products. Row b
+// attends keys starts[b]..=positions[b]. Returns as emlx_kernels_decode_qkv.
+int emlx_kernels_decode_layer_rest(emlx_mlx_array* out, const emlx_mlx_array* arrays,
+                                   const int* bits, const int* group, int rows,
+                                   const int* positions, const int* starts, float eps_post,
+                                   float scale, emlx_mlx_stream stream, char* err,
+                                   size_t err_len) {
+  const bool set = arrays && bits && group && positions && starts && rows > 0 &&
+                   emlx::handles_set(arrays, emlx::kRestInputs);
+  return emlx::build_node(
+      "decode layer", out, set, stream, err, err_len,
+      [&](const mx::Stream& s) -> std::optional<mx::array> {
+        std::vector<mx::array> in = emlx::arrays(arrays, emlx::kRestInputs);
+        const auto& H = in[emlx::kRH];
+        const auto& Q = in[emlx::kRQ];
+        const auto& K = in[emlx::kKeys];
+        if (H.dtype() != mx::float32 || H.ndim() != 3 || H.shape(0) != rows || H.shape(1) != 1 ||
+            Q.ndim() != 3 || K.ndim() != 4)
+          return {};
+        const int D = H.shape(2), nq = Q.shape(1), hd = Q.shape(2);
+        const int nkv = K.shape(1), cap = K.shape(2);
+        if (!emlx::f32_shaped(Q, {rows, nq, hd}) || K.dtype() != mx::float32 ||
+            K.shape(0) < rows || K.shape(3) != hd || nkv <= 0 || nq % nkv != 0 ||
+            !emlx::f32_shaped(in[emlx::kValues], K.shape()))
+          return {};
+        for (int b = 0; b < rows; ++b)
+          if (starts[b] < 0 || starts[b] > positions[b] || positions[b] >= cap) return {};
+        const auto& GU = in[emlx::kGuW];
+        if (GU.ndim() != 2 || GU.shape(0) % 2 != 0) return {};
+        const int F = GU.shape(0) / 2;
+        if (!emlx::f32_shaped(in[emlx::kNormPost], {D}) ||
+            !emlx::quant_ok(in[emlx::kOW], in[emlx::kOS], in[emlx::kOB], D, nq * hd, bits[0],
+                            group[0]) ||
+            !emlx::quant_ok(GU, in[emlx::kGuS], in[emlx::kGuB], 2 * F, D, bits[1], group[1]) ||
+            !emlx::quant_ok(in[emlx::kDownW], in[emlx::kDownS], in[emlx::kDownB], D, F, bits[2],
+                            group[2]))
+          return {};
+        emlx::RestShape shape{nkv, {bits[0], bits[1], bits[2]}, {group[0], group[1], group[2]},
+                              eps_post, scale};
+        auto primitive = std::make_shared<emlx::DecodeLayerRest>(
+            s, shape, std::vector<int>(positions, positions + rows),
+            std::vector<int>(starts, starts + rows));
+        return mx::array(H.shape(), mx::float32, primitive, std::move(in));
+      });
+}
+}
