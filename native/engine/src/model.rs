@@ -466,6 +466,7 @@ mod tests {
         for name in ["qwen3-wide", "qwen2-rope-traditional"] {
             lease.stream().run(|| {
                 let options = LoadOptions {
+                    dtype: Some(Dtype::Float32),
                     cpu_parallel: Some(false),
                     ..LoadOptions::default()
                 };
