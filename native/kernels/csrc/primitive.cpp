@@ -267,16 +267,31 @@ int run_raw(int isa, Run run) {
 std::vector<uint8_t> packed(const mx::array& a) {
   const size_t item = a.itemsize();
   std::vector<uint8_t> out(a.size() * item);
+  if (a.size() == 0) return out;
   const uint8_t* src = a.data<uint8_t>();
   const auto& shape = a.shape();
   const auto& strides = a.strides();
   const int nd = (int)a.ndim();
+  if (nd == 0) {
+    std::memcpy(out.data(), src, item);
+    return out;
+  }
+  // Row by row along the last axis: one copy per row when it is contiguous
+  // (a slice of heads, say), element by element otherwise.
+  const int64_t row = shape[nd - 1];
+  const int64_t step = strides[nd - 1];
   std::vector<int> index(nd, 0);
-  for (size_t i = 0; i < a.size(); ++i) {
+  for (size_t i = 0; i < a.size(); i += row) {
     int64_t offset = 0;
-    for (int d = 0; d < nd; ++d) offset += index[d] * strides[d];
-    std::memcpy(out.data() + i * item, src + offset * item, item);
-    for (int d = nd - 1; d >= 0; --d) {
+    for (int d = 0; d < nd - 1; ++d) offset += index[d] * strides[d];
+    uint8_t* dst = out.data() + i * item;
+    if (step == 1) {
+      std::memcpy(dst, src + offset * item, row * item);
+    } else {
+      for (int64_t j = 0; j < row; ++j)
+        std::memcpy(dst + j * item, src + (offset + j * step) * item, item);
+    }
+    for (int d = nd - 2; d >= 0; --d) {
       if (++index[d] < shape[d]) break;
       index[d] = 0;
     }
