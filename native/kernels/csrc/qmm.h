@@ -46,6 +46,33 @@ static inline void prefetch_weights(const void* p) {
   __builtin_prefetch((const char*)p + kPrefetchBytes, 0, 2);
 }
 
+// The scales and biases are two more streams, a few bytes per row, which
+// the hardware prefetcher did not keep ahead either: their cache misses
+// stalled the products. Asking for them 16 rows ahead (8 to 64 measured
+// alike) took a decode step's layer products on 2 cores of an AMD EPYC
+// from 28 to 36-40 GB/s, the output head from 28-36 to 48, and decode from
+// 68-75 to 83-98 tok/s. Called once per group of `rows` rows from `row`.
+// (GCC drops a loop whose body is only __builtin_prefetch, as it does a loop
+// without effects, hence the volatile asm on x86-64.)
+constexpr int kParamRowsAhead = 16;
+static inline void prefetch_line(const char* p) {
+#if defined(__x86_64__)
+  __asm__ volatile("prefetcht1 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+static inline void prefetch_params(const QmmArgs& a, long row, int rows) {
+  const long item = a.bf16_params ? 2 : 4;
+  const long groups = a.K / a.group;
+  const long from = (row + kParamRowsAhead) * groups * item;
+  const long to = from + rows * groups * item;
+  for (long o = from & ~63L; o < to; o += 64) {
+    prefetch_line((const char*)a.scales + o);
+    prefetch_line((const char*)a.biases + o);
+  }
+}
+
 // Rows n0..n1 of y, for every m. Each variant computes every output with a
 // fixed summation order that does not depend on n0/n1, so splitting rows
 // across threads never changes a result.

@@ -94,6 +94,7 @@ static void gemv_lanes(const emlx::QmmArgs& a, const float* xsum, int n0, int n1
     // R rows at once: each x vector serves them all, and their loads
     // overlap.
     const int rows = n1 - n < R ? n1 - n : R;
+    emlx::prefetch_params(a, n, R);
     const uint32_t* wrow[R];
     // Checkpoint tensors sit at any 4-byte offset (safetensors), and a
     // 64-byte load across two cache lines halves the rate at which the
