@@ -20,12 +20,13 @@ import statistics
 import sys
 from pathlib import Path
 
-PEER_ORDER = ["rust", "rust-eager", "rust-compiled", "rust-1t", "rust-int8", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream",
+PEER_ORDER = ["rust", "rust-eager", "rust-compiled", "rust-fused", "rust-1t", "rust-int8", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream",
               "mlx-lm-cli", "llama.cpp"]
 PEER_NAMES = {
     "rust": "Rust engine",
     "rust-eager": "Rust engine, compiled decode off",
     "rust-compiled": "Rust engine, compiled decode on (opt-in)",
+    "rust-fused": "Rust engine, fused GPU layer kernels (opt-in)",
     "mlx-lm-stream": "mlx-lm (stream_generate)",
     "mlx-lm-cli": "mlx-lm (python -m mlx_lm generate)",
     "rust-1t": "Rust engine, 1 thread",
@@ -35,7 +36,7 @@ PEER_NAMES = {
     "elixir-textgen": "Elixir (TextGeneration.stream)",
     "mlx-lm": "mlx-lm",
 }
-OURS = ["rust", "rust-eager", "rust-compiled", "rust-1t", "rust-int8", "elixir", "elixir-textgen"]
+OURS = ["rust", "rust-eager", "rust-compiled", "rust-fused", "rust-1t", "rust-int8", "elixir", "elixir-textgen"]
 MLX_LM = ["mlx-lm", "mlx-lm-stream", "mlx-lm-cli"]
 BEST_MLX = "best mlx-lm path"
 
@@ -249,7 +250,7 @@ def states_section(metrics, peers, trials):
                      f"{len(slow)} ({', '.join(map(str, sorted(slow)))})" if slow else "0", fmt(median(slow.values())),
                      fmt(metrics.med(metric, p)), f"{max(spreads):.2f}x" if spreads else "n/a"])
     out += [table(header, rows), ""]
-    pairs = [(p, q) for p in ("rust", "rust-eager", "elixir") if p in states for q in MLX_LM + ["rust-eager"]
+    pairs = [(p, q) for p in ("rust", "rust-eager", "rust-fused", "elixir") if p in states for q in MLX_LM + ["rust-eager"]
              if q in states and q != p and not (p == "elixir" and q == "rust-eager")]
     if pairs:
         header = ["ratio", "fast / fast", "slow / slow", "all / all"]
@@ -336,7 +337,7 @@ def model_section(name, folder, settings):
     if "mlx-lm" in peers:
         ratio_pairs += [(p, "mlx-lm") for p in peers if p in OURS]
     if sum(p in peers for p in MLX_LM) > 1:
-        ratio_pairs += [(p, BEST_MLX) for p in ("rust", "rust-eager") if p in peers]
+        ratio_pairs += [(p, BEST_MLX) for p in ("rust", "rust-eager", "rust-fused") if p in peers]
     if "rust" in peers and "rust-eager" in peers:
         ratio_pairs.append(("rust", "rust-eager"))
     if "rust" in peers and "rust-compiled" in peers:
@@ -406,7 +407,7 @@ def model_section(name, folder, settings):
 # ids must equal the engine's. llama.cpp runs a Q4_0 requantization of them,
 # and bf16 rounding may flip a near tie, so there a divergence is reported
 # with its position, not failed.
-SAME_WEIGHTS = ["rust-eager", "rust-compiled", "rust-1t", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream"]
+SAME_WEIGHTS = ["rust-eager", "rust-compiled", "rust-fused", "rust-1t", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream"]
 
 
 def first_divergence(a, b):

@@ -398,6 +398,10 @@ impl Bench {
             "decode_attention_kernel".into(),
             json!(emlx_axon_engine::decode_attention::checked()),
         );
+        fields.insert(
+            "gpu_layer_kernels".into(),
+            json!(emlx_axon_engine::gpu_layer::checked()),
+        );
         Memory::record(&mut fields);
         self.emit("decode", Some(run), Value::Object(fields));
         Ok(())

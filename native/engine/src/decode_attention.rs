@@ -11,14 +11,13 @@
 //! MLX's masked attention on the device; a failure (no compiler headers, a
 //! wrong result) leaves the masked path in use. Metal keeps the masked path.
 
-use std::ffi::CString;
-
 use mlx_rs::fast::scaled_dot_product_attention;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::{arange, ge, logical_and};
-use mlx_rs::{Array, Dtype, Stream};
+use mlx_rs::{Array, Dtype};
 use once_cell::sync::{Lazy, OnceCell};
 
+use crate::cuda_kernel::{CudaKernel, Template};
 use crate::error::{Error, Result};
 
 const SOURCE: &str = r#"
@@ -87,16 +86,9 @@ const SOURCE: &str = r#"
 /// register use of the kernel, and at least the head size for the combine.
 const THREADS: i32 = 256;
 
-struct Kernel(mlx_sys::mlx_fast_cuda_kernel);
-
-// SAFETY: the kernel object is immutable after creation and MLX builds its
-// module under its own lock.
-unsafe impl Send for Kernel {}
-unsafe impl Sync for Kernel {}
-
 /// The kernel once it has passed its check on this device; `None` when it
 /// cannot be used.
-static CHECKED: OnceCell<Option<Kernel>> = OnceCell::new();
+static CHECKED: OnceCell<Option<CudaKernel>> = OnceCell::new();
 
 /// Asked for (`EMLX_AXON_DECODE_ATTENTION=1`, read once) and possible: this
 /// build's GPU is CUDA (MLX's Metal build has no `cuda_kernel`). Decided
@@ -134,38 +126,13 @@ pub fn checked() -> Option<bool> {
     CHECKED.get().map(Option::is_some)
 }
 
-fn new_kernel() -> Result<Kernel> {
-    let c = |s: &str| CString::new(s).expect("no NUL in names");
-    let names = |list: &[&str]| -> Vec<CString> { list.iter().map(|s| c(s)).collect() };
-    let (inputs, outputs) = (
-        names(&["q", "keys", "values", "starts", "ends"]),
-        names(&["out"]),
-    );
-    let (name, source, header) = (c("emlx_axon_decode_attention"), c(SOURCE), c(""));
-    // SAFETY: plain FFI; MLX copies every string before returning.
-    unsafe {
-        let mut ip: Vec<_> = inputs.iter().map(|s| s.as_ptr()).collect();
-        let mut op: Vec<_> = outputs.iter().map(|s| s.as_ptr()).collect();
-        let iv = mlx_sys::mlx_vector_string_new_data(ip.as_mut_ptr(), ip.len());
-        let ov = mlx_sys::mlx_vector_string_new_data(op.as_mut_ptr(), op.len());
-        let kernel = mlx_sys::mlx_fast_cuda_kernel_new(
-            name.as_ptr(),
-            iv,
-            ov,
-            source.as_ptr(),
-            header.as_ptr(),
-            false,
-            0,
-        );
-        mlx_sys::mlx_vector_string_free(iv);
-        mlx_sys::mlx_vector_string_free(ov);
-        if kernel.ctx.is_null() {
-            return Err(Error::Mlx(
-                "could not create the decode attention kernel".into(),
-            ));
-        }
-        Ok(Kernel(kernel))
-    }
+pub(crate) fn new_kernel() -> Result<CudaKernel> {
+    CudaKernel::new(
+        "emlx_axon_decode_attention",
+        &["q", "keys", "values", "starts", "ends"],
+        &["out"],
+        SOURCE,
+    )
 }
 
 /// Attention of one query per row: `q` `[rows, heads, 1, head_dim]`,
@@ -187,7 +154,7 @@ pub fn attend(
 }
 
 fn run(
-    kernel: &Kernel,
+    kernel: &CudaKernel,
     q: &Array,
     keys: &Array,
     values: &Array,
@@ -195,89 +162,67 @@ fn run(
     ends: &Array,
 ) -> Result<Array> {
     let (rows, heads, hd) = (q.dim(0), q.dim(1), q.dim(-1));
-    let kv_heads = keys.dim(1);
-    if q.dim(2) != 1 || hd % 32 != 0 || hd > 256 || heads % kv_heads != 0 {
+    if q.dim(2) != 1 {
         return Err(Error::invalid(
-            "the decode attention kernel takes one query per row and a head size of 32..256 in steps of 32",
+            "the decode attention kernel takes one query per row",
+        ));
+    }
+    let out = apply(kernel, q, keys, values, starts, ends, &[rows, heads, hd])?;
+    Ok(out.reshape(&[rows, heads, 1, hd])?)
+}
+
+/// The kernel's node, its output of shape `out_shape` (`rows * heads *
+/// head_dim` elements, row-major in that order). `q` is read through its
+/// strides as `[rows, heads, ...]`.
+pub(crate) fn apply(
+    kernel: &CudaKernel,
+    q: &Array,
+    keys: &Array,
+    values: &Array,
+    starts: &Array,
+    ends: &Array,
+    out_shape: &[i32],
+) -> Result<Array> {
+    let (rows, heads, hd) = (q.dim(0), q.dim(1), q.dim(-1));
+    let kv_heads = keys.dim(1);
+    if hd % 32 != 0 || hd > 256 || heads % kv_heads != 0 {
+        return Err(Error::invalid(
+            "the decode attention kernel takes a head size of 32..256 in steps of 32",
         ));
     }
     // Every input is read through its strides, except along the last axis,
     // which MLX's ops here leave contiguous.
-    let out_shape = [rows, heads, hd];
-    let stream = Stream::thread_local_or_default();
-    let c = |s: &str| CString::new(s).expect("no NUL in names");
-    let (t, d, gqa) = (c("T"), c("D"), c("GQA"));
-    let dtype = q.dtype();
-    // SAFETY: FFI on live handles; the output vector is read back before it
-    // is freed and each array handle is taken over by an `Array`.
-    unsafe {
-        let config = mlx_sys::mlx_fast_cuda_kernel_config_new();
-        let mut status = mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(
-            config,
-            out_shape.as_ptr(),
-            out_shape.len(),
-            dtype.into(),
-        );
-        status |= mlx_sys::mlx_fast_cuda_kernel_config_set_grid(config, heads * THREADS, rows, 1);
-        status |= mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(config, THREADS, 1, 1);
-        status |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(
-            config,
-            t.as_ptr(),
-            dtype.into(),
-        );
-        status |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(config, d.as_ptr(), hd);
-        status |= mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(
-            config,
-            gqa.as_ptr(),
-            heads / kv_heads,
-        );
-        let handles = [
-            q.as_ptr(),
-            keys.as_ptr(),
-            values.as_ptr(),
-            starts.as_ptr(),
-            ends.as_ptr(),
-        ];
-        let inputs = mlx_sys::mlx_vector_array_new_data(handles.as_ptr(), handles.len());
-        let mut outputs = mlx_sys::mlx_vector_array_new();
-        if status == 0 {
-            status = mlx_sys::mlx_fast_cuda_kernel_apply(
-                &mut outputs,
-                kernel.0,
-                inputs,
-                config,
-                stream.as_ptr(),
-            );
-        }
-        let mut out = None;
-        if status == 0 && mlx_sys::mlx_vector_array_size(outputs) == 1 {
-            let mut a = mlx_sys::mlx_array_new();
-            if mlx_sys::mlx_vector_array_get(&mut a, outputs, 0) == 0 {
-                out = Some(Array::from_ptr(a));
-            } else {
-                mlx_sys::mlx_array_free(a);
-            }
-        }
-        mlx_sys::mlx_vector_array_free(inputs);
-        mlx_sys::mlx_vector_array_free(outputs);
-        mlx_sys::mlx_fast_cuda_kernel_config_free(config);
-        let out = out
-            .ok_or_else(|| Error::Mlx("the decode attention kernel could not be applied".into()))?;
-        Ok(out.reshape(&[rows, heads, 1, hd])?)
-    }
+    let mut out = kernel.apply(
+        &[q, keys, values, starts, ends],
+        &[(out_shape, q.dtype())],
+        (heads * THREADS, rows, 1),
+        (THREADS, 1, 1),
+        &[
+            ("T", Template::Dtype(q.dtype())),
+            ("D", Template::Int(hd)),
+            ("GQA", Template::Int(heads / kv_heads)),
+        ],
+    )?;
+    Ok(out.remove(0))
 }
 
 /// [`check`] on a fresh GPU stream: a kernel MLX fails to launch leaves the
 /// stream's command graph failing later work, so that stream is dropped.
-fn checked_on_a_stream_of_its_own() -> Result<Kernel> {
+fn checked_on_a_stream_of_its_own() -> Result<CudaKernel> {
     let stream = crate::device::MlxStream::new(crate::device::DeviceKind::Gpu)?;
     stream.run(check)
 }
 
 /// Runs the kernel on a small case (GQA, ragged rows, a cache wider than
 /// what is read) and compares it with MLX's masked attention.
-fn check() -> Result<Kernel> {
+fn check() -> Result<CudaKernel> {
     let kernel = new_kernel()?;
+    check_kernel(&kernel)?;
+    Ok(kernel)
+}
+
+/// [`check`] of a kernel made by [`new_kernel`].
+pub(crate) fn check_kernel(kernel: &CudaKernel) -> Result<()> {
     for dtype in [Dtype::Bfloat16, Dtype::Float32] {
         let (rows, heads, kv_heads, hd, cap) = (3, 4, 2, 128, 80);
         let key = mlx_rs::random::key(7)?;
@@ -293,7 +238,7 @@ fn check() -> Result<Kernel> {
         let values = values_all.index((..rows, .., ..attend_len, ..));
         let starts = Array::from_slice(&[0i32, 5, 0], &[rows]);
         let ends = Array::from_slice(&[64i32, 40, 1], &[rows]);
-        let got = run(&kernel, &q, &keys, &values, &starts, &ends)?;
+        let got = run(kernel, &q, &keys, &values, &starts, &ends)?;
         let idx = arange::<_, i32>(0, attend_len, 1)?.reshape(&[1, 1, 1, attend_len])?;
         let mask = logical_and(
             &ge(&idx, &starts.reshape(&[rows, 1, 1, 1])?)?,
@@ -316,5 +261,5 @@ fn check() -> Result<Kernel> {
             )));
         }
     }
-    Ok(kernel)
+    Ok(())
 }

@@ -79,6 +79,8 @@ pub struct Model {
     lm_head: Option<Linear>,
     /// What RoPE on a CPU stream turns into its cosines and sines.
     rope_probe: Array,
+    /// The same in float32: the GPU layer kernels' RoPE table.
+    rope_probe_f32: Array,
     /// Compiled decode steps by stream index, made on first use (see
     /// [`crate::decode_step::for_stream`]); their traces die with the model.
     pub(crate) compiled_steps: crate::decode_step::Steps,
@@ -216,6 +218,7 @@ impl Model {
             return Err(Error::UnexpectedTensors(unexpected));
         }
         let rope_probe = crate::rope::probe(c.head_dim, c.rope_traditional, dtype)?;
+        let rope_probe_f32 = crate::rope::probe(c.head_dim, c.rope_traditional, Dtype::Float32)?;
         let model = Model {
             quantized_at_load: options.quantize,
             config,
@@ -229,6 +232,7 @@ impl Model {
             norm: final_norm,
             lm_head,
             rope_probe,
+            rope_probe_f32,
             compiled_steps: Default::default(),
         };
         // Converting or quantizing the weights allocates their final form
@@ -259,7 +263,7 @@ impl Model {
             all.extend(b.post_norm.arrays());
         }
         all.extend(self.norm.arrays());
-        all.push(&self.rope_probe);
+        all.extend([&self.rope_probe, &self.rope_probe_f32]);
         if let Some(h) = &self.lm_head {
             all.extend(h.arrays());
         }
@@ -324,15 +328,33 @@ impl Model {
             &self.rope_probe,
             cpu_ops,
         )?;
-        // One-token steps on a CPU stream: a node per layer where it can.
+        // One-token steps: a node per layer on a CPU stream, eight on a
+        // CUDA GPU, where the kernels take the model.
         let step_rows = match mask {
-            AttentionMask::None | AttentionMask::Ranges { .. } if cpu_ops && ids.dim(1) == 1 => {
+            AttentionMask::None | AttentionMask::Ranges { .. }
+                if ids.dim(1) == 1 && (cpu_ops || crate::gpu_layer::wanted()) =>
+            {
                 cache.step_rows()
             }
             _ => None,
         };
+        if let (Some(rows), false) = (&step_rows, cpu_ops) {
+            let normed = crate::gpu_layer::forward(
+                c,
+                &self.blocks,
+                &self.norm,
+                &h,
+                cache,
+                rows,
+                &self.rope_probe_f32,
+            )?;
+            if let Some(x) = normed {
+                cache.advance(1);
+                return self.head(&x, workers);
+            }
+        }
         for (i, block) in self.blocks.iter().enumerate() {
-            if let Some(rows) = &step_rows {
+            if let (Some(rows), true) = (&step_rows, cpu_ops) {
                 if let Some(next) =
                     crate::decode_layer::forward(c, block, &h, cache, i, &rope, rows)?
                 {
@@ -367,9 +389,14 @@ impl Model {
             }
         }
         let h = self.norm.forward(&h, cpu_ops)?;
+        self.head(&h, workers)
+    }
+
+    /// Logits of the normalized hidden state `h`.
+    fn head(&self, h: &Array, workers: Workers) -> Result<Array> {
         match &self.lm_head {
-            Some(head) => head.forward(&h, workers),
-            None => self.embed.as_linear(&h, workers),
+            Some(head) => head.forward(h, workers),
+            None => self.embed.as_linear(h, workers),
         }
     }
 }
@@ -448,21 +475,10 @@ mod tests {
     /// products), and Qwen2 with q/k/v biases and traditional RoPE.
     #[test]
     fn one_token_layer_nodes_give_the_separate_nodes_logits() {
-        use crate::scheduler::SlotCache;
         if !emlx_axon_kernels::enabled() {
             return;
         }
         let lease = Lease::new(DeviceKind::Cpu).unwrap();
-        let all_keys = |len: i32| {
-            AttentionMask::Array(Array::from_slice(
-                &vec![true; len as usize],
-                &[1, 1, 1, len],
-            ))
-        };
-        let step = |model: &Model, cache: &mut dyn FnMut(&Model, bool) -> Vec<f32>| {
-            let (layers, separate) = (cache(model, true), cache(model, false));
-            crate::layers::tests::relative_error(&layers, &separate)
-        };
         for name in ["qwen3-wide", "qwen2-rope-traditional"] {
             lease.stream().run(|| {
                 let options = LoadOptions {
@@ -512,45 +528,115 @@ mod tests {
                     assert!(out.is_some(), "{name}: layer {i} was not taken");
                 }
 
-                // Batch 1, three steps after the prompt.
-                let worst = step(&model, &mut |model: &Model, layers: bool| {
-                    let mut cache = prefilled();
-                    let mut all = Vec::new();
-                    for t in 0..3u32 {
-                        let ids = Array::from_slice(&[7 + t * 11], &[1, 1]);
-                        let mask = if layers {
-                            AttentionMask::None
-                        } else {
-                            all_keys(cache.offset() + 1)
-                        };
-                        let y = model
-                            .forward_ops(&ids, &mut cache, &mask, Take::All, &[], true)
-                            .unwrap();
-                        all.extend_from_slice(y.as_slice::<f32>());
-                    }
-                    all
-                });
-                assert!(worst < 1e-5, "{name}: batch 1: {worst}");
+                let (batch_1, two_slots) = one_token_steps_both_ways(&model, true);
+                assert!(batch_1 < 1e-5, "{name}: batch 1: {batch_1}");
+                assert!(two_slots < 1e-5, "{name}: two slots: {two_slots}");
+            });
+        }
+    }
 
-                // Two slots at positions 5 and 3 (the second holds the first
-                // three prompt tokens), then one step each.
-                let worst = step(&model, &mut |model: &Model, layers: bool| {
-                    let full = prefilled();
-                    let mut slots = SlotCache::new(model, 2, 16).unwrap();
-                    slots.write_prompt(0, &full.prefix(5)).unwrap();
-                    slots.write_prompt(1, &full.prefix(3)).unwrap();
-                    slots.set_positions(&[5, 3]).unwrap();
-                    let mask = match slots.ranges().unwrap() {
-                        AttentionMask::Ranges { mask, .. } if !layers => AttentionMask::Array(mask),
-                        ranges => ranges,
-                    };
-                    let ids = Array::from_slice(&[7u32, 92], &[2, 1]);
-                    let y = model
-                        .forward_ops(&ids, &mut slots, &mask, Take::All, &[], true)
-                        .unwrap();
-                    y.as_slice::<f32>().to_vec()
-                });
-                assert!(worst < 1e-5, "{name}: two slots: {worst}");
+    /// Relative error between one-token steps that may take the layer nodes
+    /// or kernels (no mask, or ranges) and the same steps built from MLX's
+    /// separate ops (an array mask of the same content): batch 1 for three
+    /// steps after a 5-token prompt, then two slots at positions 5 and 3
+    /// (the second holding the first three prompt tokens), one step each.
+    fn one_token_steps_both_ways(model: &Model, cpu_ops: bool) -> (f32, f32) {
+        use crate::scheduler::SlotCache;
+        let all_keys = |len: i32| {
+            AttentionMask::Array(Array::from_slice(
+                &vec![true; len as usize],
+                &[1, 1, 1, len],
+            ))
+        };
+        let logits = |y: Array| -> Vec<f32> {
+            y.as_dtype(Dtype::Float32)
+                .unwrap()
+                .as_slice::<f32>()
+                .to_vec()
+        };
+        let prompt = Array::from_slice(&[3u32, 14, 15, 92, 6], &[1, 5]);
+        let prefilled = || {
+            let mut cache = KvCache::new(model, 1, 16).unwrap();
+            let mask = AttentionMask::Causal;
+            model
+                .forward_ops(&prompt, &mut cache, &mask, Take::All, &[], cpu_ops)
+                .unwrap();
+            cache
+        };
+        let batch_1 = |fused: bool| {
+            let mut cache = prefilled();
+            let mut all = Vec::new();
+            for t in 0..3u32 {
+                let ids = Array::from_slice(&[7 + t * 11], &[1, 1]);
+                let mask = if fused {
+                    AttentionMask::None
+                } else {
+                    all_keys(cache.offset() + 1)
+                };
+                let y = model
+                    .forward_ops(&ids, &mut cache, &mask, Take::All, &[], cpu_ops)
+                    .unwrap();
+                all.extend(logits(y));
+            }
+            all
+        };
+        let two_slots = |fused: bool| {
+            let full = prefilled();
+            let mut slots = SlotCache::new(model, 2, 16).unwrap();
+            slots.write_prompt(0, &full.prefix(5)).unwrap();
+            slots.write_prompt(1, &full.prefix(3)).unwrap();
+            slots.set_positions(&[5, 3]).unwrap();
+            let mask = match slots.ranges().unwrap() {
+                AttentionMask::Ranges { mask, .. } if !fused => AttentionMask::Array(mask),
+                ranges => ranges,
+            };
+            let ids = Array::from_slice(&[7u32, 92], &[2, 1]);
+            let y = model
+                .forward_ops(&ids, &mut slots, &mask, Take::All, &[], cpu_ops)
+                .unwrap();
+            logits(y)
+        };
+        let error = |f: &dyn Fn(bool) -> Vec<f32>| {
+            crate::layers::tests::relative_error(&f(true), &f(false))
+        };
+        (error(&batch_1), error(&two_slots))
+    }
+
+    /// On a CUDA GPU with `EMLX_AXON_GPU_LAYER=1` (and `EMLX_AXON_GPU_GEMV`
+    /// either way), one-token steps run each layer from our kernels
+    /// (`crate::gpu_layer`): the same logits as MLX's separate ops, to
+    /// float32 summation order, and close in bfloat16 (whose roundings the
+    /// kernels repeat, but whose norms and products sum in another order).
+    /// Elsewhere the kernels are not used and this test has nothing to run.
+    #[test]
+    fn gpu_layer_kernels_give_the_separate_ops_logits() {
+        if !crate::gpu_layer::wanted() {
+            eprintln!("no CUDA GPU, or EMLX_AXON_GPU_LAYER unset: nothing to compare");
+            return;
+        }
+        let lease = Lease::new(DeviceKind::Gpu).unwrap();
+        for (name, dtype, bound) in [
+            ("qwen3-wide", Dtype::Float32, 1e-4),
+            ("qwen2-rope-traditional", Dtype::Float32, 1e-4),
+            ("qwen3-4bit-g64", Dtype::Bfloat16, 5e-2),
+        ] {
+            lease.stream().run(|| {
+                let options = LoadOptions {
+                    dtype: Some(dtype),
+                    ..LoadOptions::default()
+                };
+                let model = Model::load(&fixture(name), &options).unwrap();
+                let (batch_1, two_slots) = one_token_steps_both_ways(&model, false);
+                assert_eq!(
+                    crate::gpu_layer::checked(),
+                    Some(true),
+                    "kernels unavailable"
+                );
+                assert!(batch_1 < bound, "{name} ({dtype:?}): batch 1: {batch_1}");
+                assert!(
+                    two_slots < bound,
+                    "{name} ({dtype:?}): two slots: {two_slots}"
+                );
             });
         }
     }

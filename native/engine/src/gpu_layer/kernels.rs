@@ -1,0 +1,547 @@
+//! The CUDA kernels of a one-token step's layer (see the module above), each
+//! one node, with the roundings of the MLX ops it replaces: every value an
+//! MLX op would store in the compute dtype is rounded to it here too, and
+//! sums are taken in float32.
+
+use mlx_rs::{Array, Dtype};
+
+use emlx_axon_kernels::QuantWeight;
+
+use crate::cuda_kernel::{CudaKernel, Template};
+use crate::error::Result;
+
+/// A layer's attention for one query per row from the q/k/v product: q and
+/// k RMSNorm (Qwen3), RoPE from a float32 table, the new key and value
+/// written into the cache at the row's position, and attention over the
+/// row's keys `starts..=position` (online softmax in float32, each of the
+/// block's warps taking every `WARPS`-th key, then combined). One block per
+/// (query head, row). Every block of a key head computes that head's new
+/// key itself and reads it from shared memory, so no block waits for
+/// another's cache write; the first query head of each group writes it.
+/// The cache buffers are inputs that the kernel writes in place: nothing
+/// else reads them within the step's layer, and the next layer's caches
+/// are other buffers.
+const QKV_ATTEND: &str = r#"
+  constexpr int WARPS = BLOCK / 32;
+  constexpr int E = D / 32;
+  constexpr int GQA = NQ / NKV;
+  const int t = threadIdx.x;
+  const int lane = t % 32;
+  const int w = t / 32;
+  const int head = blockIdx.x;
+  const int row = blockIdx.y;
+  const int kv = head / GQA;
+  const T* src = qkv + (size_t)row * (NQ + 2 * NKV) * D;
+  const int pos = positions[row];
+  const int crow = COS_ROWS == 1 ? 0 : row;
+  const float neg_inf = __int_as_float(0xff800000);
+
+  __shared__ float partial[WARPS];
+  __shared__ T normed[D];
+  __shared__ T qs[D];
+  __shared__ T ks[D];
+
+  auto norm_rope = [&](const T* x, const T* weight, T* out) {
+    float n = 1.f;
+    if (NORM) {
+      float ss = 0.f;
+      for (int i = t; i < D; i += BLOCK) {
+        const float f = static_cast<float>(x[i]);
+        ss += f * f;
+      }
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+      if (lane == 0) partial[w] = ss;
+      __syncthreads();
+      float total = 0.f;
+      for (int i = 0; i < WARPS; i++) total += partial[i];
+      n = rsqrtf(total / D + __int_as_float(EPS_BITS));
+    }
+    for (int i = t; i < D; i += BLOCK) {
+      normed[i] = NORM ? static_cast<T>(static_cast<float>(weight[i]) *
+                                        static_cast<float>(static_cast<T>(static_cast<float>(x[i]) * n)))
+                       : x[i];
+    }
+    __syncthreads();
+    for (int i = t; i < D; i += BLOCK) {
+      const int partner = TRAD ? (i ^ 1) : (i < D / 2 ? i + D / 2 : i - D / 2);
+      out[i] = static_cast<T>(static_cast<float>(normed[i]) * rope_cos[crow * D + i] +
+                              static_cast<float>(normed[partner]) * rope_sin[crow * D + i]);
+    }
+    __syncthreads();
+  };
+  norm_rope(src + head * D, q_norm, qs);
+  norm_rope(src + (NQ + kv) * D, k_norm, ks);
+  const T* vnew = src + (NQ + NKV + kv) * D;
+  if (head % GQA == 0) {
+    T* kc = const_cast<T*>(keys) + row * keys_strides[0] + kv * keys_strides[1] + (long)pos * keys_strides[2];
+    T* vc = const_cast<T*>(values) + row * values_strides[0] + kv * values_strides[1] +
+            (long)pos * values_strides[2];
+    for (int i = t; i < D; i += BLOCK) {
+      kc[i] = ks[i];
+      vc[i] = vnew[i];
+    }
+  }
+
+  const float scale = rsqrtf((float)D);
+  float qv[E];
+  for (int e = 0; e < E; e++) qv[e] = static_cast<float>(qs[lane * E + e]) * scale;
+  const T* kb = keys + row * keys_strides[0] + kv * keys_strides[1] + lane * E;
+  const T* vb = values + row * values_strides[0] + kv * values_strides[1] + lane * E;
+  float m = neg_inf;
+  float l = 0.f;
+  float acc[E];
+  for (int e = 0; e < E; e++) acc[e] = 0.f;
+  for (int j = starts[row] + w; j <= pos; j += WARPS) {
+    const T* kp = j == pos ? ks + lane * E : kb + (long)j * keys_strides[2];
+    const T* vp = j == pos ? vnew + lane * E : vb + (long)j * values_strides[2];
+    float s = 0.f;
+    for (int e = 0; e < E; e++) s += qv[e] * static_cast<float>(kp[e]);
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+    const float mn = fmaxf(m, s);
+    const float c = expf(m - mn);
+    const float p = expf(s - mn);
+    l = l * c + p;
+    for (int e = 0; e < E; e++) acc[e] = acc[e] * c + p * static_cast<float>(vp[e]);
+    m = mn;
+  }
+
+  __shared__ float sm[WARPS];
+  __shared__ float sl[WARPS];
+  __shared__ float so[WARPS][D];
+  if (lane == 0) {
+    sm[w] = m;
+    sl[w] = l;
+  }
+  for (int e = 0; e < E; e++) so[w][lane * E + e] = acc[e];
+  __syncthreads();
+  if (t < D) {
+    float big = neg_inf;
+    for (int i = 0; i < WARPS; i++) big = fmaxf(big, sm[i]);
+    float total = 0.f;
+    float o = 0.f;
+    for (int i = 0; i < WARPS; i++) {
+      const float f = sm[i] == neg_inf ? 0.f : expf(sm[i] - big);
+      total += sl[i] * f;
+      o += so[i][t] * f;
+    }
+    out[((size_t)row * NQ + head) * D + t] = static_cast<T>(o / total);
+  }
+"#;
+
+/// The residual add and the RMSNorm after it: `h + r`, and its norm.
+const ADD_NORM: &str = r#"
+  constexpr int PER = (D + BLOCK - 1) / BLOCK;
+  const int t = threadIdx.x;
+  const int row = blockIdx.y;
+  __shared__ float partial[BLOCK / 32];
+  float v[PER];
+  float ss = 0.f;
+  for (int k = 0; k < PER; k++) {
+    const int i = t + k * BLOCK;
+    v[k] = 0.f;
+    if (i < D) {
+      const T s = static_cast<T>(
+          static_cast<float>(h[row * h_strides[0] + i * h_strides[2]]) +
+          static_cast<float>(r[row * r_strides[0] + i * r_strides[2]]));
+      sum[(size_t)row * D + i] = s;
+      v[k] = static_cast<float>(s);
+      ss += v[k] * v[k];
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+  if ((t & 31) == 0) partial[t >> 5] = ss;
+  __syncthreads();
+  float total = 0.f;
+  for (int i = 0; i < BLOCK / 32; i++) total += partial[i];
+  const float n = rsqrtf(total / D + __int_as_float(EPS_BITS));
+  for (int k = 0; k < PER; k++) {
+    const int i = t + k * BLOCK;
+    if (i < D) {
+      normed[(size_t)row * D + i] =
+          static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(static_cast<T>(v[k] * n)));
+    }
+  }
+"#;
+
+/// `silu(gate) * up` from the stacked gate/up product `[rows, 1, 2 * I]`.
+const SWIGLU: &str = r#"
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  const int row = blockIdx.y;
+  if (i < I) {
+    const T* p = gu + (size_t)row * 2 * I;
+    const float g = static_cast<float>(p[i]);
+    const T s = static_cast<T>(1.f / (1.f + expf(-g)));
+    const T a = static_cast<T>(g * static_cast<float>(s));
+    act[(size_t)row * I + i] = static_cast<T>(static_cast<float>(a) * static_cast<float>(p[I + i]));
+  }
+"#;
+
+/// The product of one quantized weight (MLX's affine layout: `BITS`-bit
+/// values packed little-end first into `uint32` words, a scale and a bias per
+/// `GS` values of a row) with a tile of `BT` input rows, after one of the
+/// prologues below has put the tile's inputs into shared memory. Each warp
+/// takes `R` weight rows; its lanes read consecutive words, and every weight
+/// value `scale * q + bias` (float32) is used for all rows of the tile.
+const GEMV_BODY: &str = r#"
+  const int R = (N + gridDim.x * WARPS - 1) / (gridDim.x * WARPS);
+  constexpr int PER_WORD = 32 / BITS;
+  constexpr int WORDS = K / PER_WORD;
+  constexpr int GROUPS = K / GS;
+  constexpr unsigned MASK = (1u << BITS) - 1u;
+  for (int rr = 0; rr < R; rr++) {
+    const int n = (blockIdx.x * WARPS + w) * R + rr;
+    if (n >= N) break;
+    float acc[BT];
+    for (int b = 0; b < BT; b++) acc[b] = 0.f;
+    const uint32_t* wr = wq + (size_t)n * WORDS;
+    for (int i = lane; i < WORDS; i += 32) {
+      const uint32_t word = wr[i];
+      const int k0 = i * PER_WORD;
+      const int g = k0 / GS;
+      const float sc = static_cast<float>(scales[(size_t)n * GROUPS + g]);
+      const float bi = static_cast<float>(biases[(size_t)n * GROUPS + g]);
+#pragma unroll
+      for (int j = 0; j < PER_WORD; j++) {
+        const float wv = sc * static_cast<float>((word >> (BITS * j)) & MASK) + bi;
+#pragma unroll
+        for (int b = 0; b < BT; b++) acc[b] += wv * static_cast<float>(xs[b][k0 + j]);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < BT; b++) {
+      float a = acc[b];
+      for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffff, a, o);
+      if (lane == 0 && b < nb) y[(size_t)(b0 + b) * N + n] = static_cast<T>(a);
+    }
+  }
+"#;
+
+/// What every prologue starts with (after naming its first input's rows
+/// `ROWS`): the block's place and its input tile. Sizes that need not be
+/// constants are read from the shapes, so that fewer variants are compiled.
+const GEMV_START: &str = r#"
+  const int N = wq_shape[0];
+  constexpr int WARPS = BLOCK / 32;
+  const int t = threadIdx.x;
+  const int lane = t % 32;
+  const int w = t / 32;
+  const int b0 = blockIdx.y * BT;
+  const int nb = min(BT, ROWS - b0);
+  __shared__ T xs[BT][K];
+"#;
+
+/// Plain input `x` `[ROWS, 1, K]`, contiguous.
+const GEMV_PLAIN: &str = r#"
+  for (int b = 0; b < nb; b++) {
+    for (int k = t; k < K; k += BLOCK) xs[b][k] = x[(size_t)(b0 + b) * K + k];
+  }
+  __syncthreads();
+"#;
+
+/// `silu(gate) * up` of a stacked product `gu` `[ROWS, 1, 2 * K]`, rounded
+/// as MLX's separate ops round it.
+const GEMV_SWIGLU: &str = r#"
+  for (int b = 0; b < nb; b++) {
+    const T* p = gu + (size_t)(b0 + b) * 2 * K;
+    for (int k = t; k < K; k += BLOCK) {
+      const float g = static_cast<float>(p[k]);
+      const T s = static_cast<T>(1.f / (1.f + expf(-g)));
+      const T a = static_cast<T>(g * static_cast<float>(s));
+      xs[b][k] = static_cast<T>(static_cast<float>(a) * static_cast<float>(p[K + k]));
+    }
+  }
+  __syncthreads();
+"#;
+
+/// The residual add `h + r` (the first block of each tile also writes it out
+/// as `sum`) and its RMSNorm with weight `nw`.
+const GEMV_ADD_NORM: &str = r#"
+  __shared__ float partial[WARPS];
+  for (int b = 0; b < nb; b++) {
+    const size_t row = b0 + b;
+    float ss = 0.f;
+    for (int k = t; k < K; k += BLOCK) {
+      const T s = static_cast<T>(static_cast<float>(h[row * h_strides[0] + k * h_strides[2]]) +
+                                 static_cast<float>(r[row * r_strides[0] + k * r_strides[2]]));
+      if (blockIdx.x == 0) sum[row * K + k] = s;
+      xs[b][k] = s;
+      ss += static_cast<float>(s) * static_cast<float>(s);
+    }
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+    if (lane == 0) partial[w] = ss;
+    __syncthreads();
+    float total = 0.f;
+    for (int i = 0; i < WARPS; i++) total += partial[i];
+    const float n = rsqrtf(total / K + __int_as_float(EPS_BITS));
+    for (int k = t; k < K; k += BLOCK) {
+      xs[b][k] = static_cast<T>(static_cast<float>(nw[k]) *
+                                static_cast<float>(static_cast<T>(static_cast<float>(xs[b][k]) * n)));
+    }
+    __syncthreads();
+  }
+"#;
+
+/// Shared memory for a tile's inputs, at most: room for the kernels' other
+/// arrays within the 48 KiB a block may have without asking.
+const TILE_BYTES: i32 = 24 * 1024;
+
+/// Bit widths the product kernels unpack (values never straddle a word) and
+/// that their check covers.
+pub(crate) fn gemv_takes(bits: i32, group_size: i32, in_dim: i32) -> bool {
+    matches!(bits, 4 | 8) && group_size % (32 / bits) == 0 && in_dim % group_size == 0
+}
+
+/// Threads of every kernel's blocks: 8 warps.
+const BLOCK: i32 = 256;
+
+pub(crate) struct Kernels {
+    qkv_attend: CudaKernel,
+    add_norm: CudaKernel,
+    swiglu: CudaKernel,
+    gemv: CudaKernel,
+    gemv_swiglu: CudaKernel,
+    gemv_add_norm: CudaKernel,
+}
+
+/// How a product's input tile is made.
+pub(crate) enum GemvInput<'a> {
+    Plain(&'a Array),
+    /// `silu(gate) * up` of a stacked gate/up product.
+    Swiglu(&'a Array),
+    /// `h + r` normalized with `weight` and `eps`; the sum is a second output.
+    AddNorm {
+        h: &'a Array,
+        r: &'a Array,
+        weight: &'a Array,
+        eps: f32,
+    },
+}
+
+/// What [`Kernels::qkv_attend`] reads.
+pub(crate) struct QkvAttend<'a> {
+    /// The q/k/v product `[rows, 1, (heads + 2 * kv_heads) * head_dim]`.
+    pub qkv: &'a Array,
+    /// Qwen3's q and k norm weights (`[head_dim]` each) and eps.
+    pub qk_norm: Option<(&'a Array, &'a Array, f32)>,
+    /// `[1 or rows, 1, head_dim]` float32, as [`crate::rope::Rope::Table`]'s rows.
+    pub cos: &'a Array,
+    pub signed_sin: &'a Array,
+    pub traditional: bool,
+    /// `[rows]` int32: where each row's key goes, its last attended key.
+    pub positions: &'a Array,
+    /// `[rows]` int32: each row's first attended key.
+    pub starts: &'a Array,
+    pub keys: &'a Array,
+    pub values: &'a Array,
+    pub heads: i32,
+    pub kv_heads: i32,
+}
+
+fn eps_bits(eps: f32) -> Template {
+    Template::Int(eps.to_bits() as i32)
+}
+
+impl Kernels {
+    pub(crate) fn new() -> Result<Self> {
+        Ok(Kernels {
+            qkv_attend: CudaKernel::new(
+                "emlx_axon_qkv_attend",
+                &[
+                    "qkv",
+                    "q_norm",
+                    "k_norm",
+                    "rope_cos",
+                    "rope_sin",
+                    "positions",
+                    "starts",
+                    "keys",
+                    "values",
+                ],
+                &["out"],
+                QKV_ATTEND,
+            )?,
+            add_norm: CudaKernel::new(
+                "emlx_axon_add_norm",
+                &["h", "r", "w"],
+                &["sum", "normed"],
+                ADD_NORM,
+            )?,
+            swiglu: CudaKernel::new("emlx_axon_swiglu", &["gu"], &["act"], SWIGLU)?,
+            gemv: CudaKernel::new(
+                "emlx_axon_gemv",
+                &["x", "wq", "scales", "biases"],
+                &["y"],
+                &[
+                    "const int ROWS = x_shape[0];",
+                    GEMV_START,
+                    GEMV_PLAIN,
+                    GEMV_BODY,
+                ]
+                .concat(),
+            )?,
+            gemv_swiglu: CudaKernel::new(
+                "emlx_axon_gemv_swiglu",
+                &["gu", "wq", "scales", "biases"],
+                &["y"],
+                &[
+                    "const int ROWS = gu_shape[0];",
+                    GEMV_START,
+                    GEMV_SWIGLU,
+                    GEMV_BODY,
+                ]
+                .concat(),
+            )?,
+            gemv_add_norm: CudaKernel::new(
+                "emlx_axon_gemv_add_norm",
+                &["h", "r", "nw", "wq", "scales", "biases"],
+                &["sum", "y"],
+                &[
+                    "const int ROWS = h_shape[0];",
+                    GEMV_START,
+                    GEMV_ADD_NORM,
+                    GEMV_BODY,
+                ]
+                .concat(),
+            )?,
+        })
+    }
+
+    /// Attention's output `[rows, 1, heads * head_dim]`; the new keys and
+    /// values go into the cache.
+    pub(crate) fn qkv_attend(&self, p: &QkvAttend) -> Result<Array> {
+        let (rows, hd) = (p.qkv.dim(0), p.cos.dim(-1));
+        let dtype = p.qkv.dtype();
+        let (q_norm, k_norm, eps) = match p.qk_norm {
+            Some((q, k, eps)) => (q, k, eps),
+            None => (p.cos, p.cos, 0.0),
+        };
+        let inputs = [
+            p.qkv,
+            q_norm,
+            k_norm,
+            p.cos,
+            p.signed_sin,
+            p.positions,
+            p.starts,
+            p.keys,
+            p.values,
+        ];
+        let mut out = self.qkv_attend.apply(
+            &inputs,
+            &[(&[rows, 1, p.heads * hd], dtype)],
+            (p.heads * BLOCK, rows, 1),
+            (BLOCK, 1, 1),
+            &[
+                ("T", Template::Dtype(dtype)),
+                ("D", Template::Int(hd)),
+                ("NQ", Template::Int(p.heads)),
+                ("NKV", Template::Int(p.kv_heads)),
+                ("NORM", Template::Bool(p.qk_norm.is_some())),
+                ("TRAD", Template::Bool(p.traditional)),
+                ("COS_ROWS", Template::Int(p.cos.dim(0))),
+                ("EPS_BITS", eps_bits(eps)),
+                ("BLOCK", Template::Int(BLOCK)),
+            ],
+        )?;
+        Ok(out.remove(0))
+    }
+
+    /// `(h + r, rms_norm(h + r) * w)` for `[rows, 1, hidden]` arrays.
+    pub(crate) fn add_norm(
+        &self,
+        h: &Array,
+        r: &Array,
+        w: &Array,
+        eps: f32,
+    ) -> Result<(Array, Array)> {
+        let (rows, d) = (h.dim(0), h.dim(-1));
+        let shape = [rows, 1, d];
+        let dtype = h.dtype();
+        let mut out = self.add_norm.apply(
+            &[h, r, w],
+            &[(&shape, dtype), (&shape, dtype)],
+            (BLOCK, rows, 1),
+            (BLOCK, 1, 1),
+            &[
+                ("T", Template::Dtype(dtype)),
+                ("D", Template::Int(d)),
+                ("BLOCK", Template::Int(BLOCK)),
+                ("EPS_BITS", eps_bits(eps)),
+            ],
+        )?;
+        let normed = out.pop().expect("two outputs");
+        Ok((out.pop().expect("two outputs"), normed))
+    }
+
+    /// `silu(gate) * up` of a stacked gate/up product `[rows, 1, 2 * I]`.
+    pub(crate) fn swiglu(&self, gu: &Array) -> Result<Array> {
+        let (rows, i) = (gu.dim(0), gu.dim(-1) / 2);
+        let mut out = self.swiglu.apply(
+            &[gu],
+            &[(&[rows, 1, i], gu.dtype())],
+            (i, rows, 1),
+            (BLOCK, 1, 1),
+            &[("T", Template::Dtype(gu.dtype())), ("I", Template::Int(i))],
+        )?;
+        Ok(out.remove(0))
+    }
+
+    /// `input @ W.T` for a quantized `W` (`[N, K]` logical), `[rows, 1, N]`;
+    /// with the residual sum first for [`GemvInput::AddNorm`].
+    pub(crate) fn gemv(&self, input: &GemvInput, wt: &QuantWeight) -> Result<Vec<Array>> {
+        let (first, k_dim) = match input {
+            GemvInput::Plain(x) => (*x, x.dim(-1)),
+            GemvInput::Swiglu(gu) => (*gu, gu.dim(-1) / 2),
+            GemvInput::AddNorm { h, .. } => (*h, h.dim(-1)),
+        };
+        let (rows, dtype) = (first.dim(0), first.dtype());
+        let n = wt.w.dim(0);
+        let size = if dtype == Dtype::Float32 { 4 } else { 2 };
+        let bt = (TILE_BYTES / (k_dim * size)).clamp(1, 4).min(rows);
+        // About one block per multiprocessor (132 on an H200) or more.
+        let r = (n / (8 * 128)).clamp(1, 8);
+        let blocks = (n + 8 * r - 1) / (8 * r);
+        let mut templates = vec![
+            ("T", Template::Dtype(dtype)),
+            ("K", Template::Int(k_dim)),
+            ("BITS", Template::Int(wt.bits)),
+            ("GS", Template::Int(wt.group_size)),
+            ("BT", Template::Int(bt)),
+            ("BLOCK", Template::Int(BLOCK)),
+        ];
+        let params = [wt.w, wt.scales, wt.biases];
+        let out = [rows, 1, n];
+        let grid = (blocks * BLOCK, (rows + bt - 1) / bt, 1);
+        match input {
+            GemvInput::Plain(x) => self.gemv.apply(
+                &[&[*x][..], &params].concat(),
+                &[(&out, dtype)],
+                grid,
+                (BLOCK, 1, 1),
+                &templates,
+            ),
+            GemvInput::Swiglu(gu) => self.gemv_swiglu.apply(
+                &[&[*gu][..], &params].concat(),
+                &[(&out, dtype)],
+                grid,
+                (BLOCK, 1, 1),
+                &templates,
+            ),
+            GemvInput::AddNorm { h, r, weight, eps } => {
+                templates.push(("EPS_BITS", eps_bits(*eps)));
+                self.gemv_add_norm.apply(
+                    &[&[*h, *r, *weight][..], &params].concat(),
+                    &[(&[rows, 1, k_dim], dtype), (&out, dtype)],
+                    grid,
+                    (BLOCK, 1, 1),
+                    &templates,
+                )
+            }
+        }
+    }
+}
+
+/// Dtypes the kernels compute in.
+pub(crate) fn takes_dtype(d: Dtype) -> bool {
+    matches!(d, Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
+}

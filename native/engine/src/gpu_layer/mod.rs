@@ -1,0 +1,518 @@
+//! A one-token step's layers on a CUDA GPU from few MLX nodes: MLX's
+//! quantized products and kernels of our own ([`kernels`]): q/k norm +
+//! RoPE + cache write + attention over each row's keys in one, residual
+//! add + RMSNorm, SwiGLU; eight nodes a layer instead of about twenty.
+//! With `EMLX_AXON_GPU_GEMV=1` the products are ours too, each reading the
+//! add + norm or SwiGLU before it: four nodes a layer.
+//!
+//! MLX's CUDA backend spends about 6 µs of host time on every node it
+//! evaluates (an NVIDIA H200, chains of small ops), views and reshapes
+//! included, and a decode step of a small model is bound by that rather
+//! than by the GPU. The kernels cut the count without changing what is
+//! computed: they round where MLX's ops would (see [`kernels`]). Keys and
+//! values are written into the cache buffers in place, so the cache's own
+//! update goes too.
+//!
+//! Opt-in (`EMLX_AXON_GPU_LAYER=1`): on that H200, with MLX 0.32.2,
+//! building the kernels (MLX compiles them with NVRTC on first use) and
+//! checking them cost every fresh process 30-50 s before its first step,
+//! and more in a process that compiles them for the first time. Measured
+//! there (bfloat16, Qwen3-0.6B shape, 4-bit): batch-1 decode 331-534 tok/s
+//! against 225-381 with MLX's ops; our products decode at 336-428 (slower
+//! than MLX's at batch 1) and 1875-1905 tok/s at batch 8 (1671-1725 with
+//! MLX's). The kernels are checked against MLX's ops once, on first use;
+//! where they cannot be built or differ, layers are built from MLX's ops.
+//! Metal keeps MLX's ops (MLX's Metal build has no CUDA kernels; ports of
+//! these sources to `metal_kernel` are not written).
+
+mod kernels;
+
+use mlx_rs::fast::rms_norm;
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::{Array, Dtype};
+use std::sync::Mutex;
+
+use once_cell::sync::{Lazy, OnceCell};
+
+use crate::cache::{KvStore, RopeOffset, StepRows};
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::layers::RmsNorm;
+use crate::model::Block;
+use crate::rope::Rope;
+use emlx_axon_kernels::QuantWeight;
+use kernels::{GemvInput, Kernels, QkvAttend};
+
+fn env_on(name: &str) -> bool {
+    matches!(std::env::var(name).as_deref(), Ok("1") | Ok("true"))
+}
+
+static WANTED: Lazy<bool> = Lazy::new(|| {
+    env_on("EMLX_AXON_GPU_LAYER") && !cfg!(feature = "metal") && crate::device::gpu_available()
+});
+
+/// Whether the quantized products are ours too.
+static GEMV: Lazy<bool> = Lazy::new(|| env_on("EMLX_AXON_GPU_GEMV"));
+
+static KERNELS: OnceCell<Option<Kernels>> = OnceCell::new();
+
+/// Each compute dtype's check result: a check builds every kernel it runs
+/// (about a second each on that H200), so only dtypes in use are checked.
+static CHECKED: Lazy<Mutex<Vec<(Dtype, bool)>>> = Lazy::new(|| Mutex::new(Vec::new()));
+
+/// Whether one-token steps on a GPU stream may take this path (asked for,
+/// and a CUDA GPU; built and checked on first use).
+pub(crate) fn wanted() -> bool {
+    *WANTED
+}
+
+/// Whether the kernels passed their check in every dtype checked so far
+/// (`None`: none checked yet).
+pub fn checked() -> Option<bool> {
+    let checked = CHECKED.lock().unwrap_or_else(|p| p.into_inner());
+    (!checked.is_empty()).then(|| checked.iter().all(|(_, ok)| *ok))
+}
+
+fn fail<T>(e: Error) -> Option<T> {
+    eprintln!("emlx_axon: GPU decode layer kernels unavailable, using MLX's ops ({e})");
+    None
+}
+
+/// The kernels, once they passed their check in `dtype`.
+fn kernels(dtype: Dtype) -> Option<&'static Kernels> {
+    if !*WANTED {
+        return None;
+    }
+    let k = KERNELS
+        .get_or_init(|| Kernels::new().map_or_else(fail, Some))
+        .as_ref()?;
+    let mut checked = CHECKED.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, ok)) = checked.iter().find(|(d, _)| *d == dtype) {
+        return ok.then_some(k);
+    }
+    // On a stream of its own: a kernel MLX fails to launch leaves its
+    // stream's command graph failing later work.
+    let ok = crate::device::MlxStream::new(crate::device::DeviceKind::Gpu)
+        .and_then(|s| s.run(|| check(k, dtype)))
+        .map_or_else(fail, Some)
+        .is_some();
+    checked.push((dtype, ok));
+    ok.then_some(k)
+}
+
+/// Every layer of a one-token step over `h` (`[rows, 1, hidden]`, the
+/// embeddings), then the final norm: the normalized hidden state the
+/// output head reads. `None`, before anything is written to the cache,
+/// where the kernels do not take this model or step.
+pub(crate) fn forward<C: KvStore>(
+    c: &ModelConfig,
+    blocks: &[Block],
+    final_norm: &RmsNorm,
+    h: &Array,
+    cache: &C,
+    rows: &StepRows,
+    rope_probe_f32: &Array,
+) -> Result<Option<Array>> {
+    let n = h.dim(0);
+    let (hd, dtype) = (c.head_dim, h.dtype());
+    let takes = kernels::takes_dtype(dtype)
+        && hd % 32 == 0
+        && (32..=256).contains(&hd)
+        && c.num_heads % c.num_kv_heads == 0
+        && rows.positions.len() == n as usize
+        && rows.starts.len() == n as usize
+        && !blocks.is_empty()
+        && cache.buffers(0).0.dtype() == dtype
+        && blocks.iter().all(|b| {
+            b.mlp.gate_up.is_stacked() && matches!(b.mlp.gate_up.sizes(), [g, u] if g == u)
+        });
+    if !takes {
+        return Ok(None);
+    }
+    let Some(k) = kernels(dtype) else {
+        return Ok(None);
+    };
+    let positions = Array::from_slice(&rows.positions, &[n]);
+    let starts = Array::from_slice(&rows.starts, &[n]);
+    let offset = match rows.positions.as_slice() {
+        [first, rest @ ..] if rest.iter().all(|p| p == first) => RopeOffset::Scalar(*first),
+        _ => RopeOffset::PerRow(positions.clone()),
+    };
+    let rope = Rope::new(
+        c,
+        offset,
+        n,
+        1,
+        c.num_heads + c.num_kv_heads,
+        rope_probe_f32,
+        true,
+    )?;
+    let Rope::Table {
+        traditional,
+        rows: (cos, signed_sin),
+        ..
+    } = &rope
+    else {
+        return Err(Error::Mlx("a RoPE table was asked for".into()));
+    };
+    let first = &blocks[0].input_norm;
+    let mut x = rms_norm(h, Some(first.weight()), first.eps())?;
+    let attend = |qkv: &Array, block: &Block, i: usize| -> Result<Array> {
+        let (keys, values) = cache.buffers(i);
+        k.qkv_attend(&QkvAttend {
+            qkv,
+            qk_norm: block.attn.qk_norms(),
+            cos,
+            signed_sin,
+            traditional: *traditional,
+            positions: &positions,
+            starts: &starts,
+            keys,
+            values,
+            heads: c.num_heads,
+            kv_heads: c.num_kv_heads,
+        })
+    };
+    if let Some(weights) = products(blocks).filter(|_| *GEMV) {
+        return Ok(Some(with_our_products(
+            k, blocks, &weights, final_norm, h, &x, &attend,
+        )?));
+    }
+    let mut h = h.clone();
+    for (i, block) in blocks.iter().enumerate() {
+        let (attn, mlp) = (&block.attn, &block.mlp);
+        let qkv = attn.qkv.forward(&x, &[])?;
+        let a = attend(&qkv, block, i)?;
+        let o = attn.o.forward(&a, &[])?;
+        let post = &block.post_norm;
+        let (h1, x1) = k.add_norm(&h, &o, post.weight(), post.eps())?;
+        let act = k.swiglu(&mlp.gate_up.forward(&x1, &[])?)?;
+        let d = mlp.down.forward(&act, &[])?;
+        let next = blocks.get(i + 1).map_or(final_norm, |b| &b.input_norm);
+        (h, x) = k.add_norm(&h1, &d, next.weight(), next.eps())?;
+    }
+    Ok(Some(x))
+}
+
+/// A layer's quantized weights as our product kernels take them.
+struct Products<'a> {
+    qkv: QuantWeight<'a>,
+    qkv_bias: Option<&'a Array>,
+    o: QuantWeight<'a>,
+    gate_up: QuantWeight<'a>,
+    down: QuantWeight<'a>,
+}
+
+/// Every layer's products, when all are quantized in a layout the kernels
+/// unpack (and only q/k/v have a bias).
+fn products(blocks: &[Block]) -> Option<Vec<Products<'_>>> {
+    let takes =
+        |w: &QuantWeight| kernels::gemv_takes(w.bits, w.group_size, w.w.dim(1) * 32 / w.bits);
+    blocks
+        .iter()
+        .map(|b| {
+            let (qkv, qkv_bias) = b.attn.qkv.stacked_quantized()?;
+            let (o, None) = b.attn.o.quantized()? else {
+                return None;
+            };
+            let (gate_up, None) = b.mlp.gate_up.stacked_quantized()? else {
+                return None;
+            };
+            let (down, None) = b.mlp.down.quantized()? else {
+                return None;
+            };
+            let all = takes(&qkv) && takes(&o) && takes(&gate_up) && takes(&down);
+            all.then_some(Products {
+                qkv,
+                qkv_bias,
+                o,
+                gate_up,
+                down,
+            })
+        })
+        .collect()
+}
+
+/// The layers with our product kernels: four nodes a layer, the residual
+/// add and RMSNorm done by the product that reads them, SwiGLU by the down
+/// projection. `x` is the first layer's normalized input.
+fn with_our_products(
+    k: &Kernels,
+    blocks: &[Block],
+    weights: &[Products],
+    final_norm: &RmsNorm,
+    h: &Array,
+    x: &Array,
+    attend: &dyn Fn(&Array, &Block, usize) -> Result<Array>,
+) -> Result<Array> {
+    let with_bias = |y: Array, bias: Option<&Array>| -> Result<Array> {
+        Ok(match bias {
+            Some(b) => y.add(b)?,
+            None => y,
+        })
+    };
+    let one = |mut v: Vec<Array>| v.remove(0);
+    let two = |mut v: Vec<Array>| -> (Array, Array) {
+        let y = v.pop().expect("two outputs");
+        (v.pop().expect("two outputs"), y)
+    };
+    let mut qkv = with_bias(
+        one(k.gemv(&GemvInput::Plain(x), &weights[0].qkv)?),
+        weights[0].qkv_bias,
+    )?;
+    let mut h = h.clone();
+    for (i, (block, w)) in blocks.iter().zip(weights).enumerate() {
+        let a = attend(&qkv, block, i)?;
+        let o = one(k.gemv(&GemvInput::Plain(&a), &w.o)?);
+        let post = &block.post_norm;
+        let norm_o = GemvInput::AddNorm {
+            h: &h,
+            r: &o,
+            weight: post.weight(),
+            eps: post.eps(),
+        };
+        let (h1, gu) = two(k.gemv(&norm_o, &w.gate_up)?);
+        let d = one(k.gemv(&GemvInput::Swiglu(&gu), &w.down)?);
+        match (blocks.get(i + 1), weights.get(i + 1)) {
+            (Some(next), Some(nw)) => {
+                let norm_d = GemvInput::AddNorm {
+                    h: &h1,
+                    r: &d,
+                    weight: next.input_norm.weight(),
+                    eps: next.input_norm.eps(),
+                };
+                let (h2, y) = two(k.gemv(&norm_d, &nw.qkv)?);
+                qkv = with_bias(y, nw.qkv_bias)?;
+                h = h2;
+            }
+            _ => {
+                let (_, x) = k.add_norm(&h1, &d, final_norm.weight(), final_norm.eps())?;
+                return Ok(x);
+            }
+        }
+    }
+    Err(Error::invalid("a model without layers"))
+}
+
+/// Largest difference between `a` and `b`, in float32.
+fn max_diff(a: &Array, b: &Array) -> Result<f32> {
+    let d = a
+        .as_dtype(Dtype::Float32)?
+        .subtract(&b.as_dtype(Dtype::Float32)?)?
+        .abs()?
+        .max(None)?;
+    d.eval()?;
+    Ok(d.as_slice::<f32>()[0])
+}
+
+fn close(what: &str, dtype: Dtype, got: &Array, want: &Array) -> Result<()> {
+    let worst = max_diff(got, want)?;
+    let tolerance = if dtype == Dtype::Float32 { 1e-4 } else { 5e-2 };
+    // NaN fails too.
+    if worst.is_nan() || worst > tolerance {
+        return Err(Error::Mlx(format!(
+            "the {what} kernel differs from MLX's ops by {worst} in {dtype:?}"
+        )));
+    }
+    Ok(())
+}
+
+/// Each kernel against MLX's ops on small random cases (odd sizes,
+/// several rows, rows at different positions) in `dtype`.
+fn check(k: &Kernels, dtype: Dtype) -> Result<()> {
+    let normal = |shape: &[i32], seed: u64, dtype: Dtype| -> Result<Array> {
+        let key = mlx_rs::random::key(seed)?;
+        Ok(mlx_rs::random::normal::<f32>(shape, None, None, &key)?.as_dtype(dtype)?)
+    };
+    let (rows, d, eps) = (3, 1000, 1e-6);
+    let (h, r) = (
+        normal(&[rows, 1, d], 1, dtype)?,
+        normal(&[rows, 1, d], 2, dtype)?,
+    );
+    let w = normal(&[d], 3, dtype)?;
+    let (sum, normed) = k.add_norm(&h, &r, &w, eps)?;
+    let want_sum = h.add(&r)?;
+    close("add", dtype, &sum, &want_sum)?;
+    close(
+        "RMSNorm",
+        dtype,
+        &normed,
+        &rms_norm(&want_sum, Some(&w), eps)?,
+    )?;
+
+    let gu = normal(&[rows, 1, 2 * 300], 4, dtype)?;
+    let (g, u) = (gu.index((.., .., ..300)), gu.index((.., .., 300..)));
+    let want = g.multiply(mlx_rs::ops::sigmoid(&g)?)?.multiply(&u)?;
+    close("SwiGLU", dtype, &k.swiglu(&gu)?, &want)?;
+
+    check_qkv_attend(k, dtype, &normal)?;
+    if *GEMV {
+        check_gemv(k, dtype, &normal)?;
+    }
+    Ok(())
+}
+
+/// `max |got - want| / max |want|`, within `bound`.
+fn close_relative(what: &str, got: &Array, want: &Array, bound: f32) -> Result<()> {
+    let scale = want.as_dtype(Dtype::Float32)?.abs()?.max(None)?;
+    scale.eval()?;
+    let worst = max_diff(got, want)? / scale.as_slice::<f32>()[0].max(f32::MIN_POSITIVE);
+    if worst.is_nan() || worst > bound {
+        return Err(Error::Mlx(format!(
+            "the {what} kernel differs from MLX's ops by {worst} (relative)"
+        )));
+    }
+    Ok(())
+}
+
+/// The product kernels against MLX's `quantized_matmul` of the same inputs
+/// (4- and 8-bit weights; 6 rows: two tiles, the second part full).
+fn check_gemv(k: &Kernels, dtype: Dtype, normal: Normal) -> Result<()> {
+    let (n, kd, eps) = (72, 256, 1e-6);
+    let bound = if dtype == Dtype::Float32 { 1e-4 } else { 2e-2 };
+    for (bits, gs) in [(4, 64), (8, 32)] {
+        let (w, scales, biases) =
+            mlx_rs::ops::quantize(&normal(&[n, kd], 12, Dtype::Float32)?, gs, bits)?;
+        let (scales, biases) = (scales.as_dtype(dtype)?, biases.as_dtype(dtype)?);
+        let wt = QuantWeight {
+            w: &w,
+            scales: &scales,
+            biases: &biases,
+            bits,
+            group_size: gs,
+        };
+        let mlx = |x: &Array| -> Result<Array> {
+            Ok(mlx_rs::ops::quantized_matmul(
+                x, &w, &scales, &biases, true, gs, bits,
+            )?)
+        };
+        let rows = 6;
+        let what = format!("{bits}-bit product ({rows} rows, {dtype:?})");
+        let x = normal(&[rows, 1, kd], 13, dtype)?;
+        let got = k.gemv(&GemvInput::Plain(&x), &wt)?;
+        close_relative(&what, &got[0], &mlx(&x)?, bound)?;
+
+        let gu = normal(&[rows, 1, 2 * kd], 14, dtype)?;
+        let (g, u) = (gu.index((.., .., ..kd)), gu.index((.., .., kd..)));
+        let act = g.multiply(mlx_rs::ops::sigmoid(&g)?)?.multiply(&u)?;
+        let got = k.gemv(&GemvInput::Swiglu(&gu), &wt)?;
+        close_relative(&format!("SwiGLU {what}"), &got[0], &mlx(&act)?, bound)?;
+
+        let (h, r) = (
+            normal(&[rows, 1, kd], 15, dtype)?,
+            normal(&[rows, 1, kd], 16, dtype)?,
+        );
+        let nw = normal(&[kd], 17, dtype)?;
+        let input = GemvInput::AddNorm {
+            h: &h,
+            r: &r,
+            weight: &nw,
+            eps,
+        };
+        let got = k.gemv(&input, &wt)?;
+        let sum = h.add(&r)?;
+        close("add", dtype, &got[0], &sum)?;
+        let want = mlx(&rms_norm(&sum, Some(&nw), eps)?)?;
+        close_relative(&format!("RMSNorm {what}"), &got[1], &want, bound)?;
+    }
+    Ok(())
+}
+
+type Normal<'a> = &'a dyn Fn(&[i32], u64, Dtype) -> Result<Array>;
+
+/// Two rows at different positions over a cache with a spare row (as the
+/// scheduler's slots have), the second attending from key 3: the output
+/// against MLX's norm, rotation and attention over the same keys, and the
+/// cache against the old one with the new keys and values put in.
+fn check_qkv_attend(k: &Kernels, dtype: Dtype, normal: Normal) -> Result<()> {
+    let (rows, nq, nkv, hd, cap, eps) = (2, 4, 2, 64, 16, 1e-6);
+    let qkv = normal(&[rows, 1, (nq + 2 * nkv) * hd], 5, dtype)?;
+    let (qw, kw) = (normal(&[hd], 6, dtype)?, normal(&[hd], 7, dtype)?);
+    let cos = normal(&[rows, 1, hd], 8, Dtype::Float32)?;
+    let sin = normal(&[rows, 1, hd], 9, Dtype::Float32)?;
+    let shape = [rows + 1, nkv, cap, hd];
+    let (keys, values) = (normal(&shape, 10, dtype)?, normal(&shape, 11, dtype)?);
+    // Copies, in buffers of their own, of what the kernel overwrites.
+    let zero = Array::from_f32(0.0).as_dtype(dtype)?;
+    let (keys_before, values_before) = (keys.add(&zero)?, values.add(&zero)?);
+    mlx_rs::transforms::eval([&keys, &values, &keys_before, &values_before])?;
+    let (at, from) = ([5, 11], [0, 3]);
+    let (positions, starts) = (
+        Array::from_slice(&at, &[rows]),
+        Array::from_slice(&from, &[rows]),
+    );
+    let out = k.qkv_attend(&QkvAttend {
+        qkv: &qkv,
+        qk_norm: Some((&qw, &kw, eps)),
+        cos: &cos,
+        signed_sin: &sin,
+        traditional: false,
+        positions: &positions,
+        starts: &starts,
+        keys: &keys,
+        values: &values,
+        heads: nq,
+        kv_heads: nkv,
+    })?;
+    out.eval()?;
+    let heads = qkv.reshape(&[rows, nq + 2 * nkv, hd])?;
+    let half = hd / 2;
+    let rotate = |y: &Array| -> Result<Array> {
+        let swapped =
+            mlx_rs::ops::concatenate(&[y.index((.., .., half..)), y.index((.., .., ..half))], -1)?;
+        let f = |a: &Array| a.as_dtype(Dtype::Float32);
+        Ok(f(y)?
+            .multiply(&cos)?
+            .add(&f(&swapped)?.multiply(&sin)?)?
+            .as_dtype(dtype)?)
+    };
+    let q = rotate(&rms_norm(heads.index((.., ..nq, ..)), Some(&qw), eps)?)?;
+    let new_k = rotate(&rms_norm(
+        heads.index((.., nq..nq + nkv, ..)),
+        Some(&kw),
+        eps,
+    )?)?;
+    let new_v = heads.index((.., nq + nkv.., ..));
+    for (row, (pos, start)) in at.into_iter().zip(from).enumerate() {
+        let r = row as i32;
+        let (kr, vr) = (
+            new_k.index((r..r + 1, .., ..)),
+            new_v.index((r..r + 1, .., ..)),
+        );
+        let (kr, vr) = (kr.reshape(&[1, nkv, 1, hd])?, vr.reshape(&[1, nkv, 1, hd])?);
+        let old = |a: &Array| a.index((r..r + 1, .., start..pos, ..));
+        let all_k = mlx_rs::ops::concatenate(&[old(&keys_before), kr.clone()], 2)?;
+        let all_v = mlx_rs::ops::concatenate(&[old(&values_before), vr.clone()], 2)?;
+        let qr = q.index((r..r + 1, .., ..)).reshape(&[1, nq, 1, hd])?;
+        let scale = (hd as f32).powf(-0.5);
+        let want =
+            mlx_rs::fast::scaled_dot_product_attention(&qr, &all_k, &all_v, scale, None, None)?;
+        let got = out.index((r..r + 1, .., ..)).reshape(&[1, nq, 1, hd])?;
+        close("attention", dtype, &got, &want)?;
+        close(
+            "key write",
+            dtype,
+            &keys.index((r..r + 1, .., pos..pos + 1, ..)),
+            &kr,
+        )?;
+        close(
+            "value write",
+            dtype,
+            &values.index((r..r + 1, .., pos..pos + 1, ..)),
+            &vr,
+        )?;
+    }
+    // Nothing else was written.
+    let changed = keys
+        .ne(&keys_before)?
+        .sum(None)?
+        .add(values.ne(&values_before)?.sum(None)?)?
+        .as_dtype(Dtype::Float32)?;
+    changed.eval()?;
+    if changed.as_slice::<f32>()[0] > 2.0 * (rows * nkv * hd) as f32 {
+        return Err(Error::Mlx(
+            "the attention kernel wrote outside its rows' positions".into(),
+        ));
+    }
+    Ok(())
+}
