@@ -179,32 +179,48 @@ const SWIGLU: &str = r#"
 /// The product of one quantized weight (MLX's affine layout: `BITS`-bit
 /// values packed little-end first into `uint32` words, a scale and a bias per
 /// `GS` values of a row) with a tile of `BT` input rows, after one of the
-/// prologues below has put the tile's inputs into shared memory. Each warp
-/// takes `R` weight rows; its lanes read consecutive words, and every weight
-/// value `scale * q + bias` (float32) is used for all rows of the tile.
+/// prologues below has put the tile's inputs into shared memory (float32).
+/// Each warp takes `R` weight rows; a lane loads four words at a time (16
+/// bytes), all its loads of a row before using any, so that a row costs
+/// about one trip to memory; every weight value `scale * q + bias`
+/// (float32) is used for all rows of the tile.
 const GEMV_BODY: &str = r#"
   const int R = (N + gridDim.x * WARPS - 1) / (gridDim.x * WARPS);
   constexpr int PER_WORD = 32 / BITS;
   constexpr int WORDS = K / PER_WORD;
   constexpr int GROUPS = K / GS;
   constexpr unsigned MASK = (1u << BITS) - 1u;
+  constexpr int ITERS = (WORDS / 4 + 31) / 32;
   for (int rr = 0; rr < R; rr++) {
     const int n = (blockIdx.x * WARPS + w) * R + rr;
     if (n >= N) break;
+    const uint4* wr = reinterpret_cast<const uint4*>(wq + (size_t)n * WORDS);
+    uint4 words[ITERS];
+#pragma unroll
+    for (int it = 0; it < ITERS; it++) {
+      const int i = it * 32 + lane;
+      if (i < WORDS / 4) words[it] = wr[i];
+    }
     float acc[BT];
+#pragma unroll
     for (int b = 0; b < BT; b++) acc[b] = 0.f;
-    const uint32_t* wr = wq + (size_t)n * WORDS;
-    for (int i = lane; i < WORDS; i += 32) {
-      const uint32_t word = wr[i];
-      const int k0 = i * PER_WORD;
-      const int g = k0 / GS;
-      const float sc = static_cast<float>(scales[(size_t)n * GROUPS + g]);
-      const float bi = static_cast<float>(biases[(size_t)n * GROUPS + g]);
 #pragma unroll
-      for (int j = 0; j < PER_WORD; j++) {
-        const float wv = sc * static_cast<float>((word >> (BITS * j)) & MASK) + bi;
+    for (int it = 0; it < ITERS; it++) {
+      const int i = it * 32 + lane;
+      if (i >= WORDS / 4) break;
+      const uint32_t ws[4] = {words[it].x, words[it].y, words[it].z, words[it].w};
 #pragma unroll
-        for (int b = 0; b < BT; b++) acc[b] += wv * static_cast<float>(xs[b][k0 + j]);
+      for (int v = 0; v < 4; v++) {
+        const int k0 = (i * 4 + v) * PER_WORD;
+        const int g = k0 / GS;
+        const float sc = static_cast<float>(scales[(size_t)n * GROUPS + g]);
+        const float bi = static_cast<float>(biases[(size_t)n * GROUPS + g]);
+#pragma unroll
+        for (int j = 0; j < PER_WORD; j++) {
+          const float wv = sc * static_cast<float>((ws[v] >> (BITS * j)) & MASK) + bi;
+#pragma unroll
+          for (int b = 0; b < BT; b++) acc[b] += wv * xs[b][k0 + j];
+        }
       }
     }
 #pragma unroll
@@ -227,13 +243,13 @@ const GEMV_START: &str = r#"
   const int w = t / 32;
   const int b0 = blockIdx.y * BT;
   const int nb = min(BT, ROWS - b0);
-  __shared__ T xs[BT][K];
+  __shared__ float xs[BT][K];
 "#;
 
 /// Plain input `x` `[ROWS, 1, K]`, contiguous.
 const GEMV_PLAIN: &str = r#"
   for (int b = 0; b < nb; b++) {
-    for (int k = t; k < K; k += BLOCK) xs[b][k] = x[(size_t)(b0 + b) * K + k];
+    for (int k = t; k < K; k += BLOCK) xs[b][k] = static_cast<float>(x[(size_t)(b0 + b) * K + k]);
   }
   __syncthreads();
 "#;
@@ -247,7 +263,7 @@ const GEMV_SWIGLU: &str = r#"
       const float g = static_cast<float>(p[k]);
       const T s = static_cast<T>(1.f / (1.f + expf(-g)));
       const T a = static_cast<T>(g * static_cast<float>(s));
-      xs[b][k] = static_cast<T>(static_cast<float>(a) * static_cast<float>(p[K + k]));
+      xs[b][k] = static_cast<float>(static_cast<T>(static_cast<float>(a) * static_cast<float>(p[K + k])));
     }
   }
   __syncthreads();
@@ -264,8 +280,8 @@ const GEMV_ADD_NORM: &str = r#"
       const T s = static_cast<T>(static_cast<float>(h[row * h_strides[0] + k * h_strides[2]]) +
                                  static_cast<float>(r[row * r_strides[0] + k * r_strides[2]]));
       if (blockIdx.x == 0) sum[row * K + k] = s;
-      xs[b][k] = s;
-      ss += static_cast<float>(s) * static_cast<float>(s);
+      xs[b][k] = static_cast<float>(s);
+      ss += xs[b][k] * xs[b][k];
     }
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
     if (lane == 0) partial[w] = ss;
@@ -274,8 +290,8 @@ const GEMV_ADD_NORM: &str = r#"
     for (int i = 0; i < WARPS; i++) total += partial[i];
     const float n = rsqrtf(total / K + __int_as_float(EPS_BITS));
     for (int k = t; k < K; k += BLOCK) {
-      xs[b][k] = static_cast<T>(static_cast<float>(nw[k]) *
-                                static_cast<float>(static_cast<T>(static_cast<float>(xs[b][k]) * n)));
+      xs[b][k] = static_cast<float>(
+          static_cast<T>(static_cast<float>(nw[k]) * static_cast<float>(static_cast<T>(xs[b][k] * n))));
     }
     __syncthreads();
   }
@@ -286,9 +302,12 @@ const GEMV_ADD_NORM: &str = r#"
 const TILE_BYTES: i32 = 24 * 1024;
 
 /// Bit widths the product kernels unpack (values never straddle a word) and
-/// that their check covers.
+/// that their check covers, and rows that are whole 16-byte loads.
 pub(crate) fn gemv_takes(bits: i32, group_size: i32, in_dim: i32) -> bool {
-    matches!(bits, 4 | 8) && group_size % (32 / bits) == 0 && in_dim % group_size == 0
+    matches!(bits, 4 | 8)
+        && group_size % (32 / bits) == 0
+        && in_dim % group_size == 0
+        && (in_dim * bits) % 128 == 0
 }
 
 /// Threads of every kernel's blocks: 8 warps.
@@ -496,8 +515,7 @@ impl Kernels {
         };
         let (rows, dtype) = (first.dim(0), first.dtype());
         let n = wt.w.dim(0);
-        let size = if dtype == Dtype::Float32 { 4 } else { 2 };
-        let bt = (TILE_BYTES / (k_dim * size)).clamp(1, 4).min(rows);
+        let bt = (TILE_BYTES / (k_dim * 4)).clamp(1, 4).min(rows);
         // About one block per multiprocessor (132 on an H200) or more.
         let r = (n / (8 * 128)).clamp(1, 8);
         let blocks = (n + 8 * r - 1) / (8 * r);

@@ -18,9 +18,10 @@
 //! checking them cost every fresh process 30-50 s before its first step,
 //! and more in a process that compiles them for the first time. Measured
 //! there (bfloat16, Qwen3-0.6B shape, 4-bit): batch-1 decode 331-534 tok/s
-//! against 225-381 with MLX's ops; our products decode at 336-428 (slower
-//! than MLX's at batch 1) and 1875-1905 tok/s at batch 8 (1671-1725 with
-//! MLX's). The kernels are checked against MLX's ops once, on first use;
+//! against 225-381 with MLX's ops; a first version of our products decoded
+//! at 336-428 (slower than MLX's at batch 1) and 1875-1905 tok/s at batch 8
+//! (1671-1725 with MLX's); they now load 16 bytes a lane and a row at once
+//! (not measured yet). The kernels are checked against MLX's ops once, on first use;
 //! where they cannot be built or differ, layers are built from MLX's ops.
 //! Metal keeps MLX's ops (MLX's Metal build has no CUDA kernels; ports of
 //! these sources to `metal_kernel` are not written).
