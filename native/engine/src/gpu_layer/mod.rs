@@ -13,10 +13,13 @@
 //! values are written into the cache buffers in place, so the cache's own
 //! update goes too.
 //!
-//! Opt-in (`EMLX_AXON_GPU_LAYER=1`): on that H200, with MLX 0.32.2,
-//! building the kernels (MLX compiles them with NVRTC on first use) and
-//! checking them cost every fresh process 30-50 s before its first step,
-//! and more in a process that compiles them for the first time. Measured
+//! Opt-in (`EMLX_AXON_GPU_LAYER=1`): on that H200, building and checking
+//! the kernels cost every fresh process 30-50 s before its first step. MLX
+//! 0.32.2 compiles a custom kernel with NVRTC in every process: its
+//! `CustomKernel::eval_gpu` asks for the module with the disk cache off
+//! (its own kernels keep theirs), though it would read a cached module of
+//! the same name. Compiling the sources ourselves once and launching them
+//! as MLX's precompiled kernels would remove that; not done. Measured
 //! there (bfloat16, Qwen3-0.6B shape, 4-bit): batch-1 decode 331-534 tok/s
 //! against 225-381 with MLX's ops; a first version of our products decoded
 //! at 336-428 (slower than MLX's at batch 1) and 1875-1905 tok/s at batch 8
