@@ -20,14 +20,15 @@ use once_cell::sync::{Lazy, OnceCell};
 use crate::cuda_kernel::{CudaKernel, Template};
 use crate::error::{Error, Result};
 
-const SOURCE: &str = r#"
+/// The kernel up to its loop over keys: one block per (query head, row),
+/// each of its 8 warps taking every 8th key.
+const START: &str = r#"
   constexpr int WARPS = 8;
   constexpr int E = D / 32;
   const int lane = threadIdx.x % 32;
   const int w = threadIdx.x / 32;
   const int head = blockIdx.x;
   const int row = blockIdx.y;
-  const int heads = gridDim.x;
   const int kv = head / GQA;
   const float scale = rsqrtf((float)D);
   const float neg_inf = __int_as_float(0xff800000);
@@ -46,6 +47,13 @@ const SOURCE: &str = r#"
   for (int e = 0; e < E; e++) acc[e] = 0.f;
   for (int j = start + w; j < end; j += WARPS) {
     const T* kp = kb + j * keys_strides[2];
+    const T* vp = vb + j * values_strides[2];
+"#;
+
+/// One key `kp` and its value `vp` into a warp's online softmax (float32):
+/// its running max `m`, sum `l` and weighted values `acc` (the lane's `E`
+/// of them), the query `qv` prescaled.
+pub(crate) const ATTEND_KEY: &str = r#"
     float s = 0.f;
     for (int e = 0; e < E; e++) s += qv[e] * static_cast<float>(kp[e]);
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
@@ -53,11 +61,13 @@ const SOURCE: &str = r#"
     const float c = expf(m - mn);
     const float p = expf(s - mn);
     l = l * c + p;
-    const T* vp = vb + j * values_strides[2];
     for (int e = 0; e < E; e++) acc[e] = acc[e] * c + p * static_cast<float>(vp[e]);
     m = mn;
-  }
+"#;
 
+/// The warps' softmaxes combined into the block's output row: `out` laid
+/// out `[rows, heads, D]` with one block per (head, row).
+pub(crate) const ATTEND_COMBINE: &str = r#"
   __shared__ float sm[WARPS];
   __shared__ float sl[WARPS];
   __shared__ float so[WARPS][D];
@@ -67,8 +77,8 @@ const SOURCE: &str = r#"
   }
   for (int e = 0; e < E; e++) so[w][lane * E + e] = acc[e];
   __syncthreads();
-  const int t = threadIdx.x;
-  if (t < D) {
+  if (threadIdx.x < D) {
+    const int d = threadIdx.x;
     float big = neg_inf;
     for (int i = 0; i < WARPS; i++) big = fmaxf(big, sm[i]);
     float total = 0.f;
@@ -76,9 +86,9 @@ const SOURCE: &str = r#"
     for (int i = 0; i < WARPS; i++) {
       const float f = sm[i] == neg_inf ? 0.f : expf(sm[i] - big);
       total += sl[i] * f;
-      o += so[i][t] * f;
+      o += so[i][d] * f;
     }
-    out[((size_t)row * heads + head) * D + t] = static_cast<T>(o / total);
+    out[((size_t)row * gridDim.x + head) * D + d] = static_cast<T>(o / total);
   }
 "#;
 
@@ -126,12 +136,12 @@ pub fn checked() -> Option<bool> {
     CHECKED.get().map(Option::is_some)
 }
 
-pub(crate) fn new_kernel() -> Result<CudaKernel> {
+fn new_kernel() -> Result<CudaKernel> {
     CudaKernel::new(
         "emlx_axon_decode_attention",
         &["q", "keys", "values", "starts", "ends"],
         &["out"],
-        SOURCE,
+        &[START, ATTEND_KEY, "  }\n", ATTEND_COMBINE].concat(),
     )
 }
 
@@ -167,23 +177,6 @@ fn run(
             "the decode attention kernel takes one query per row",
         ));
     }
-    let out = apply(kernel, q, keys, values, starts, ends, &[rows, heads, hd])?;
-    Ok(out.reshape(&[rows, heads, 1, hd])?)
-}
-
-/// The kernel's node, its output of shape `out_shape` (`rows * heads *
-/// head_dim` elements, row-major in that order). `q` is read through its
-/// strides as `[rows, heads, ...]`.
-pub(crate) fn apply(
-    kernel: &CudaKernel,
-    q: &Array,
-    keys: &Array,
-    values: &Array,
-    starts: &Array,
-    ends: &Array,
-    out_shape: &[i32],
-) -> Result<Array> {
-    let (rows, heads, hd) = (q.dim(0), q.dim(1), q.dim(-1));
     let kv_heads = keys.dim(1);
     if hd % 32 != 0 || hd > 256 || heads % kv_heads != 0 {
         return Err(Error::invalid(
@@ -194,7 +187,7 @@ pub(crate) fn apply(
     // which MLX's ops here leave contiguous.
     let mut out = kernel.apply(
         &[q, keys, values, starts, ends],
-        &[(out_shape, q.dtype())],
+        &[(&[rows, heads, hd], q.dtype())],
         (heads * THREADS, rows, 1),
         (THREADS, 1, 1),
         &[
@@ -203,7 +196,7 @@ pub(crate) fn apply(
             ("GQA", Template::Int(heads / kv_heads)),
         ],
     )?;
-    Ok(out.remove(0))
+    Ok(out.remove(0).reshape(&[rows, heads, 1, hd])?)
 }
 
 /// [`check`] on a fresh GPU stream: a kernel MLX fails to launch leaves the
@@ -222,7 +215,7 @@ fn check() -> Result<CudaKernel> {
 }
 
 /// [`check`] of a kernel made by [`new_kernel`].
-pub(crate) fn check_kernel(kernel: &CudaKernel) -> Result<()> {
+fn check_kernel(kernel: &CudaKernel) -> Result<()> {
     for dtype in [Dtype::Bfloat16, Dtype::Float32] {
         let (rows, heads, kv_heads, hd, cap) = (3, 4, 2, 128, 80);
         let key = mlx_rs::random::key(7)?;

@@ -8,6 +8,7 @@ use mlx_rs::{Array, Dtype};
 use emlx_axon_kernels::QuantWeight;
 
 use crate::cuda_kernel::{CudaKernel, Template};
+use crate::decode_attention::{ATTEND_COMBINE, ATTEND_KEY};
 use crate::error::Result;
 
 /// A layer's attention for one query per row from the q/k/v product: q and
@@ -21,7 +22,7 @@ use crate::error::Result;
 /// The cache buffers are inputs that the kernel writes in place: nothing
 /// else reads them within the step's layer, and the next layer's caches
 /// are other buffers.
-const QKV_ATTEND: &str = r#"
+const QKV_ATTEND_START: &str = r#"
   constexpr int WARPS = BLOCK / 32;
   constexpr int E = D / 32;
   constexpr int GQA = NQ / NKV;
@@ -94,38 +95,6 @@ const QKV_ATTEND: &str = r#"
   for (int j = starts[row] + w; j <= pos; j += WARPS) {
     const T* kp = j == pos ? ks + lane * E : kb + (long)j * keys_strides[2];
     const T* vp = j == pos ? vnew + lane * E : vb + (long)j * values_strides[2];
-    float s = 0.f;
-    for (int e = 0; e < E; e++) s += qv[e] * static_cast<float>(kp[e]);
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
-    const float mn = fmaxf(m, s);
-    const float c = expf(m - mn);
-    const float p = expf(s - mn);
-    l = l * c + p;
-    for (int e = 0; e < E; e++) acc[e] = acc[e] * c + p * static_cast<float>(vp[e]);
-    m = mn;
-  }
-
-  __shared__ float sm[WARPS];
-  __shared__ float sl[WARPS];
-  __shared__ float so[WARPS][D];
-  if (lane == 0) {
-    sm[w] = m;
-    sl[w] = l;
-  }
-  for (int e = 0; e < E; e++) so[w][lane * E + e] = acc[e];
-  __syncthreads();
-  if (t < D) {
-    float big = neg_inf;
-    for (int i = 0; i < WARPS; i++) big = fmaxf(big, sm[i]);
-    float total = 0.f;
-    float o = 0.f;
-    for (int i = 0; i < WARPS; i++) {
-      const float f = sm[i] == neg_inf ? 0.f : expf(sm[i] - big);
-      total += sl[i] * f;
-      o += so[i][t] * f;
-    }
-    out[((size_t)row * NQ + head) * D + t] = static_cast<T>(o / total);
-  }
 "#;
 
 /// The residual add and the RMSNorm after it: `h + r`, and its norm.
@@ -377,7 +346,7 @@ impl Kernels {
                     "values",
                 ],
                 &["out"],
-                QKV_ATTEND,
+                &[QKV_ATTEND_START, ATTEND_KEY, "  }\n", ATTEND_COMBINE].concat(),
             )?,
             add_norm: CudaKernel::new(
                 "emlx_axon_add_norm",
@@ -530,32 +499,23 @@ impl Kernels {
         let params = [wt.w, wt.scales, wt.biases];
         let out = [rows, 1, n];
         let grid = (blocks * BLOCK, (rows + bt - 1) / bt, 1);
-        match input {
-            GemvInput::Plain(x) => self.gemv.apply(
-                &[&[*x][..], &params].concat(),
-                &[(&out, dtype)],
-                grid,
-                (BLOCK, 1, 1),
-                &templates,
-            ),
-            GemvInput::Swiglu(gu) => self.gemv_swiglu.apply(
-                &[&[*gu][..], &params].concat(),
-                &[(&out, dtype)],
-                grid,
-                (BLOCK, 1, 1),
-                &templates,
-            ),
+        let sum_shape = [rows, 1, k_dim];
+        let (kernel, inputs, outputs): (_, Vec<&Array>, Vec<(&[i32], Dtype)>) = match input {
+            GemvInput::Plain(x) => (&self.gemv, vec![*x], vec![(&out, dtype)]),
+            GemvInput::Swiglu(gu) => (&self.gemv_swiglu, vec![*gu], vec![(&out, dtype)]),
             GemvInput::AddNorm { h, r, weight, eps } => {
                 templates.push(("EPS_BITS", eps_bits(*eps)));
-                self.gemv_add_norm.apply(
-                    &[&[*h, *r, *weight][..], &params].concat(),
-                    &[(&[rows, 1, k_dim], dtype), (&out, dtype)],
-                    grid,
-                    (BLOCK, 1, 1),
-                    &templates,
-                )
+                let outputs = vec![(&sum_shape[..], dtype), (&out[..], dtype)];
+                (&self.gemv_add_norm, vec![*h, *r, *weight], outputs)
             }
-        }
+        };
+        kernel.apply(
+            &[&inputs[..], &params].concat(),
+            &outputs,
+            grid,
+            (BLOCK, 1, 1),
+            &templates,
+        )
     }
 }
 
