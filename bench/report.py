@@ -312,6 +312,12 @@ def model_section(name, folder, settings):
     if any(compiled.values()):
         lines.append("Compiled decode step, as the engine reported it: " + "; ".join(
             f"{PEER_NAMES[p]}: {'/'.join(v) or 'not reported'}" for p, v in compiled.items() if p in runs) + ".")
+    # And whether its fused GPU layer kernels were built and passed their check.
+    fused = sorted({str(r["gpu_layer_kernels"]).lower() for reps in runs.get("rust-fused", {}).values()
+                    for r in reps if "gpu_layer_kernels" in r})
+    if fused:
+        lines.append(f"Fused GPU layer kernels, as the engine reported them ({PEER_NAMES['rust-fused']}): "
+                     f"{'/'.join(fused)} (none: not used).")
     cli = [r for reps in runs.get("mlx-lm-cli", {}).values() for r in reps if r.get("measure") in ("decode", "prefill")]
     if cli:
         short = sum(1 for r in cli if r.get("complete") is False)
@@ -698,7 +704,7 @@ def plot(summaries, path):
 
     n = len(summaries)
     fig, axes = plt.subplots(n, 2, figsize=(12, 4.2 * n), squeeze=False, gridspec_kw={"width_ratios": [3, 1]})
-    colors = {"rust": "#c0392b", "rust-eager": "#922b21", "mlx-lm-stream": "#5dade2", "mlx-lm-cli": "#1b4f72",
+    colors = {"rust": "#c0392b", "rust-eager": "#922b21", "rust-compiled": "#6e2c00", "rust-fused": "#ec7063", "mlx-lm-stream": "#5dade2", "mlx-lm-cli": "#1b4f72",
               "rust-1t": "#e59866", "rust-int8": "#f1c40f", "elixir": "#8e44ad", "elixir-textgen": "#bb8fce",
               "mlx-lm": "#2e86c1", "llama.cpp": "#229954"}
     for row, s in enumerate(summaries):
