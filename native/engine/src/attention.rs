@@ -148,13 +148,13 @@ impl Attention {
         all
     }
 
-    /// The queries' and keys' per-head norm (weights `[heads + kv_heads,
-    /// head_dim]`) and its eps, if the model has one.
     /// Qwen3's q and k norm weights (`[head_dim]` each) and their eps.
     pub(crate) fn qk_norms(&self) -> Option<(&Array, &Array, f32)> {
         self.norm.as_ref().map(|n| (&n.q, &n.k, n.both.eps()))
     }
 
+    /// The queries' and keys' per-head norm (weights `[heads + kv_heads,
+    /// head_dim]`) and its eps, if the model has one.
     pub(crate) fn qk_norm(&self) -> Option<(&Array, f32)> {
         self.norm.as_ref().map(|n| (n.both.weight(), n.both.eps()))
     }

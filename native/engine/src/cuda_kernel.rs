@@ -160,3 +160,27 @@ impl CudaKernel {
         }
     }
 }
+
+/// Largest difference between `a` and `b`, in float32 (NaN where either
+/// holds one).
+pub(crate) fn max_diff(a: &Array, b: &Array) -> Result<f32> {
+    let d = a
+        .as_dtype(Dtype::Float32)?
+        .subtract(&b.as_dtype(Dtype::Float32)?)?
+        .abs()?
+        .max(None)?;
+    d.eval()?;
+    Ok(d.as_slice::<f32>()[0])
+}
+
+/// A kernel's check against MLX's ops: `got` within `tolerance` of `want`
+/// everywhere (NaN fails too).
+pub(crate) fn within(what: &str, got: &Array, want: &Array, tolerance: f32) -> Result<()> {
+    let worst = max_diff(got, want)?;
+    if worst.is_nan() || worst > tolerance {
+        return Err(Error::Mlx(format!(
+            "the {what} differs from MLX's ops by {worst}"
+        )));
+    }
+    Ok(())
+}

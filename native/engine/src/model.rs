@@ -318,16 +318,6 @@ impl Model {
     ) -> Result<Array> {
         let c = &self.config;
         let mut h = self.embed.forward(ids)?;
-        // Every layer rotates the same positions.
-        let rope = Rope::new(
-            c,
-            cache.rope_offset(),
-            ids.dim(0),
-            ids.dim(1),
-            c.num_heads + c.num_kv_heads,
-            &self.rope_probe,
-            cpu_ops,
-        )?;
         // One-token steps: a node per layer on a CPU stream, eight on a
         // CUDA GPU, where the kernels take the model.
         let step_rows = match mask {
@@ -353,6 +343,16 @@ impl Model {
                 return self.head(&x, workers);
             }
         }
+        // Every layer rotates the same positions.
+        let rope = Rope::new(
+            c,
+            cache.rope_offset(),
+            ids.dim(0),
+            ids.dim(1),
+            c.num_heads + c.num_kv_heads,
+            &self.rope_probe,
+            cpu_ops,
+        )?;
         for (i, block) in self.blocks.iter().enumerate() {
             if let (Some(rows), true) = (&step_rows, cpu_ops) {
                 if let Some(next) =

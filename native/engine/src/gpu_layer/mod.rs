@@ -24,8 +24,9 @@
 //! against 225-381 with MLX's ops; a first version of our products decoded
 //! at 336-428 (slower than MLX's at batch 1) and 1875-1905 tok/s at batch 8
 //! (1671-1725 with MLX's); they now load 16 bytes a lane and a row at once
-//! (not measured yet). The kernels are checked against MLX's ops once, on first use;
-//! where they cannot be built or differ, layers are built from MLX's ops.
+//! (not measured yet). The kernels are checked against MLX's ops once, on
+//! first use; where they cannot be built or differ, layers are built from
+//! MLX's ops.
 //! Metal keeps MLX's ops (MLX's Metal build has no CUDA kernels; ports of
 //! these sources to `metal_kernel` are not written).
 
@@ -40,6 +41,7 @@ use once_cell::sync::{Lazy, OnceCell};
 
 use crate::cache::{KvStore, RopeOffset, StepRows};
 use crate::config::ModelConfig;
+use crate::cuda_kernel::{max_diff, within};
 use crate::error::{Error, Result};
 use crate::layers::RmsNorm;
 use crate::model::Block;
@@ -177,7 +179,7 @@ pub(crate) fn forward<C: KvStore>(
             kv_heads: c.num_kv_heads,
         })
     };
-    if let Some(weights) = products(blocks).filter(|_| *GEMV) {
+    if let Some(weights) = GEMV.then(|| products(blocks)).flatten() {
         return Ok(Some(with_our_products(
             k, blocks, &weights, final_norm, h, &x, &attend,
         )?));
@@ -298,27 +300,9 @@ fn with_our_products(
     Err(Error::invalid("a model without layers"))
 }
 
-/// Largest difference between `a` and `b`, in float32.
-fn max_diff(a: &Array, b: &Array) -> Result<f32> {
-    let d = a
-        .as_dtype(Dtype::Float32)?
-        .subtract(&b.as_dtype(Dtype::Float32)?)?
-        .abs()?
-        .max(None)?;
-    d.eval()?;
-    Ok(d.as_slice::<f32>()[0])
-}
-
 fn close(what: &str, dtype: Dtype, got: &Array, want: &Array) -> Result<()> {
-    let worst = max_diff(got, want)?;
     let tolerance = if dtype == Dtype::Float32 { 1e-4 } else { 5e-2 };
-    // NaN fails too.
-    if worst.is_nan() || worst > tolerance {
-        return Err(Error::Mlx(format!(
-            "the {what} kernel differs from MLX's ops by {worst} in {dtype:?}"
-        )));
-    }
-    Ok(())
+    within(&format!("{what} kernel ({dtype:?})"), got, want, tolerance)
 }
 
 /// Each kernel against MLX's ops on small random cases (odd sizes,
