@@ -37,7 +37,11 @@ fn main() {
 
     build_mlx_c(&mlx_c, &prefix, &compat);
     if env::var("CARGO_CFG_TARGET_ARCH").as_deref() != Ok("aarch64") {
-        build_half_shim(&mlx_c, &prefix, &compat);
+        build_shim(&mlx_c, &prefix, &compat, "half_shim");
+    }
+    // Apple's libmlx is a Metal build: no CUDA kernels to launch there.
+    if env::var("CARGO_CFG_TARGET_OS").as_deref() != Ok("macos") {
+        build_shim(&mlx_c, &prefix, &compat, "cuda_kernel_shim");
     }
     link_mlx(&prefix);
     generate_bindings(&mlx_c, &out_dir);
@@ -186,7 +190,8 @@ fn build_mlx_c(mlx_c: &Path, prefix: &Path, compat: &Path) {
     println!("cargo:rustc-link-lib=static=mlxc");
 }
 
-fn build_half_shim(mlx_c: &Path, prefix: &Path, compat: &Path) {
+/// One C++ file of `compat/` over MLX-C's private helpers and MLX's headers.
+fn build_shim(mlx_c: &Path, prefix: &Path, compat: &Path, name: &str) {
     cc::Build::new()
         .cpp(true)
         .std("c++20")
@@ -197,8 +202,8 @@ fn build_half_shim(mlx_c: &Path, prefix: &Path, compat: &Path) {
             compat.join("mlx_c_compat.h").display()
         ))
         .warnings(false)
-        .file(compat.join("half_shim.cpp"))
-        .compile("mlx_half_shim");
+        .file(compat.join(format!("{name}.cpp")))
+        .compile(&format!("mlx_{name}"));
 }
 
 fn link_mlx(prefix: &Path) {
@@ -209,6 +214,8 @@ fn link_mlx(prefix: &Path) {
         println!("cargo:rustc-link-lib=dylib=c++");
     } else {
         println!("cargo:rustc-link-lib=dylib=stdc++");
+        // compat/cuda_kernel_shim.cpp finds NVRTC with dlsym.
+        println!("cargo:rustc-link-lib=dylib=dl");
     }
     // Link args of a dependency never reach the final binary; dependents read
     // this as DEP_MLX_LIBDIR and set their own rpath.

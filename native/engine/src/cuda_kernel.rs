@@ -1,33 +1,28 @@
-//! A CUDA kernel of our own as one node of an MLX graph: MLX's
-//! `cuda_kernel`, which compiles the source at first use (NVRTC, cached on
-//! disk) and launches it inside MLX's command graph like its own kernels.
+//! A CUDA kernel of our own as one node of an MLX graph.
 //!
-//! The source is a kernel body; MLX writes the signature from the input and
-//! output names (`const T* name` for inputs, with `name_strides` when the
-//! body mentions it, and `T* name` for outputs) and turns template
-//! arguments into constants. The grid is given in threads, as MLX's
-//! `metal_kernel` takes it; MLX divides it by the block size.
+//! The source is a kernel body. At first use with given input dtypes, ranks
+//! and template arguments, the whole kernel is written out (a signature of
+//! `const T* name` per input and `T* name` per output; `name_shape` and
+//! `name_strides` arrays where the body mentions them; template arguments
+//! as constants), compiled with NVRTC to a binary for this device and kept
+//! on disk, then launched through MLX's `precompiled_cuda_kernel`, inside
+//! MLX's command graph like its own kernels. MLX's own `cuda_kernel` would
+//! recompile every variant in every process (about a second each: MLX skips
+//! its disk cache for custom kernels and prepends its device headers), so
+//! the source here includes nothing and says its half types itself.
+//! The grid is given in threads, as MLX's `metal_kernel` takes it; MLX
+//! divides it by the block size.
 
-use std::ffi::CString;
+use std::collections::HashMap;
+use std::ffi::{c_char, c_void, CStr, CString};
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 
 use mlx_rs::{Array, Dtype, Stream};
+use once_cell::sync::OnceCell;
 
 use crate::error::{Error, Result};
-
-pub struct CudaKernel(mlx_sys::mlx_fast_cuda_kernel);
-
-// SAFETY: the kernel object is immutable after creation and MLX builds its
-// module under its own lock.
-unsafe impl Send for CudaKernel {}
-unsafe impl Sync for CudaKernel {}
-
-impl Drop for CudaKernel {
-    fn drop(&mut self) {
-        // SAFETY: the handle was made by `mlx_fast_cuda_kernel_new` and is
-        // freed once.
-        unsafe { mlx_sys::mlx_fast_cuda_kernel_free(self.0) };
-    }
-}
 
 /// A compile-time constant of the kernel.
 #[derive(Clone, Copy)]
@@ -37,42 +32,181 @@ pub enum Template {
     Bool(bool),
 }
 
+pub struct CudaKernel {
+    name: String,
+    inputs: Vec<String>,
+    outputs: Vec<String>,
+    body: String,
+    /// Per input: whether the body reads `name_shape`, `name_strides`.
+    reads: Vec<(bool, bool)>,
+    /// Compiled variants by their signature and constants.
+    compiled: Mutex<HashMap<String, Arc<Compiled>>>,
+}
+
+/// A compiled variant as MLX launches it (the binary and its symbol).
+struct Compiled(*mut c_void);
+
+// SAFETY: the object is immutable after creation; MLX copies what it needs
+// from it into each node.
+unsafe impl Send for Compiled {}
+unsafe impl Sync for Compiled {}
+
+impl Drop for Compiled {
+    fn drop(&mut self) {
+        // SAFETY: made by `emlx_cuda_kernel_new`, freed once.
+        #[cfg(not(target_os = "macos"))]
+        unsafe {
+            mlx_sys::emlx_cuda_kernel_free(self.0)
+        };
+    }
+}
+
 fn c_string(s: &str) -> Result<CString> {
     CString::new(s).map_err(|_| Error::invalid("a kernel string holds a NUL byte"))
 }
 
+/// Half types by their bits, with the conversions MLX's CUDA types make
+/// (float to bfloat16 rounds to nearest even, NaN stays NaN), and the
+/// integer names the bodies use.
+const PRELUDE: &str = r#"
+typedef unsigned int uint32_t;
+typedef decltype(sizeof(0)) size_t;
+struct __align__(2) emlx_bf16 {
+  unsigned short bits;
+  emlx_bf16() = default;
+  __device__ explicit emlx_bf16(float f) {
+    const unsigned u = __float_as_uint(f);
+    bits = f != f ? 0x7fc0 : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+  __device__ operator float() const { return __uint_as_float((unsigned)bits << 16); }
+};
+struct __align__(2) emlx_f16 {
+  unsigned short bits;
+  emlx_f16() = default;
+  __device__ explicit emlx_f16(float f) { asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(f)); }
+  __device__ operator float() const {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(bits));
+    return f;
+  }
+};
+"#;
+
+fn c_type(d: Dtype) -> Result<&'static str> {
+    Ok(match d {
+        Dtype::Float32 => "float",
+        Dtype::Bfloat16 => "emlx_bf16",
+        Dtype::Float16 => "emlx_f16",
+        Dtype::Int32 => "int",
+        Dtype::Uint32 => "uint32_t",
+        Dtype::Int64 => "long long",
+        Dtype::Uint64 => "unsigned long long",
+        Dtype::Int16 => "short",
+        Dtype::Uint16 => "unsigned short",
+        Dtype::Int8 => "signed char",
+        Dtype::Uint8 => "unsigned char",
+        Dtype::Bool => "bool",
+        other => return Err(Error::invalid(format!("no CUDA kernel type for {other:?}"))),
+    })
+}
+
 impl CudaKernel {
-    /// `name` must differ for every distinct `source`: MLX caches compiled
-    /// modules by name (and template arguments).
-    pub fn new(name: &str, inputs: &[&str], outputs: &[&str], source: &str) -> Result<Self> {
+    /// `name` is the kernel's symbol and names its cached binaries.
+    pub fn new(name: &str, inputs: &[&str], outputs: &[&str], body: &str) -> Result<Self> {
         crate::device::install_error_handler();
-        let names = |list: &[&str]| list.iter().map(|s| c_string(s)).collect::<Result<Vec<_>>>();
-        let (inputs, outputs) = (names(inputs)?, names(outputs)?);
-        let (name, source, header) = (c_string(name)?, c_string(source)?, c_string("")?);
-        // SAFETY: plain FFI; MLX copies every string before returning.
-        unsafe {
-            let mut ip: Vec<_> = inputs.iter().map(|s| s.as_ptr()).collect();
-            let mut op: Vec<_> = outputs.iter().map(|s| s.as_ptr()).collect();
-            let iv = mlx_sys::mlx_vector_string_new_data(ip.as_mut_ptr(), ip.len());
-            let ov = mlx_sys::mlx_vector_string_new_data(op.as_mut_ptr(), op.len());
-            // Inputs are read through their strides where the source asks
-            // for them, so MLX copies nothing.
-            let kernel = mlx_sys::mlx_fast_cuda_kernel_new(
-                name.as_ptr(),
-                iv,
-                ov,
-                source.as_ptr(),
-                header.as_ptr(),
-                false,
-                0,
-            );
-            mlx_sys::mlx_vector_string_free(iv);
-            mlx_sys::mlx_vector_string_free(ov);
-            if kernel.ctx.is_null() {
-                return Err(Error::Mlx("MLX could not create a CUDA kernel".into()));
+        let reads = inputs
+            .iter()
+            .map(|n| {
+                (
+                    body.contains(&format!("{n}_shape")),
+                    body.contains(&format!("{n}_strides")),
+                )
+            })
+            .collect();
+        Ok(CudaKernel {
+            name: name.into(),
+            inputs: inputs.iter().map(|s| s.to_string()).collect(),
+            outputs: outputs.iter().map(|s| s.to_string()).collect(),
+            body: body.into(),
+            reads,
+            compiled: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The whole kernel for these inputs, output dtypes and constants.
+    pub(crate) fn source(
+        &self,
+        inputs: &[&Array],
+        outputs: &[(&[i32], Dtype)],
+        templates: &[(&str, Template)],
+    ) -> Result<String> {
+        // MLX passes the inputs' pointers, the outputs', then the scalars.
+        let mut pointers = Vec::new();
+        let mut sizes = Vec::new();
+        let mut locals = String::new();
+        for ((name, a), (shape, strides)) in self.inputs.iter().zip(inputs).zip(&self.reads) {
+            pointers.push(format!("const {}* {name}", c_type(a.dtype())?));
+            let rank = a.ndim();
+            let mut array = |kind: &str, ty: &str| {
+                let values: Vec<String> = (0..rank).map(|i| format!("{name}_{kind}{i}")).collect();
+                sizes.extend(values.iter().map(|v| format!("int {v}")));
+                let _ = writeln!(
+                    locals,
+                    "  const {ty} {name}_{kind}[{}] = {{{}}};",
+                    rank.max(1),
+                    values.join(", ")
+                );
+            };
+            if *shape {
+                array("shape", "int");
             }
-            Ok(CudaKernel(kernel))
+            if *strides {
+                array("strides", "long long");
+            }
         }
+        for (name, (_, dtype)) in self.outputs.iter().zip(outputs) {
+            pointers.push(format!("{}* {name}", c_type(*dtype)?));
+        }
+        let params = [pointers, sizes].concat();
+        let mut constants = String::new();
+        for (name, value) in templates {
+            let _ = match value {
+                Template::Dtype(d) => writeln!(constants, "  using {name} = {};", c_type(*d)?),
+                Template::Int(i) => writeln!(constants, "  constexpr int {name} = {i};"),
+                Template::Bool(b) => writeln!(constants, "  constexpr bool {name} = {b};"),
+            };
+        }
+        Ok(format!(
+            "{PRELUDE}\nextern \"C\" __global__ void {}(\n    {}) {{\n{constants}{locals}{}\n}}\n",
+            self.name,
+            params.join(",\n    "),
+            self.body
+        ))
+    }
+
+    fn compiled(&self, key: String, source: impl FnOnce() -> Result<String>) -> Result<Arc<Compiled>> {
+        let mut map = self.compiled.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = map.get(&key) {
+            return Ok(c.clone());
+        }
+        let binary = binary(&self.name, &source()?)?;
+        let name = c_string(&self.name)?;
+        #[cfg(not(target_os = "macos"))]
+        // SAFETY: the shim copies the name and the binary.
+        let handle = unsafe {
+            mlx_sys::emlx_cuda_kernel_new(name.as_ptr(), binary.as_ptr().cast(), binary.len())
+        };
+        #[cfg(target_os = "macos")]
+        let handle: *mut c_void = {
+            let _ = (name, binary);
+            std::ptr::null_mut()
+        };
+        if handle.is_null() {
+            return Err(Error::Mlx("could not hold a compiled CUDA kernel".into()));
+        }
+        let c = Arc::new(Compiled(handle));
+        map.insert(key, c.clone());
+        Ok(c)
     }
 
     /// The kernel's node over `inputs` on the current stream, with one
@@ -85,78 +219,213 @@ impl CudaKernel {
         threads: (i32, i32, i32),
         templates: &[(&str, Template)],
     ) -> Result<Vec<Array>> {
-        let stream = Stream::thread_local_or_default();
-        let names = templates
-            .iter()
-            .map(|(n, _)| c_string(n))
-            .collect::<Result<Vec<_>>>()?;
-        // SAFETY: FFI on live handles; the output vector is read back before
-        // it is freed and each array handle is taken over by an `Array`.
-        unsafe {
-            let config = mlx_sys::mlx_fast_cuda_kernel_config_new();
-            let mut status = 0;
-            for (shape, dtype) in outputs {
-                status |= mlx_sys::mlx_fast_cuda_kernel_config_add_output_arg(
-                    config,
-                    shape.as_ptr(),
-                    shape.len(),
-                    (*dtype).into(),
-                );
+        if inputs.len() != self.inputs.len() || outputs.len() != self.outputs.len() {
+            return Err(Error::invalid(format!(
+                "the {} kernel takes {} inputs and {} outputs",
+                self.name,
+                self.inputs.len(),
+                self.outputs.len()
+            )));
+        }
+        // What makes a variant: every type and rank in the signature and
+        // every constant.
+        let mut key = String::new();
+        for a in inputs {
+            let _ = write!(key, "{:?}{},", a.dtype(), a.ndim());
+        }
+        for (_, d) in outputs {
+            let _ = write!(key, "{d:?},");
+        }
+        for (n, v) in templates {
+            let _ = match v {
+                Template::Dtype(d) => write!(key, "{n}={d:?},"),
+                Template::Int(i) => write!(key, "{n}={i},"),
+                Template::Bool(b) => write!(key, "{n}={b},"),
+            };
+        }
+        let kernel = self.compiled(key, || self.source(inputs, outputs, templates))?;
+        let mut scalars = Vec::new();
+        for (a, (shape, strides)) in inputs.iter().zip(&self.reads) {
+            if *shape {
+                scalars.extend_from_slice(a.shape());
             }
-            status |= mlx_sys::mlx_fast_cuda_kernel_config_set_grid(config, grid.0, grid.1, grid.2);
-            status |= mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(
-                config, threads.0, threads.1, threads.2,
-            );
-            for (name, (_, value)) in names.iter().zip(templates) {
-                let n = name.as_ptr();
-                status |= match *value {
-                    Template::Dtype(d) => {
-                        mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(
-                            config,
-                            n,
-                            d.into(),
-                        )
-                    }
-                    Template::Int(i) => {
-                        mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(config, n, i)
-                    }
-                    Template::Bool(b) => {
-                        mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_bool(config, n, b)
-                    }
-                };
-            }
-            let handles: Vec<_> = inputs.iter().map(|a| a.as_ptr()).collect();
-            let inputs = mlx_sys::mlx_vector_array_new_data(handles.as_ptr(), handles.len());
-            let mut results = mlx_sys::mlx_vector_array_new();
-            if status == 0 {
-                status = mlx_sys::mlx_fast_cuda_kernel_apply(
-                    &mut results,
-                    self.0,
-                    inputs,
-                    config,
-                    stream.as_ptr(),
-                );
-            }
-            let mut out = Vec::with_capacity(outputs.len());
-            if status == 0 && mlx_sys::mlx_vector_array_size(results) == outputs.len() {
-                for i in 0..outputs.len() {
-                    let mut a = mlx_sys::mlx_array_new();
-                    if mlx_sys::mlx_vector_array_get(&mut a, results, i) == 0 {
-                        out.push(Array::from_ptr(a));
-                    } else {
-                        mlx_sys::mlx_array_free(a);
-                    }
+            if *strides {
+                for s in a.strides() {
+                    scalars.push(i32::try_from(*s).map_err(|_| {
+                        Error::invalid(format!("a stride of the {} kernel's input is too large", self.name))
+                    })?);
                 }
             }
-            mlx_sys::mlx_vector_array_free(inputs);
-            mlx_sys::mlx_vector_array_free(results);
-            mlx_sys::mlx_fast_cuda_kernel_config_free(config);
-            if out.len() != outputs.len() {
-                return Err(Error::Mlx(
-                    "a CUDA kernel of ours could not be applied".into(),
-                ));
+        }
+        launch(&kernel, inputs, outputs, &scalars, grid, threads)
+    }
+}
+
+#[cfg(target_os = "macos")]
+fn launch(
+    _: &Compiled,
+    _: &[&Array],
+    _: &[(&[i32], Dtype)],
+    _: &[i32],
+    _: (i32, i32, i32),
+    _: (i32, i32, i32),
+) -> Result<Vec<Array>> {
+    Err(Error::Unsupported("CUDA kernels need MLX's CUDA build".into()))
+}
+
+#[cfg(not(target_os = "macos"))]
+fn launch(
+    kernel: &Compiled,
+    inputs: &[&Array],
+    outputs: &[(&[i32], Dtype)],
+    scalars: &[i32],
+    grid: (i32, i32, i32),
+    threads: (i32, i32, i32),
+) -> Result<Vec<Array>> {
+    let stream = Stream::thread_local_or_default();
+    let shapes: Vec<i32> = outputs.iter().flat_map(|(s, _)| s.iter().copied()).collect();
+    let ndims: Vec<usize> = outputs.iter().map(|(s, _)| s.len()).collect();
+    let dtypes: Vec<mlx_sys::mlx_dtype> = outputs.iter().map(|(_, d)| (*d).into()).collect();
+    // SAFETY: FFI on live handles; the output vector is read back before it
+    // is freed and each array handle is taken over by an `Array`.
+    unsafe {
+        let handles: Vec<_> = inputs.iter().map(|a| a.as_ptr()).collect();
+        let ins = mlx_sys::mlx_vector_array_new_data(handles.as_ptr(), handles.len());
+        let mut results = mlx_sys::mlx_vector_array_new();
+        let status = mlx_sys::emlx_cuda_kernel_apply(
+            &mut results,
+            kernel.0,
+            ins,
+            shapes.as_ptr(),
+            ndims.as_ptr(),
+            dtypes.as_ptr(),
+            outputs.len(),
+            scalars.as_ptr(),
+            scalars.len(),
+            grid.0,
+            grid.1,
+            grid.2,
+            threads.0,
+            threads.1,
+            threads.2,
+            stream.as_ptr(),
+        );
+        let mut out = Vec::with_capacity(outputs.len());
+        if status == 0 && mlx_sys::mlx_vector_array_size(results) == outputs.len() {
+            for i in 0..outputs.len() {
+                let mut a = mlx_sys::mlx_array_new();
+                if mlx_sys::mlx_vector_array_get(&mut a, results, i) == 0 {
+                    out.push(Array::from_ptr(a));
+                } else {
+                    mlx_sys::mlx_array_free(a);
+                }
             }
-            Ok(out)
+        }
+        mlx_sys::mlx_vector_array_free(ins);
+        mlx_sys::mlx_vector_array_free(results);
+        if out.len() != outputs.len() {
+            return Err(Error::Mlx("a CUDA kernel of ours could not be applied".into()));
+        }
+        Ok(out)
+    }
+}
+
+/// The device's architecture (`sm_90`) and NVRTC's version, or why there is
+/// no compiling here.
+fn target() -> Result<&'static (String, String)> {
+    static TARGET: OnceCell<std::result::Result<(String, String), String>> = OnceCell::new();
+    let t = TARGET.get_or_init(|| {
+        #[cfg(target_os = "macos")]
+        return Err("CUDA kernels need MLX's CUDA build".to_string());
+        #[cfg(not(target_os = "macos"))]
+        {
+            let (mut major, mut minor, mut nv_major, mut nv_minor) = (0, 0, 0, 0);
+            // SAFETY: the shim writes the four ints it is given.
+            let status = unsafe {
+                mlx_sys::emlx_cuda_target(&mut major, &mut minor, &mut nv_major, &mut nv_minor)
+            };
+            if status != 0 {
+                return Err("no CUDA device or NVRTC in this process".to_string());
+            }
+            Ok((format!("sm_{major}{minor}"), format!("nvrtc{nv_major}.{nv_minor}")))
+        }
+    });
+    t.as_ref().map_err(|e| Error::Unsupported(e.clone()))
+}
+
+/// 64-bit FNV-1a: a cached binary's name (stable across builds, unlike
+/// std's hasher).
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in parts {
+        for b in *part {
+            h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+        }
+        h = (h ^ 0xff).wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// Where compiled kernels are kept: `EMLX_AXON_KERNEL_CACHE`, else the
+/// user's cache folder, else the temporary folder.
+fn cache_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("EMLX_AXON_KERNEL_CACHE") {
+        return PathBuf::from(dir);
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir);
+    base.join("emlx_axon").join("cuda")
+}
+
+/// The source's binary for this device: from the cache, or compiled now and
+/// stored there (written whole under another name first, so that a reader
+/// never sees half of one; a cache that cannot be written only costs time).
+fn binary(name: &str, source: &str) -> Result<Vec<u8>> {
+    let (arch, nvrtc) = target()?;
+    let hash = fnv1a(&[source.as_bytes(), arch.as_bytes(), nvrtc.as_bytes()]);
+    let dir = cache_dir();
+    let path = dir.join(format!("{name}-{arch}-{nvrtc}-{:x}-{hash:016x}.cubin", source.len()));
+    if let Ok(bytes) = std::fs::read(&path) {
+        if !bytes.is_empty() {
+            return Ok(bytes);
+        }
+    }
+    let bytes = compile(source, arch)?;
+    let tmp = dir.join(format!(".{}.{}", std::process::id(), hash));
+    if std::fs::create_dir_all(&dir).is_ok() && std::fs::write(&tmp, &bytes).is_ok() {
+        let _ = std::fs::rename(&tmp, &path);
+    }
+    Ok(bytes)
+}
+
+#[cfg(target_os = "macos")]
+fn compile(_: &str, _: &str) -> Result<Vec<u8>> {
+    Err(Error::Unsupported("CUDA kernels need MLX's CUDA build".into()))
+}
+
+#[cfg(not(target_os = "macos"))]
+fn compile(source: &str, arch: &str) -> Result<Vec<u8>> {
+    let (source, arch) = (c_string(source)?, c_string(arch)?);
+    let mut binary: *mut c_char = std::ptr::null_mut();
+    let mut log: *mut c_char = std::ptr::null_mut();
+    let mut size = 0usize;
+    // SAFETY: the shim fills the out pointers with malloc'd memory (or
+    // null), freed below after copying.
+    unsafe {
+        let status =
+            mlx_sys::emlx_cuda_compile(source.as_ptr(), arch.as_ptr(), &mut binary, &mut size, &mut log);
+        let message = (!log.is_null()).then(|| CStr::from_ptr(log).to_string_lossy().into_owned());
+        let bytes = (!binary.is_null()).then(|| std::slice::from_raw_parts(binary as *const u8, size).to_vec());
+        mlx_sys::emlx_cuda_free(binary);
+        mlx_sys::emlx_cuda_free(log);
+        match (status, bytes) {
+            (0, Some(b)) => Ok(b),
+            _ => Err(Error::Mlx(format!(
+                "NVRTC could not compile a kernel: {}",
+                message.unwrap_or_default().trim()
+            ))),
         }
     }
 }

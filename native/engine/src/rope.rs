@@ -9,7 +9,7 @@
 
 use mlx_rs::fast::{rope, rope_dynamic};
 use mlx_rs::ops::indexing::{IndexOp, IntoStrideBy};
-use mlx_rs::ops::{broadcast_to, concatenate, stack};
+use mlx_rs::ops::{broadcast_to, concatenate, stack, zeros_dtype};
 use mlx_rs::{Array, Dtype};
 
 use crate::cache::RopeOffset;
@@ -85,7 +85,10 @@ impl Rope {
             RopeOffset::Scalar(_) => 1,
             RopeOffset::PerRow(_) => batch,
         };
-        let ones = broadcast_to(probe, &[rows, 1, len, hd])?;
+        // A buffer of its own, not a broadcast: MLX's CUDA rope gives its
+        // output its input's strides, so every row of a broadcast input
+        // would get the last row's rotation.
+        let ones = zeros_dtype(&[rows, 1, len, hd], probe.dtype())?.add(probe)?;
         // [rows, 1, len, hd] -> [rows, len, 1, hd]
         let table = Rope::Fused(offset)
             .rotate_heads_first(c, &ones)?

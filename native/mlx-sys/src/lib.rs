@@ -28,3 +28,47 @@ extern "C" {
     pub fn mlx_array_data_float16(arr: mlx_array) -> *const float16_t;
     pub fn mlx_array_data_bfloat16(arr: mlx_array) -> *const bfloat16_t;
 }
+
+// compat/cuda_kernel_shim.cpp: our own CUDA kernels, compiled with NVRTC
+// and launched through MLX's `precompiled_cuda_kernel` (not in MLX-C).
+#[cfg(not(target_os = "macos"))]
+extern "C" {
+    pub fn emlx_cuda_target(
+        cc_major: *mut ::std::os::raw::c_int,
+        cc_minor: *mut ::std::os::raw::c_int,
+        nvrtc_major: *mut ::std::os::raw::c_int,
+        nvrtc_minor: *mut ::std::os::raw::c_int,
+    ) -> ::std::os::raw::c_int;
+    pub fn emlx_cuda_compile(
+        source: *const ::std::os::raw::c_char,
+        arch: *const ::std::os::raw::c_char,
+        binary: *mut *mut ::std::os::raw::c_char,
+        size: *mut usize,
+        log: *mut *mut ::std::os::raw::c_char,
+    ) -> ::std::os::raw::c_int;
+    pub fn emlx_cuda_free(p: *mut ::std::os::raw::c_char);
+    pub fn emlx_cuda_kernel_new(
+        name: *const ::std::os::raw::c_char,
+        binary: *const ::std::os::raw::c_char,
+        size: usize,
+    ) -> *mut ::std::os::raw::c_void;
+    pub fn emlx_cuda_kernel_free(kernel: *mut ::std::os::raw::c_void);
+    pub fn emlx_cuda_kernel_apply(
+        res: *mut mlx_vector_array,
+        kernel: *const ::std::os::raw::c_void,
+        inputs: mlx_vector_array,
+        shapes: *const ::std::os::raw::c_int,
+        ndims: *const usize,
+        dtypes: *const mlx_dtype,
+        outputs: usize,
+        scalars: *const ::std::os::raw::c_int,
+        n_scalars: usize,
+        gx: ::std::os::raw::c_int,
+        gy: ::std::os::raw::c_int,
+        gz: ::std::os::raw::c_int,
+        tx: ::std::os::raw::c_int,
+        ty: ::std::os::raw::c_int,
+        tz: ::std::os::raw::c_int,
+        stream: mlx_stream,
+    ) -> ::std::os::raw::c_int;
+}

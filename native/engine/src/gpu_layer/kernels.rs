@@ -523,3 +523,4 @@ impl Kernels {
 pub(crate) fn takes_dtype(d: Dtype) -> bool {
     matches!(d, Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
 }
+

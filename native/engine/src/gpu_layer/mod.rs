@@ -53,8 +53,14 @@ fn env_on(name: &str) -> bool {
     matches!(std::env::var(name).as_deref(), Ok("1") | Ok("true"))
 }
 
+fn env_off(name: &str) -> bool {
+    matches!(std::env::var(name).as_deref(), Ok("0") | Ok("false"))
+}
+
+/// On by default where MLX has a CUDA GPU; `EMLX_AXON_GPU_LAYER=0` keeps
+/// MLX's ops.
 static WANTED: Lazy<bool> = Lazy::new(|| {
-    env_on("EMLX_AXON_GPU_LAYER") && !cfg!(feature = "metal") && crate::device::gpu_available()
+    !env_off("EMLX_AXON_GPU_LAYER") && !cfg!(feature = "metal") && crate::device::gpu_available()
 });
 
 /// Whether the quantized products are ours too.

@@ -1,0 +1,284 @@
+// CUDA kernels of our own, compiled once and launched as MLX graph nodes.
+//
+// MLX's `cuda_kernel` compiles its source with NVRTC in every process (its
+// custom kernels skip MLX's disk cache) and prepends MLX's device headers,
+// about a second per kernel variant. This glue lets the engine compile a
+// self-contained source itself (NVRTC as loaded by a CUDA libmlx, found at
+// run time so that CPU builds link too) and cache the binary, then launch
+// it through MLX's `precompiled_cuda_kernel`, which MLX-C does not wrap.
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "mlx/c/error.h"
+#include "mlx/c/private/array.h"
+#include "mlx/c/private/enums.h"
+#include "mlx/c/private/stream.h"
+#include "mlx/c/private/vector.h"
+#include "mlx/fast.h"
+#include "mlx/version.h"
+
+namespace {
+
+using nvrtc_program = void*;
+using nvrtc_result = int;
+
+template <typename F>
+F symbol(const char* name) {
+  return reinterpret_cast<F>(dlsym(RTLD_DEFAULT, name));
+}
+
+char* copy_out(const std::string& s) {
+  char* out = static_cast<char*>(std::malloc(s.size() + 1));
+  if (out != nullptr) {
+    std::memcpy(out, s.data(), s.size());
+    out[s.size()] = '\0';
+  }
+  return out;
+}
+
+struct Nvrtc {
+  nvrtc_result (*version)(int*, int*);
+  nvrtc_result (*create)(
+      nvrtc_program*,
+      const char*,
+      const char*,
+      int,
+      const char* const*,
+      const char* const*);
+  nvrtc_result (*compile)(nvrtc_program, int, const char* const*);
+  nvrtc_result (*log_size)(nvrtc_program, size_t*);
+  nvrtc_result (*log)(nvrtc_program, char*);
+  nvrtc_result (*cubin_size)(nvrtc_program, size_t*);
+  nvrtc_result (*cubin)(nvrtc_program, char*);
+  nvrtc_result (*destroy)(nvrtc_program*);
+
+  bool load() {
+    version = symbol<decltype(version)>("nvrtcVersion");
+    create = symbol<decltype(create)>("nvrtcCreateProgram");
+    compile = symbol<decltype(compile)>("nvrtcCompileProgram");
+    log_size = symbol<decltype(log_size)>("nvrtcGetProgramLogSize");
+    log = symbol<decltype(log)>("nvrtcGetProgramLog");
+    cubin_size = symbol<decltype(cubin_size)>("nvrtcGetCUBINSize");
+    cubin = symbol<decltype(cubin)>("nvrtcGetCUBIN");
+    destroy = symbol<decltype(destroy)>("nvrtcDestroyProgram");
+    return version && create && compile && log_size && log && cubin_size &&
+        cubin && destroy;
+  }
+};
+
+struct Kernel {
+  std::string name;
+  // What MLX is given as the compiled source: the binary, or a short token
+  // naming it in MLX's module cache (below).
+  std::string source;
+};
+
+// MLX hashes a kernel's compiled source at every launch to name its module
+// (30 KB of binary: ~4 us) and, before building a module, reads MLX's disk
+// cache under that name. So the binary is put in that cache under the name
+// a short token gets, and MLX is given the token. The cache folder and the
+// module name are MLX 0.32's (jit_module.cpp, custom_kernel.cpp); where the
+// file cannot be written MLX is given the binary itself.
+std::string staged_source(const std::string& name, const std::string& binary) {
+  namespace fs = std::filesystem;
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : binary) {
+    h = (h ^ c) * 0x100000001b3ull;
+  }
+  char token[64];
+  std::snprintf(token, sizeof token, "emlx:%016llx:%zu", (unsigned long long)h, binary.size());
+  char module[32];
+  std::snprintf(module, sizeof module, "_%zx", std::hash<std::string>{}(std::string(token)));
+  try {
+    fs::path dir;
+    if (const char* c = std::getenv("MLX_PTX_CACHE_DIR")) {
+      dir = c;
+    } else {
+      dir = fs::temp_directory_path() / "mlx" / mlx::core::version() / "ptx";
+    }
+    fs::path ptx = dir / (name + module + ".ptx");
+    if (name.size() + 20 > 245) {
+      return binary;
+    }
+    std::error_code error;
+    if (fs::file_size(ptx, error) == binary.size() && !error) {
+      return token;
+    }
+    fs::create_directories(dir, error);
+    // The kernel list first: MLX takes the module as present once the
+    // binary is, then reads the list.
+    std::ofstream(dir / (name + module + ".txt")) << name << "\t" << name << "\n";
+    fs::path tmp = dir / (name + module + "." + std::to_string(getpid()) + ".tmp");
+    {
+      std::ofstream out(tmp, std::ios::binary);
+      out.write(binary.data(), binary.size());
+      if (!out.good()) {
+        return binary;
+      }
+    }
+    fs::rename(tmp, ptx, error);
+    if (error || fs::file_size(ptx, error) != binary.size() || error) {
+      return binary;
+    }
+    return token;
+  } catch (...) {
+    return binary;
+  }
+}
+
+} // namespace
+
+// The device's compute capability (device 0, the one MLX uses) and NVRTC's
+// version; nonzero where this process has no CUDA driver or NVRTC.
+extern "C" int emlx_cuda_target(
+    int* cc_major,
+    int* cc_minor,
+    int* nvrtc_major,
+    int* nvrtc_minor) {
+  Nvrtc nvrtc;
+  auto init = symbol<int (*)(unsigned)>("cuInit");
+  auto get = symbol<int (*)(int*, int)>("cuDeviceGet");
+  auto attribute = symbol<int (*)(int*, int, int)>("cuDeviceGetAttribute");
+  if (!nvrtc.load() || !init || !get || !attribute) {
+    return 1;
+  }
+  int device = 0;
+  // 75 and 76: CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR / _MINOR.
+  if (init(0) != 0 || get(&device, 0) != 0 ||
+      attribute(cc_major, 75, device) != 0 ||
+      attribute(cc_minor, 76, device) != 0 ||
+      nvrtc.version(nvrtc_major, nvrtc_minor) != 0) {
+    return 2;
+  }
+  return 0;
+}
+
+// Compiles `source` to a cubin for `arch` ("sm_90"). On success `*binary`
+// (`*size` bytes) holds it; otherwise `*log` says why. Both are malloc'd.
+extern "C" int emlx_cuda_compile(
+    const char* source,
+    const char* arch,
+    char** binary,
+    size_t* size,
+    char** log) {
+  *binary = nullptr;
+  *log = nullptr;
+  Nvrtc nvrtc;
+  if (!nvrtc.load()) {
+    *log = copy_out("NVRTC is not loaded (libmlx is not a CUDA build)");
+    return 1;
+  }
+  nvrtc_program program = nullptr;
+  if (nvrtc.create(&program, source, "emlx_axon.cu", 0, nullptr, nullptr) !=
+      0) {
+    *log = copy_out("NVRTC could not create a program");
+    return 1;
+  }
+  std::string arch_flag = std::string("--gpu-architecture=") + arch;
+  const char* options[] = {arch_flag.c_str(), "--std=c++17"};
+  int status = nvrtc.compile(program, 2, options);
+  if (status != 0) {
+    size_t n = 0;
+    nvrtc.log_size(program, &n);
+    std::string text(n, '\0');
+    nvrtc.log(program, text.data());
+    *log = copy_out(text);
+  } else {
+    nvrtc.cubin_size(program, size);
+    *binary = static_cast<char*>(std::malloc(*size));
+    if (*binary == nullptr || nvrtc.cubin(program, *binary) != 0) {
+      std::free(*binary);
+      *binary = nullptr;
+      *log = copy_out("NVRTC gave no binary");
+      status = 1;
+    }
+  }
+  nvrtc.destroy(&program);
+  return status;
+}
+
+extern "C" void emlx_cuda_free(char* p) {
+  std::free(p);
+}
+
+// A compiled kernel held for launches (MLX copies the binary into each node).
+extern "C" void* emlx_cuda_kernel_new(
+    const char* name,
+    const char* binary,
+    size_t size) {
+  try {
+    std::string n(name);
+    return new Kernel{n, staged_source(n, std::string(binary, size))};
+  } catch (...) {
+    return nullptr;
+  }
+}
+
+extern "C" void emlx_cuda_kernel_free(void* kernel) {
+  delete static_cast<Kernel*>(kernel);
+}
+
+// The kernel's node on `stream`: its parameters are the inputs' and
+// outputs' data pointers, then `scalars` (int each). `shapes` holds the
+// outputs' shapes one after another, `ndims[i]` dimensions each.
+extern "C" int emlx_cuda_kernel_apply(
+    mlx_vector_array* res,
+    const void* kernel,
+    const mlx_vector_array inputs,
+    const int* shapes,
+    const size_t* ndims,
+    const mlx_dtype* dtypes,
+    size_t outputs,
+    const int* scalars,
+    size_t n_scalars,
+    int gx,
+    int gy,
+    int gz,
+    int tx,
+    int ty,
+    int tz,
+    const mlx_stream stream) {
+  try {
+    auto& k = *static_cast<const Kernel*>(kernel);
+    std::vector<mlx::core::Shape> output_shapes;
+    std::vector<mlx::core::Dtype> output_dtypes;
+    for (size_t i = 0; i < outputs; i++) {
+      output_shapes.emplace_back(shapes, shapes + ndims[i]);
+      shapes += ndims[i];
+      output_dtypes.push_back(mlx_dtype_to_cpp(dtypes[i]));
+    }
+    std::vector<mlx::core::fast::ScalarArg> args(
+        scalars, scalars + n_scalars);
+    auto result = mlx::core::fast::precompiled_cuda_kernel(
+        k.name,
+        k.source,
+        mlx_vector_array_get_(inputs),
+        output_shapes,
+        output_dtypes,
+        args,
+        {gx, gy, gz},
+        {tx, ty, tz},
+        0,
+        std::nullopt,
+        false,
+        mlx_stream_get_(stream));
+    mlx_vector_array_set_(*res, std::move(result));
+    return 0;
+  } catch (std::exception& e) {
+    mlx_error(e.what());
+    return 1;
+  }
+}
