@@ -184,7 +184,11 @@ impl CudaKernel {
         ))
     }
 
-    fn compiled(&self, key: String, source: impl FnOnce() -> Result<String>) -> Result<Arc<Compiled>> {
+    fn compiled(
+        &self,
+        key: String,
+        source: impl FnOnce() -> Result<String>,
+    ) -> Result<Arc<Compiled>> {
         let mut map = self.compiled.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(c) = map.get(&key) {
             return Ok(c.clone());
@@ -252,7 +256,10 @@ impl CudaKernel {
             if *strides {
                 for s in a.strides() {
                     scalars.push(i32::try_from(*s).map_err(|_| {
-                        Error::invalid(format!("a stride of the {} kernel's input is too large", self.name))
+                        Error::invalid(format!(
+                            "a stride of the {} kernel's input is too large",
+                            self.name
+                        ))
                     })?);
                 }
             }
@@ -270,7 +277,9 @@ fn launch(
     _: (i32, i32, i32),
     _: (i32, i32, i32),
 ) -> Result<Vec<Array>> {
-    Err(Error::Unsupported("CUDA kernels need MLX's CUDA build".into()))
+    Err(Error::Unsupported(
+        "CUDA kernels need MLX's CUDA build".into(),
+    ))
 }
 
 #[cfg(not(target_os = "macos"))]
@@ -283,7 +292,10 @@ fn launch(
     threads: (i32, i32, i32),
 ) -> Result<Vec<Array>> {
     let stream = Stream::thread_local_or_default();
-    let shapes: Vec<i32> = outputs.iter().flat_map(|(s, _)| s.iter().copied()).collect();
+    let shapes: Vec<i32> = outputs
+        .iter()
+        .flat_map(|(s, _)| s.iter().copied())
+        .collect();
     let ndims: Vec<usize> = outputs.iter().map(|(s, _)| s.len()).collect();
     let dtypes: Vec<mlx_sys::mlx_dtype> = outputs.iter().map(|(_, d)| (*d).into()).collect();
     // SAFETY: FFI on live handles; the output vector is read back before it
@@ -324,7 +336,9 @@ fn launch(
         mlx_sys::mlx_vector_array_free(ins);
         mlx_sys::mlx_vector_array_free(results);
         if out.len() != outputs.len() {
-            return Err(Error::Mlx("a CUDA kernel of ours could not be applied".into()));
+            return Err(Error::Mlx(
+                "a CUDA kernel of ours could not be applied".into(),
+            ));
         }
         Ok(out)
     }
@@ -347,7 +361,10 @@ fn target() -> Result<&'static (String, String)> {
             if status != 0 {
                 return Err("no CUDA device or NVRTC in this process".to_string());
             }
-            Ok((format!("sm_{major}{minor}"), format!("nvrtc{nv_major}.{nv_minor}")))
+            Ok((
+                format!("sm_{major}{minor}"),
+                format!("nvrtc{nv_major}.{nv_minor}"),
+            ))
         }
     });
     t.as_ref().map_err(|e| Error::Unsupported(e.clone()))
@@ -386,7 +403,10 @@ fn binary(name: &str, source: &str) -> Result<Vec<u8>> {
     let (arch, nvrtc) = target()?;
     let hash = fnv1a(&[source.as_bytes(), arch.as_bytes(), nvrtc.as_bytes()]);
     let dir = cache_dir();
-    let path = dir.join(format!("{name}-{arch}-{nvrtc}-{:x}-{hash:016x}.cubin", source.len()));
+    let path = dir.join(format!(
+        "{name}-{arch}-{nvrtc}-{:x}-{hash:016x}.cubin",
+        source.len()
+    ));
     if let Ok(bytes) = std::fs::read(&path) {
         if !bytes.is_empty() {
             return Ok(bytes);
@@ -402,7 +422,9 @@ fn binary(name: &str, source: &str) -> Result<Vec<u8>> {
 
 #[cfg(target_os = "macos")]
 fn compile(_: &str, _: &str) -> Result<Vec<u8>> {
-    Err(Error::Unsupported("CUDA kernels need MLX's CUDA build".into()))
+    Err(Error::Unsupported(
+        "CUDA kernels need MLX's CUDA build".into(),
+    ))
 }
 
 #[cfg(not(target_os = "macos"))]
@@ -414,10 +436,16 @@ fn compile(source: &str, arch: &str) -> Result<Vec<u8>> {
     // SAFETY: the shim fills the out pointers with malloc'd memory (or
     // null), freed below after copying.
     unsafe {
-        let status =
-            mlx_sys::emlx_cuda_compile(source.as_ptr(), arch.as_ptr(), &mut binary, &mut size, &mut log);
+        let status = mlx_sys::emlx_cuda_compile(
+            source.as_ptr(),
+            arch.as_ptr(),
+            &mut binary,
+            &mut size,
+            &mut log,
+        );
         let message = (!log.is_null()).then(|| CStr::from_ptr(log).to_string_lossy().into_owned());
-        let bytes = (!binary.is_null()).then(|| std::slice::from_raw_parts(binary as *const u8, size).to_vec());
+        let bytes = (!binary.is_null())
+            .then(|| std::slice::from_raw_parts(binary as *const u8, size).to_vec());
         mlx_sys::emlx_cuda_free(binary);
         mlx_sys::emlx_cuda_free(log);
         match (status, bytes) {

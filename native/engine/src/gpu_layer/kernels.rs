@@ -485,8 +485,15 @@ impl Kernels {
         let (rows, dtype) = (first.dim(0), first.dtype());
         let n = wt.w.dim(0);
         let bt = (TILE_BYTES / (k_dim * 4)).clamp(1, 4).min(rows);
-        // About one block per multiprocessor (132 on an H200) or more.
-        let r = (n / (8 * 128)).clamp(1, 8);
+        // Rows a warp takes one after another, each a trip to memory: one
+        // for a single input row (a block per 8 weight rows, one wave on an
+        // H200); with a tile of rows, about a block per multiprocessor (132
+        // there), so that fewer blocks repeat the tile's prologue.
+        let r = if rows == 1 {
+            1
+        } else {
+            (n / (8 * 128)).clamp(1, 8)
+        };
         let blocks = (n + 8 * r - 1) / (8 * r);
         let mut templates = vec![
             ("T", Template::Dtype(dtype)),
@@ -523,4 +530,3 @@ impl Kernels {
 pub(crate) fn takes_dtype(d: Dtype) -> bool {
     matches!(d, Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
 }
-

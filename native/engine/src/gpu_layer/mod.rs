@@ -63,8 +63,19 @@ static WANTED: Lazy<bool> = Lazy::new(|| {
     !env_off("EMLX_AXON_GPU_LAYER") && !cfg!(feature = "metal") && crate::device::gpu_available()
 });
 
-/// Whether the quantized products are ours too.
-static GEMV: Lazy<bool> = Lazy::new(|| env_on("EMLX_AXON_GPU_GEMV"));
+/// Whether the quantized products are ours too: always (`EMLX_AXON_GPU_GEMV=1`),
+/// never (`=0`), or by default for one-row steps only, where they save
+/// four nodes a layer; with more rows MLX's products, which read each
+/// weight once for all rows, were faster.
+static GEMV: Lazy<Option<bool>> = Lazy::new(|| {
+    if env_on("EMLX_AXON_GPU_GEMV") {
+        Some(true)
+    } else if env_off("EMLX_AXON_GPU_GEMV") {
+        Some(false)
+    } else {
+        None
+    }
+});
 
 static KERNELS: OnceCell<Option<Kernels>> = OnceCell::new();
 
@@ -185,7 +196,8 @@ pub(crate) fn forward<C: KvStore>(
             kv_heads: c.num_kv_heads,
         })
     };
-    if let Some(weights) = GEMV.then(|| products(blocks)).flatten() {
+    let ours = GEMV.unwrap_or(n == 1);
+    if let Some(weights) = ours.then(|| products(blocks)).flatten() {
         return Ok(Some(with_our_products(
             k, blocks, &weights, final_norm, h, &x, &attend,
         )?));
@@ -340,7 +352,7 @@ fn check(k: &Kernels, dtype: Dtype) -> Result<()> {
     close("SwiGLU", dtype, &k.swiglu(&gu)?, &want)?;
 
     check_qkv_attend(k, dtype, &normal)?;
-    if *GEMV {
+    if *GEMV != Some(false) {
         check_gemv(k, dtype, &normal)?;
     }
     Ok(())
@@ -360,7 +372,7 @@ fn close_relative(what: &str, got: &Array, want: &Array, bound: f32) -> Result<(
 }
 
 /// The product kernels against MLX's `quantized_matmul` of the same inputs
-/// (4- and 8-bit weights; 6 rows: two tiles, the second part full).
+/// (4- and 8-bit weights).
 fn check_gemv(k: &Kernels, dtype: Dtype, normal: Normal) -> Result<()> {
     let (n, kd, eps) = (72, 256, 1e-6);
     let bound = if dtype == Dtype::Float32 { 1e-4 } else { 2e-2 };
@@ -380,34 +392,37 @@ fn check_gemv(k: &Kernels, dtype: Dtype, normal: Normal) -> Result<()> {
                 x, &w, &scales, &biases, true, gs, bits,
             )?)
         };
-        let rows = 6;
-        let what = format!("{bits}-bit product ({rows} rows, {dtype:?})");
-        let x = normal(&[rows, 1, kd], 13, dtype)?;
-        let got = k.gemv(&GemvInput::Plain(&x), &wt)?;
-        close_relative(&what, &got[0], &mlx(&x)?, bound)?;
+        // One row (the default path's grid), and six: two tiles, the
+        // second part full.
+        for rows in [1, 6] {
+            let what = format!("{bits}-bit product ({rows} rows, {dtype:?})");
+            let x = normal(&[rows, 1, kd], 13, dtype)?;
+            let got = k.gemv(&GemvInput::Plain(&x), &wt)?;
+            close_relative(&what, &got[0], &mlx(&x)?, bound)?;
 
-        let gu = normal(&[rows, 1, 2 * kd], 14, dtype)?;
-        let (g, u) = (gu.index((.., .., ..kd)), gu.index((.., .., kd..)));
-        let act = g.multiply(mlx_rs::ops::sigmoid(&g)?)?.multiply(&u)?;
-        let got = k.gemv(&GemvInput::Swiglu(&gu), &wt)?;
-        close_relative(&format!("SwiGLU {what}"), &got[0], &mlx(&act)?, bound)?;
+            let gu = normal(&[rows, 1, 2 * kd], 14, dtype)?;
+            let (g, u) = (gu.index((.., .., ..kd)), gu.index((.., .., kd..)));
+            let act = g.multiply(mlx_rs::ops::sigmoid(&g)?)?.multiply(&u)?;
+            let got = k.gemv(&GemvInput::Swiglu(&gu), &wt)?;
+            close_relative(&format!("SwiGLU {what}"), &got[0], &mlx(&act)?, bound)?;
 
-        let (h, r) = (
-            normal(&[rows, 1, kd], 15, dtype)?,
-            normal(&[rows, 1, kd], 16, dtype)?,
-        );
-        let nw = normal(&[kd], 17, dtype)?;
-        let input = GemvInput::AddNorm {
-            h: &h,
-            r: &r,
-            weight: &nw,
-            eps,
-        };
-        let got = k.gemv(&input, &wt)?;
-        let sum = h.add(&r)?;
-        close("add", dtype, &got[0], &sum)?;
-        let want = mlx(&rms_norm(&sum, Some(&nw), eps)?)?;
-        close_relative(&format!("RMSNorm {what}"), &got[1], &want, bound)?;
+            let (h, r) = (
+                normal(&[rows, 1, kd], 15, dtype)?,
+                normal(&[rows, 1, kd], 16, dtype)?,
+            );
+            let nw = normal(&[kd], 17, dtype)?;
+            let input = GemvInput::AddNorm {
+                h: &h,
+                r: &r,
+                weight: &nw,
+                eps,
+            };
+            let got = k.gemv(&input, &wt)?;
+            let sum = h.add(&r)?;
+            close("add", dtype, &got[0], &sum)?;
+            let want = mlx(&rms_norm(&sum, Some(&nw), eps)?)?;
+            close_relative(&format!("RMSNorm {what}"), &got[1], &want, bound)?;
+        }
     }
     Ok(())
 }
