@@ -481,3 +481,115 @@ pub(crate) fn within(what: &str, got: &Array, want: &Array, tolerance: f32) -> R
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn zeros(shape: &[i32], dtype: Dtype) -> Array {
+        mlx_rs::ops::zeros_dtype(shape, dtype).unwrap()
+    }
+
+    /// The signature MLX's launch fills: input pointers, output pointers,
+    /// then the sizes `apply` passes, in its order (each input's shape, then
+    /// its strides).
+    #[test]
+    fn source_lists_parameters_in_launch_order() {
+        let body = "out[0] = x[a_shape[1] + b_strides[0] + a_strides[2]];";
+        let k = CudaKernel::new("emlx_test", &["a", "b", "x"], &["out"], body).unwrap();
+        let (a, b) = (
+            zeros(&[2, 3, 4], Dtype::Bfloat16),
+            zeros(&[5], Dtype::Int32),
+        );
+        let x = zeros(&[8], Dtype::Float16);
+        let source = k
+            .source(
+                &[&a, &b, &x],
+                &[(&[1], Dtype::Float32)],
+                &[
+                    ("T", Template::Dtype(Dtype::Bfloat16)),
+                    ("N", Template::Int(7)),
+                ],
+            )
+            .unwrap();
+        let signature = [
+            "const emlx_bf16* a",
+            "const int* b",
+            "const emlx_f16* x",
+            "float* out",
+            "int a_shape0",
+            "int a_shape1",
+            "int a_shape2",
+            "int a_strides0",
+            "int a_strides1",
+            "int a_strides2",
+            "int b_strides0) {",
+        ]
+        .join(",\n    ");
+        assert!(source.contains(&signature), "{source}");
+        assert!(source.contains("using T = emlx_bf16;"));
+        assert!(source.contains("constexpr int N = 7;"));
+        assert!(source.contains("const long long b_strides[1] = {b_strides0};"));
+        assert!(!source.contains("x_shape") && !source.contains("#include"));
+    }
+
+    /// Where MLX has no CUDA device (the CPU build), a kernel is an error,
+    /// never a crash.
+    #[test]
+    fn without_cuda_a_kernel_is_an_error() {
+        if crate::device::gpu_available() {
+            return;
+        }
+        let k = CudaKernel::new("emlx_test", &["x"], &["y"], "y[0] = x[0];").unwrap();
+        let x = zeros(&[4], Dtype::Float32);
+        let out = k.apply(
+            &[&x],
+            &[(&[4], Dtype::Float32)],
+            (32, 1, 1),
+            (32, 1, 1),
+            &[],
+        );
+        assert!(out.is_err());
+        assert!(k.apply(&[], &[], (1, 1, 1), (1, 1, 1), &[]).is_err());
+    }
+
+    /// A compiled binary is put in MLX's module cache under the name MLX
+    /// gives the short token it is launched with: the binary itself, and
+    /// its kernel list.
+    #[cfg(not(target_os = "macos"))]
+    #[test]
+    fn compiled_binaries_are_staged_in_mlx_module_cache() {
+        let dir = std::env::temp_dir().join(format!("emlx-ptx-{}", std::process::id()));
+        std::env::set_var("MLX_PTX_CACHE_DIR", &dir);
+        let binary = b"not a real cubin, only staged";
+        let name = c_string("emlx_stage_test").unwrap();
+        // SAFETY: the shim copies both; the handle is freed by `Compiled`.
+        let handle = unsafe {
+            mlx_sys::emlx_cuda_kernel_new(name.as_ptr(), binary.as_ptr().cast(), binary.len())
+        };
+        assert!(!handle.is_null());
+        drop(Compiled(handle));
+        let files: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        let with = |ext: &str| {
+            files
+                .iter()
+                .find(|p| p.extension().is_some_and(|e| e == ext))
+        };
+        let (ptx, list) = (with("ptx").unwrap(), with("txt").unwrap());
+        assert!(ptx
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with("emlx_stage_test_"));
+        assert_eq!(std::fs::read(ptx).unwrap(), binary);
+        assert_eq!(
+            std::fs::read_to_string(list).unwrap(),
+            "emlx_stage_test\temlx_stage_test\n"
+        );
+        assert_eq!(files.len(), 2, "no temporary file left: {files:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

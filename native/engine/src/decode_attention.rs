@@ -4,12 +4,12 @@
 //! A decode step with fixed shapes (see [`crate::decode_step`]) attends over
 //! a bucket of keys through a mask, and MLX's CUDA attention kernel takes no
 //! mask: it would fall back to separate products, softmax and masking, four
-//! kernels a layer instead of one. This kernel (MLX's `cuda_kernel`, built
-//! at run time like MLX's own) takes the rows' key ranges instead. One block
+//! kernels a layer instead of one. This kernel (see [`crate::cuda_kernel`])
+//! takes the rows' key ranges instead. One block
 //! per (query head, row); its 8 warps take every 8th key with an online
 //! softmax in float32, then combine. Before first use it is checked against
-//! MLX's masked attention on the device; a failure (no compiler headers, a
-//! wrong result) leaves the masked path in use. Metal keeps the masked path.
+//! MLX's masked attention on the device; a failure (no NVRTC, a wrong
+//! result) leaves the masked path in use. Metal keeps the masked path.
 
 use mlx_rs::fast::scaled_dot_product_attention;
 use mlx_rs::ops::indexing::IndexOp;
@@ -111,9 +111,8 @@ static WANTED: Lazy<bool> = Lazy::new(|| {
 
 /// Whether [`attend`] may be used on the current stream: wanted (above), a
 /// GPU stream, and the kernel passed its check (run here on first call).
-/// Opt-in: on an NVIDIA H200 with MLX
-/// 0.32.2 the kernel builds but MLX refuses to launch it
-/// (`cudaGraphAddKernelNode` "invalid argument").
+/// Opt-in: the fused layer kernels (`crate::gpu_layer`) do one-token
+/// attention by default on CUDA; this kernel serves the MLX-op layers.
 pub fn available() -> bool {
     if !*WANTED || crate::rope::on_cpu_stream() {
         return false;

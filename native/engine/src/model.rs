@@ -602,8 +602,8 @@ mod tests {
         (error(&batch_1), error(&two_slots))
     }
 
-    /// On a CUDA GPU with `EMLX_AXON_GPU_LAYER=1` (and `EMLX_AXON_GPU_GEMV`
-    /// either way), one-token steps run each layer from our kernels
+    /// On a CUDA GPU (unless `EMLX_AXON_GPU_LAYER=0`; `EMLX_AXON_GPU_GEMV`
+    /// any way), one-token steps run each layer from our kernels
     /// (`crate::gpu_layer`): the same logits as MLX's separate ops, to
     /// float32 summation order, and close in bfloat16 (whose roundings the
     /// kernels repeat, but whose norms and products sum in another order).
@@ -611,7 +611,7 @@ mod tests {
     #[test]
     fn gpu_layer_kernels_give_the_separate_ops_logits() {
         if !crate::gpu_layer::wanted() {
-            eprintln!("no CUDA GPU, or EMLX_AXON_GPU_LAYER unset: nothing to compare");
+            eprintln!("no CUDA GPU, or EMLX_AXON_GPU_LAYER=0: nothing to compare");
             return;
         }
         let lease = Lease::new(DeviceKind::Gpu).unwrap();

@@ -92,6 +92,29 @@ struct Kernel {
 // a short token gets, and MLX is given the token. The cache folder and the
 // module name are MLX 0.32's (jit_module.cpp, custom_kernel.cpp); where the
 // file cannot be written MLX is given the binary itself.
+// Writes `data` to `path` whole: into a file of this process first, then
+// renamed, so that no reader sees part of it.
+bool write_whole(const std::filesystem::path& path, const std::string& data) {
+  std::error_code error;
+  auto tmp = path;
+  tmp += "." + std::to_string(getpid()) + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary);
+    out.write(data.data(), data.size());
+    if (!out.good()) {
+      return false;
+    }
+  }
+  std::filesystem::rename(tmp, path, error);
+  return !error;
+}
+
+bool holds(const std::filesystem::path& path, size_t size) {
+  std::error_code error;
+  auto n = std::filesystem::file_size(path, error);
+  return !error && n == size;
+}
+
 std::string staged_source(const std::string& name, const std::string& binary) {
   namespace fs = std::filesystem;
   uint64_t h = 0xcbf29ce484222325ull;
@@ -99,9 +122,18 @@ std::string staged_source(const std::string& name, const std::string& binary) {
     h = (h ^ c) * 0x100000001b3ull;
   }
   char token[64];
-  std::snprintf(token, sizeof token, "emlx:%016llx:%zu", (unsigned long long)h, binary.size());
+  std::snprintf(
+      token,
+      sizeof token,
+      "emlx:%016llx:%zu",
+      static_cast<unsigned long long>(h),
+      binary.size());
   char module[32];
-  std::snprintf(module, sizeof module, "_%zx", std::hash<std::string>{}(std::string(token)));
+  std::snprintf(
+      module, sizeof module, "_%zx", std::hash<std::string>{}(token));
+  if (name.size() + 20 > 245) {
+    return binary; // MLX would split the file name into folders.
+  }
   try {
     fs::path dir;
     if (const char* c = std::getenv("MLX_PTX_CACHE_DIR")) {
@@ -109,34 +141,23 @@ std::string staged_source(const std::string& name, const std::string& binary) {
     } else {
       dir = fs::temp_directory_path() / "mlx" / mlx::core::version() / "ptx";
     }
-    fs::path ptx = dir / (name + module + ".ptx");
-    if (name.size() + 20 > 245) {
-      return binary;
-    }
-    std::error_code error;
-    if (fs::file_size(ptx, error) == binary.size() && !error) {
+    auto ptx = dir / (name + module + ".ptx");
+    auto list = dir / (name + module + ".txt");
+    std::string kernels = name + "\t" + name + "\n";
+    if (holds(list, kernels.size()) && holds(ptx, binary.size())) {
       return token;
     }
+    std::error_code error;
     fs::create_directories(dir, error);
-    // The kernel list first: MLX takes the module as present once the
-    // binary is, then reads the list.
-    std::ofstream(dir / (name + module + ".txt")) << name << "\t" << name << "\n";
-    fs::path tmp = dir / (name + module + "." + std::to_string(getpid()) + ".tmp");
-    {
-      std::ofstream out(tmp, std::ios::binary);
-      out.write(binary.data(), binary.size());
-      if (!out.good()) {
-        return binary;
-      }
+    // The kernel list first: MLX takes the module as cached once the
+    // binary is there, then reads the list.
+    if (write_whole(list, kernels) && write_whole(ptx, binary) &&
+        holds(ptx, binary.size())) {
+      return token;
     }
-    fs::rename(tmp, ptx, error);
-    if (error || fs::file_size(ptx, error) != binary.size() || error) {
-      return binary;
-    }
-    return token;
   } catch (...) {
-    return binary;
   }
+  return binary;
 }
 
 } // namespace

@@ -2,8 +2,9 @@
 //! quantized products and kernels of our own ([`kernels`]): q/k norm +
 //! RoPE + cache write + attention over each row's keys in one, residual
 //! add + RMSNorm, SwiGLU; eight nodes a layer instead of about twenty.
-//! With `EMLX_AXON_GPU_GEMV=1` the products are ours too, each reading the
-//! add + norm or SwiGLU before it: four nodes a layer.
+//! For one-row steps the products are ours too, each reading the add +
+//! norm or SwiGLU before it: four nodes a layer (`EMLX_AXON_GPU_GEMV=1`
+//! for every step, `=0` for none).
 //!
 //! MLX's CUDA backend spends about 6 µs of host time on every node it
 //! evaluates (an NVIDIA H200, chains of small ops), views and reshapes
@@ -13,22 +14,16 @@
 //! values are written into the cache buffers in place, so the cache's own
 //! update goes too.
 //!
-//! Opt-in (`EMLX_AXON_GPU_LAYER=1`): on that H200, building and checking
-//! the kernels cost every fresh process 30-50 s before its first step. MLX
-//! 0.32.2 compiles a custom kernel with NVRTC in every process: its
-//! `CustomKernel::eval_gpu` asks for the module with the disk cache off
-//! (its own kernels keep theirs), though it would read a cached module of
-//! the same name. Compiling the sources ourselves once and launching them
-//! as MLX's precompiled kernels would remove that; not done. Measured
-//! there (bfloat16, Qwen3-0.6B shape, 4-bit): batch-1 decode 331-534 tok/s
-//! against 225-381 with MLX's ops; a first version of our products decoded
-//! at 336-428 (slower than MLX's at batch 1) and 1875-1905 tok/s at batch 8
-//! (1671-1725 with MLX's); they now load 16 bytes a lane and a row at once
-//! (not measured yet). The kernels are checked against MLX's ops once, on
-//! first use; where they cannot be built or differ, layers are built from
-//! MLX's ops.
-//! Metal keeps MLX's ops (MLX's Metal build has no CUDA kernels; ports of
-//! these sources to `metal_kernel` are not written).
+//! On by default on CUDA (`EMLX_AXON_GPU_LAYER=0` keeps MLX's ops). The
+//! kernels are compiled once per machine and kept on disk
+//! ([`crate::cuda_kernel`]); each is checked against MLX's ops on first
+//! use per dtype, and where they cannot be built or differ, layers are
+//! built from MLX's ops. Measured on an NVIDIA H200 (bfloat16, Qwen3-0.6B
+//! shape, 4-bit, 5 fresh processes each; bench/RESULTS-gpu.md): batch-1
+//! decode 455 tok/s (MLX's products in the fused layers: 409; MLX's ops:
+//! 291 in an earlier run), batch 8 1,729. Metal keeps MLX's ops (MLX's
+//! Metal build has no CUDA kernels; ports of these sources to
+//! `metal_kernel` are not written).
 
 mod kernels;
 
