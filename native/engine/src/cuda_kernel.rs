@@ -40,7 +40,7 @@ pub struct CudaKernel {
     /// Per input: whether the body reads `name_shape`, `name_strides`.
     reads: Vec<(bool, bool)>,
     /// Compiled variants by their signature and constants.
-    compiled: Mutex<HashMap<String, Arc<Compiled>>>,
+    compiled: Mutex<HashMap<Vec<i32>, Arc<Compiled>>>,
 }
 
 /// A compiled variant as MLX launches it (the binary and its symbol).
@@ -54,10 +54,7 @@ unsafe impl Sync for Compiled {}
 impl Drop for Compiled {
     fn drop(&mut self) {
         // SAFETY: made by `emlx_cuda_kernel_new`, freed once.
-        #[cfg(not(target_os = "macos"))]
-        unsafe {
-            mlx_sys::emlx_cuda_kernel_free(self.0)
-        };
+        unsafe { mlx_sys::emlx_cuda_kernel_free(self.0) };
     }
 }
 
@@ -186,24 +183,23 @@ impl CudaKernel {
 
     fn compiled(
         &self,
-        key: String,
+        key: Vec<i32>,
         source: impl FnOnce() -> Result<String>,
     ) -> Result<Arc<Compiled>> {
         let mut map = self.compiled.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(c) = map.get(&key) {
             return Ok(c.clone());
         }
-        let binary = binary(&self.name, &source()?)?;
-        let name = c_string(&self.name)?;
-        #[cfg(not(target_os = "macos"))]
-        // SAFETY: the shim copies the name and the binary.
+        let (binary, id) = binary(&self.name, &source()?)?;
+        let (name, token) = (c_string(&self.name)?, c_string(&format!("emlx:{id}"))?);
+        // SAFETY: the shim copies the strings and the binary.
         let handle = unsafe {
-            mlx_sys::emlx_cuda_kernel_new(name.as_ptr(), binary.as_ptr().cast(), binary.len())
-        };
-        #[cfg(target_os = "macos")]
-        let handle: *mut c_void = {
-            let _ = (name, binary);
-            std::ptr::null_mut()
+            mlx_sys::emlx_cuda_kernel_new(
+                name.as_ptr(),
+                token.as_ptr(),
+                binary.as_ptr().cast(),
+                binary.len(),
+            )
         };
         if handle.is_null() {
             return Err(Error::Mlx("could not hold a compiled CUDA kernel".into()));
@@ -231,22 +227,7 @@ impl CudaKernel {
                 self.outputs.len()
             )));
         }
-        // What makes a variant: every type and rank in the signature and
-        // every constant.
-        let mut key = String::new();
-        for a in inputs {
-            let _ = write!(key, "{:?}{},", a.dtype(), a.ndim());
-        }
-        for (_, d) in outputs {
-            let _ = write!(key, "{d:?},");
-        }
-        for (n, v) in templates {
-            let _ = match v {
-                Template::Dtype(d) => write!(key, "{n}={d:?},"),
-                Template::Int(i) => write!(key, "{n}={i},"),
-                Template::Bool(b) => write!(key, "{n}={b},"),
-            };
-        }
+        let key = variant(inputs, outputs, templates);
         let kernel = self.compiled(key, || self.source(inputs, outputs, templates))?;
         let mut scalars = Vec::new();
         for (a, (shape, strides)) in inputs.iter().zip(&self.reads) {
@@ -268,21 +249,32 @@ impl CudaKernel {
     }
 }
 
-#[cfg(target_os = "macos")]
-fn launch(
-    _: &Compiled,
-    _: &[&Array],
-    _: &[(&[i32], Dtype)],
-    _: &[i32],
-    _: (i32, i32, i32),
-    _: (i32, i32, i32),
-) -> Result<Vec<Array>> {
-    Err(Error::Unsupported(
-        "CUDA kernels need MLX's CUDA build".into(),
-    ))
+/// What makes a variant, cheaply (it is looked up at every launch): every
+/// type and rank in the signature and every constant by name. Names are
+/// their bytes (all positive), each value after a negative tag.
+fn variant(
+    inputs: &[&Array],
+    outputs: &[(&[i32], Dtype)],
+    templates: &[(&str, Template)],
+) -> Vec<i32> {
+    let mut key = Vec::with_capacity(2 * inputs.len() + outputs.len() + 8 * templates.len());
+    key.extend(
+        inputs
+            .iter()
+            .flat_map(|a| [a.dtype() as i32, a.ndim() as i32]),
+    );
+    key.extend(outputs.iter().map(|(_, d)| *d as i32));
+    for (name, value) in templates {
+        key.extend(name.bytes().map(i32::from));
+        key.extend(match *value {
+            Template::Dtype(d) => [-1, d as i32],
+            Template::Int(i) => [-2, i],
+            Template::Bool(b) => [-3, i32::from(b)],
+        });
+    }
+    key
 }
 
-#[cfg(not(target_os = "macos"))]
 fn launch(
     kernel: &Compiled,
     inputs: &[&Array],
@@ -349,23 +341,18 @@ fn launch(
 fn target() -> Result<&'static (String, String)> {
     static TARGET: OnceCell<std::result::Result<(String, String), String>> = OnceCell::new();
     let t = TARGET.get_or_init(|| {
-        #[cfg(target_os = "macos")]
-        return Err("CUDA kernels need MLX's CUDA build".to_string());
-        #[cfg(not(target_os = "macos"))]
-        {
-            let (mut major, mut minor, mut nv_major, mut nv_minor) = (0, 0, 0, 0);
-            // SAFETY: the shim writes the four ints it is given.
-            let status = unsafe {
-                mlx_sys::emlx_cuda_target(&mut major, &mut minor, &mut nv_major, &mut nv_minor)
-            };
-            if status != 0 {
-                return Err("no CUDA device or NVRTC in this process".to_string());
-            }
-            Ok((
-                format!("sm_{major}{minor}"),
-                format!("nvrtc{nv_major}.{nv_minor}"),
-            ))
+        let (mut major, mut minor, mut nv_major, mut nv_minor) = (0, 0, 0, 0);
+        // SAFETY: the shim writes the four ints it is given.
+        let status = unsafe {
+            mlx_sys::emlx_cuda_target(&mut major, &mut minor, &mut nv_major, &mut nv_minor)
+        };
+        if status != 0 {
+            return Err("no CUDA device or NVRTC in this process".to_string());
         }
+        Ok((
+            format!("sm_{major}{minor}"),
+            format!("nvrtc{nv_major}.{nv_minor}"),
+        ))
     });
     t.as_ref().map_err(|e| Error::Unsupported(e.clone()))
 }
@@ -396,20 +383,19 @@ fn cache_dir() -> PathBuf {
     base.join("emlx_axon").join("cuda")
 }
 
-/// The source's binary for this device: from the cache, or compiled now and
-/// stored there (written whole under another name first, so that a reader
-/// never sees half of one; a cache that cannot be written only costs time).
-fn binary(name: &str, source: &str) -> Result<Vec<u8>> {
+/// The source's binary for this device and the name that tells it from
+/// every other: from the cache, or compiled now and stored there (written
+/// whole under another name first, so that a reader never sees half of one;
+/// a cache that cannot be written only costs time).
+fn binary(name: &str, source: &str) -> Result<(Vec<u8>, String)> {
     let (arch, nvrtc) = target()?;
     let hash = fnv1a(&[source.as_bytes(), arch.as_bytes(), nvrtc.as_bytes()]);
+    let id = format!("{arch}-{nvrtc}-{:x}-{hash:016x}", source.len());
     let dir = cache_dir();
-    let path = dir.join(format!(
-        "{name}-{arch}-{nvrtc}-{:x}-{hash:016x}.cubin",
-        source.len()
-    ));
+    let path = dir.join(format!("{name}-{id}.cubin"));
     if let Ok(bytes) = std::fs::read(&path) {
         if !bytes.is_empty() {
-            return Ok(bytes);
+            return Ok((bytes, id));
         }
     }
     let bytes = compile(source, arch)?;
@@ -417,17 +403,9 @@ fn binary(name: &str, source: &str) -> Result<Vec<u8>> {
     if std::fs::create_dir_all(&dir).is_ok() && std::fs::write(&tmp, &bytes).is_ok() {
         let _ = std::fs::rename(&tmp, &path);
     }
-    Ok(bytes)
+    Ok((bytes, id))
 }
 
-#[cfg(target_os = "macos")]
-fn compile(_: &str, _: &str) -> Result<Vec<u8>> {
-    Err(Error::Unsupported(
-        "CUDA kernels need MLX's CUDA build".into(),
-    ))
-}
-
-#[cfg(not(target_os = "macos"))]
 fn compile(source: &str, arch: &str) -> Result<Vec<u8>> {
     let (source, arch) = (c_string(source)?, c_string(arch)?);
     let mut binary: *mut c_char = std::ptr::null_mut();
@@ -533,6 +511,33 @@ mod tests {
         assert!(!source.contains("x_shape") && !source.contains("#include"));
     }
 
+    /// A variant's key tells apart every input type and rank, output type,
+    /// constant name and value, and kind of constant.
+    #[test]
+    fn variants_differ_by_type_rank_and_constant() {
+        let out: [(&[i32], Dtype); 1] = [(&[1], Dtype::Float32)];
+        let key =
+            |x: &Array, out: &[(&[i32], Dtype)], t: &[(&str, Template)]| variant(&[x], out, t);
+        let x = zeros(&[2, 3], Dtype::Bfloat16);
+        let n1 = [("N", Template::Int(1))];
+        let base = key(&x, &out, &n1);
+        assert_eq!(base, key(&zeros(&[4, 5], Dtype::Bfloat16), &out, &n1));
+        let others = [
+            key(&zeros(&[6], Dtype::Bfloat16), &out, &n1),
+            key(&zeros(&[2, 3], Dtype::Float32), &out, &n1),
+            key(&x, &[(&[1], Dtype::Bfloat16)], &n1),
+            key(&x, &out, &[("M", Template::Int(1))]),
+            key(&x, &out, &[("NN", Template::Int(1))]),
+            key(&x, &out, &[("N", Template::Int(2))]),
+            key(&x, &out, &[("N", Template::Bool(true))]),
+            key(&x, &out, &[("N", Template::Dtype(Dtype::Bool))]),
+            key(&x, &out, &[]),
+        ];
+        for (i, other) in others.iter().enumerate() {
+            assert_ne!(&base, other, "variant {i}");
+        }
+    }
+
     /// Where MLX has no CUDA device (the CPU build), a kernel is an error,
     /// never a crash.
     #[test]
@@ -562,10 +567,18 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("emlx-ptx-{}", std::process::id()));
         std::env::set_var("MLX_PTX_CACHE_DIR", &dir);
         let binary = b"not a real cubin, only staged";
-        let name = c_string("emlx_stage_test").unwrap();
-        // SAFETY: the shim copies both; the handle is freed by `Compiled`.
+        let (name, token) = (
+            c_string("emlx_stage_test").unwrap(),
+            c_string("emlx:test").unwrap(),
+        );
+        // SAFETY: the shim copies all three; the handle is freed by `Compiled`.
         let handle = unsafe {
-            mlx_sys::emlx_cuda_kernel_new(name.as_ptr(), binary.as_ptr().cast(), binary.len())
+            mlx_sys::emlx_cuda_kernel_new(
+                name.as_ptr(),
+                token.as_ptr(),
+                binary.as_ptr().cast(),
+                binary.len(),
+            )
         };
         assert!(!handle.is_null());
         drop(Compiled(handle));

@@ -48,10 +48,7 @@ pub fn enabled() -> bool {
     if FAILED.load(Ordering::Relaxed) {
         return false;
     }
-    matches!(
-        std::env::var("EMLX_AXON_COMPILED_DECODE").as_deref(),
-        Ok("1") | Ok("true")
-    )
+    crate::switch::on("EMLX_AXON_COMPILED_DECODE")
 }
 
 /// The keys a step attends to when the furthest row writes at `position`.

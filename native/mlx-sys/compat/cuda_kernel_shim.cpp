@@ -9,7 +9,6 @@
 #include <dlfcn.h>
 #include <unistd.h>
 
-#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -86,12 +85,6 @@ struct Kernel {
   std::string source;
 };
 
-// MLX hashes a kernel's compiled source at every launch to name its module
-// (30 KB of binary: ~4 us) and, before building a module, reads MLX's disk
-// cache under that name. So the binary is put in that cache under the name
-// a short token gets, and MLX is given the token. The cache folder and the
-// module name are MLX 0.32's (jit_module.cpp, custom_kernel.cpp); where the
-// file cannot be written MLX is given the binary itself.
 // Writes `data` to `path` whole: into a file of this process first, then
 // renamed, so that no reader sees part of it.
 bool write_whole(const std::filesystem::path& path, const std::string& data) {
@@ -115,19 +108,18 @@ bool holds(const std::filesystem::path& path, size_t size) {
   return !error && n == size;
 }
 
-std::string staged_source(const std::string& name, const std::string& binary) {
+// MLX hashes a kernel's compiled source at every launch to name its module
+// (30 KB of binary: ~4 us) and, before building a module, reads MLX's disk
+// cache under that name. So the binary is put in that cache under the name
+// the short `token` (unique to the binary) gets, and MLX is given the token.
+// The cache folder and the module name are MLX 0.32's (jit_module.cpp,
+// custom_kernel.cpp); where the file cannot be written MLX is given the
+// binary itself.
+std::string staged_source(
+    const std::string& name,
+    const std::string& token,
+    const std::string& binary) {
   namespace fs = std::filesystem;
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (unsigned char c : binary) {
-    h = (h ^ c) * 0x100000001b3ull;
-  }
-  char token[64];
-  std::snprintf(
-      token,
-      sizeof token,
-      "emlx:%016llx:%zu",
-      static_cast<unsigned long long>(h),
-      binary.size());
   char module[32];
   std::snprintf(
       module, sizeof module, "_%zx", std::hash<std::string>{}(token));
@@ -235,14 +227,16 @@ extern "C" void emlx_cuda_free(char* p) {
   std::free(p);
 }
 
-// A compiled kernel held for launches (MLX copies the binary into each node).
+// A compiled kernel held for launches (MLX copies its source into each
+// node); `token` names this binary and no other.
 extern "C" void* emlx_cuda_kernel_new(
     const char* name,
+    const char* token,
     const char* binary,
     size_t size) {
   try {
     std::string n(name);
-    return new Kernel{n, staged_source(n, std::string(binary, size))};
+    return new Kernel{n, staged_source(n, token, std::string(binary, size))};
   } catch (...) {
     return nullptr;
   }

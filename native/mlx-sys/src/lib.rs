@@ -49,6 +49,7 @@ extern "C" {
     pub fn emlx_cuda_free(p: *mut ::std::os::raw::c_char);
     pub fn emlx_cuda_kernel_new(
         name: *const ::std::os::raw::c_char,
+        token: *const ::std::os::raw::c_char,
         binary: *const ::std::os::raw::c_char,
         size: usize,
     ) -> *mut ::std::os::raw::c_void;
@@ -72,3 +73,63 @@ extern "C" {
         stream: mlx_stream,
     ) -> ::std::os::raw::c_int;
 }
+
+/// Apple's libmlx is a Metal build and the shim above is not built there:
+/// the same functions, each saying there is no CUDA.
+#[cfg(target_os = "macos")]
+mod no_cuda {
+    use super::{mlx_dtype, mlx_stream, mlx_vector_array};
+    use std::os::raw::{c_char, c_int, c_void};
+
+    pub unsafe fn emlx_cuda_target(
+        _: *mut c_int,
+        _: *mut c_int,
+        _: *mut c_int,
+        _: *mut c_int,
+    ) -> c_int {
+        1
+    }
+    pub unsafe fn emlx_cuda_compile(
+        _: *const c_char,
+        _: *const c_char,
+        binary: *mut *mut c_char,
+        _: *mut usize,
+        log: *mut *mut c_char,
+    ) -> c_int {
+        *binary = std::ptr::null_mut();
+        *log = std::ptr::null_mut();
+        1
+    }
+    pub unsafe fn emlx_cuda_free(_: *mut c_char) {}
+    pub unsafe fn emlx_cuda_kernel_new(
+        _: *const c_char,
+        _: *const c_char,
+        _: *const c_char,
+        _: usize,
+    ) -> *mut c_void {
+        std::ptr::null_mut()
+    }
+    pub unsafe fn emlx_cuda_kernel_free(_: *mut c_void) {}
+    pub unsafe fn emlx_cuda_kernel_apply(
+        _: *mut mlx_vector_array,
+        _: *const c_void,
+        _: mlx_vector_array,
+        _: *const c_int,
+        _: *const usize,
+        _: *const mlx_dtype,
+        _: usize,
+        _: *const c_int,
+        _: usize,
+        _: c_int,
+        _: c_int,
+        _: c_int,
+        _: c_int,
+        _: c_int,
+        _: c_int,
+        _: mlx_stream,
+    ) -> c_int {
+        1
+    }
+}
+#[cfg(target_os = "macos")]
+pub use no_cuda::*;

@@ -44,18 +44,12 @@ use crate::rope::Rope;
 use emlx_axon_kernels::QuantWeight;
 use kernels::{GemvInput, Kernels, QkvAttend};
 
-fn env_on(name: &str) -> bool {
-    matches!(std::env::var(name).as_deref(), Ok("1") | Ok("true"))
-}
-
-fn env_off(name: &str) -> bool {
-    matches!(std::env::var(name).as_deref(), Ok("0") | Ok("false"))
-}
-
 /// On by default where MLX has a CUDA GPU; `EMLX_AXON_GPU_LAYER=0` keeps
 /// MLX's ops.
 static WANTED: Lazy<bool> = Lazy::new(|| {
-    !env_off("EMLX_AXON_GPU_LAYER") && !cfg!(feature = "metal") && crate::device::gpu_available()
+    !crate::switch::off("EMLX_AXON_GPU_LAYER")
+        && !cfg!(feature = "metal")
+        && crate::device::gpu_available()
 });
 
 /// Whether the quantized products are ours too: always (`EMLX_AXON_GPU_GEMV=1`),
@@ -63,9 +57,9 @@ static WANTED: Lazy<bool> = Lazy::new(|| {
 /// four nodes a layer; with more rows MLX's products, which read each
 /// weight once for all rows, were faster.
 static GEMV: Lazy<Option<bool>> = Lazy::new(|| {
-    if env_on("EMLX_AXON_GPU_GEMV") {
+    if crate::switch::on("EMLX_AXON_GPU_GEMV") {
         Some(true)
-    } else if env_off("EMLX_AXON_GPU_GEMV") {
+    } else if crate::switch::off("EMLX_AXON_GPU_GEMV") {
         Some(false)
     } else {
         None
@@ -74,8 +68,9 @@ static GEMV: Lazy<Option<bool>> = Lazy::new(|| {
 
 static KERNELS: OnceCell<Option<Kernels>> = OnceCell::new();
 
-/// Each compute dtype's check result: a check builds every kernel it runs
-/// (about a second each on that H200), so only dtypes in use are checked.
+/// Each compute dtype's check result: a check builds every kernel variant it
+/// runs (once per machine, then from the disk cache), so only dtypes in use
+/// are checked.
 static CHECKED: Lazy<Mutex<Vec<(Dtype, bool)>>> = Lazy::new(|| Mutex::new(Vec::new()));
 
 /// Whether one-token steps on a GPU stream may take this path (asked for,
