@@ -39,6 +39,8 @@ PEER_NAMES = {
 }
 OURS = ["rust", "rust-eager", "rust-compiled", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen"]
 MLX_LM = ["mlx-lm", "mlx-lm-stream", "mlx-lm-cli"]
+# The engine under its GPU-relevant settings, each set against the mlx-lm paths.
+ENGINE_VARIANTS = ["rust", "rust-eager", "rust-ops", "rust-mlx-products"]
 BEST_MLX = "best mlx-lm path"
 
 
@@ -251,7 +253,7 @@ def states_section(metrics, peers, trials):
                      f"{len(slow)} ({', '.join(map(str, sorted(slow)))})" if slow else "0", fmt(median(slow.values())),
                      fmt(metrics.med(metric, p)), f"{max(spreads):.2f}x" if spreads else "n/a"])
     out += [table(header, rows), ""]
-    pairs = [(p, q) for p in ("rust", "rust-eager", "rust-ops", "rust-mlx-products", "elixir") if p in states for q in MLX_LM + ["rust-eager"]
+    pairs = [(p, q) for p in ENGINE_VARIANTS + ["elixir"] if p in states for q in MLX_LM + ["rust-eager"]
              if q in states and q != p and not (p == "elixir" and q == "rust-eager")]
     if pairs:
         header = ["ratio", "fast / fast", "slow / slow", "all / all"]
@@ -345,7 +347,7 @@ def model_section(name, folder, settings):
     if "mlx-lm" in peers:
         ratio_pairs += [(p, "mlx-lm") for p in peers if p in OURS]
     if sum(p in peers for p in MLX_LM) > 1:
-        ratio_pairs += [(p, BEST_MLX) for p in ("rust", "rust-eager", "rust-ops", "rust-mlx-products") if p in peers]
+        ratio_pairs += [(p, BEST_MLX) for p in ENGINE_VARIANTS if p in peers]
     if "rust" in peers and "rust-eager" in peers:
         ratio_pairs.append(("rust", "rust-eager"))
     if "rust" in peers and "rust-compiled" in peers:
