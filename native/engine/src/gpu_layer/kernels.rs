@@ -445,7 +445,7 @@ impl Kernels {
         let (rows, d) = (h.dim(0), h.dim(-1));
         let shape = [rows, 1, d];
         let dtype = h.dtype();
-        let mut out = self.add_norm.apply(
+        let out = self.add_norm.apply(
             &[h, r, w],
             &[(&shape, dtype), (&shape, dtype)],
             (BLOCK, rows, 1),
@@ -457,8 +457,7 @@ impl Kernels {
                 ("EPS_BITS", eps_bits(eps)),
             ],
         )?;
-        let normed = out.pop().expect("two outputs");
-        Ok((out.pop().expect("two outputs"), normed))
+        Ok(pair(out))
     }
 
     /// `silu(gate) * up` of a stacked gate/up product `[rows, 1, 2 * I]`.
@@ -524,6 +523,12 @@ impl Kernels {
             &templates,
         )
     }
+}
+
+/// A two-output kernel's outputs in order (`apply` returns as many as asked).
+pub(crate) fn pair(mut outputs: Vec<Array>) -> (Array, Array) {
+    let second = outputs.pop().expect("two outputs");
+    (outputs.pop().expect("two outputs"), second)
 }
 
 /// Dtypes the kernels compute in.

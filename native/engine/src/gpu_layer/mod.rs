@@ -42,7 +42,7 @@ use crate::layers::RmsNorm;
 use crate::model::Block;
 use crate::rope::Rope;
 use emlx_axon_kernels::QuantWeight;
-use kernels::{GemvInput, Kernels, QkvAttend};
+use kernels::{pair, GemvInput, Kernels, QkvAttend};
 
 /// On by default where MLX has a CUDA GPU; `EMLX_AXON_GPU_LAYER=0` keeps
 /// MLX's ops.
@@ -266,10 +266,6 @@ fn with_our_products(
         })
     };
     let one = |mut v: Vec<Array>| v.remove(0);
-    let two = |mut v: Vec<Array>| -> (Array, Array) {
-        let y = v.pop().expect("two outputs");
-        (v.pop().expect("two outputs"), y)
-    };
     let mut qkv = with_bias(
         one(k.gemv(&GemvInput::Plain(x), &weights[0].qkv)?),
         weights[0].qkv_bias,
@@ -285,7 +281,7 @@ fn with_our_products(
             weight: post.weight(),
             eps: post.eps(),
         };
-        let (h1, gu) = two(k.gemv(&norm_o, &w.gate_up)?);
+        let (h1, gu) = pair(k.gemv(&norm_o, &w.gate_up)?);
         let d = one(k.gemv(&GemvInput::Swiglu(&gu), &w.down)?);
         match (blocks.get(i + 1), weights.get(i + 1)) {
             (Some(next), Some(nw)) => {
@@ -295,7 +291,7 @@ fn with_our_products(
                     weight: next.input_norm.weight(),
                     eps: next.input_norm.eps(),
                 };
-                let (h2, y) = two(k.gemv(&norm_d, &nw.qkv)?);
+                let (h2, y) = pair(k.gemv(&norm_d, &nw.qkv)?);
                 qkv = with_bias(y, nw.qkv_bias)?;
                 h = h2;
             }
