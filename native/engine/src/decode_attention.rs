@@ -5,9 +5,9 @@
 //! a bucket of keys through a mask, and MLX's CUDA attention kernel takes no
 //! mask: it would fall back to separate products, softmax and masking, four
 //! kernels a layer instead of one. This kernel (see [`crate::cuda_kernel`])
-//! takes the rows' key ranges instead. One block
-//! per (query head, row); its 8 warps take every 8th key with an online
-//! softmax in float32, then combine. Before first use it is checked against
+//! takes the rows' key ranges instead. One block per (query head, row); its
+//! 8 warps take every 8th key with an online softmax in float32, then
+//! combine. Before first use it is checked against
 //! MLX's masked attention on the device; a failure (no NVRTC, a wrong
 //! result) leaves the masked path in use. Metal keeps the masked path.
 
