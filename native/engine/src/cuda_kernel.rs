@@ -51,6 +51,27 @@ struct Compiled(*mut c_void);
 unsafe impl Send for Compiled {}
 unsafe impl Sync for Compiled {}
 
+impl Compiled {
+    /// The kernel `name` from `binary`; `token` names this binary and no
+    /// other (MLX is launched with it where it can, see the glue).
+    fn new(name: &str, token: &str, binary: &[u8]) -> Result<Self> {
+        let (name, token) = (c_string(name)?, c_string(token)?);
+        // SAFETY: the shim copies the strings and the binary.
+        let handle = unsafe {
+            mlx_sys::emlx_cuda_kernel_new(
+                name.as_ptr(),
+                token.as_ptr(),
+                binary.as_ptr().cast(),
+                binary.len(),
+            )
+        };
+        if handle.is_null() {
+            return Err(Error::Mlx("could not hold a compiled CUDA kernel".into()));
+        }
+        Ok(Compiled(handle))
+    }
+}
+
 impl Drop for Compiled {
     fn drop(&mut self) {
         // SAFETY: made by `emlx_cuda_kernel_new`, freed once.
@@ -191,20 +212,7 @@ impl CudaKernel {
             return Ok(c.clone());
         }
         let (binary, id) = binary(&self.name, &source()?)?;
-        let (name, token) = (c_string(&self.name)?, c_string(&format!("emlx:{id}"))?);
-        // SAFETY: the shim copies the strings and the binary.
-        let handle = unsafe {
-            mlx_sys::emlx_cuda_kernel_new(
-                name.as_ptr(),
-                token.as_ptr(),
-                binary.as_ptr().cast(),
-                binary.len(),
-            )
-        };
-        if handle.is_null() {
-            return Err(Error::Mlx("could not hold a compiled CUDA kernel".into()));
-        }
-        let c = Arc::new(Compiled(handle));
+        let c = Arc::new(Compiled::new(&self.name, &format!("emlx:{id}"), &binary)?);
         map.insert(key, c.clone());
         Ok(c)
     }
@@ -567,21 +575,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("emlx-ptx-{}", std::process::id()));
         std::env::set_var("MLX_PTX_CACHE_DIR", &dir);
         let binary = b"not a real cubin, only staged";
-        let (name, token) = (
-            c_string("emlx_stage_test").unwrap(),
-            c_string("emlx:test").unwrap(),
-        );
-        // SAFETY: the shim copies all three; the handle is freed by `Compiled`.
-        let handle = unsafe {
-            mlx_sys::emlx_cuda_kernel_new(
-                name.as_ptr(),
-                token.as_ptr(),
-                binary.as_ptr().cast(),
-                binary.len(),
-            )
-        };
-        assert!(!handle.is_null());
-        drop(Compiled(handle));
+        drop(Compiled::new("emlx_stage_test", "emlx:test", binary).unwrap());
         let files: Vec<_> = std::fs::read_dir(&dir)
             .unwrap()
             .map(|e| e.unwrap().path())
