@@ -183,7 +183,9 @@ impl CudaKernel {
             }
         }
         for (name, (_, dtype)) in self.outputs.iter().zip(outputs) {
-            pointers.push(format!("{}* {name}", c_type(*dtype)?));
+            // Fresh buffers: no input aliases them, so reads may move past
+            // their writes.
+            pointers.push(format!("{}* __restrict__ {name}", c_type(*dtype)?));
         }
         let params = [pointers, sizes].concat();
         let mut constants = String::new();
@@ -502,7 +504,7 @@ mod tests {
             "const emlx_bf16* a",
             "const int* b",
             "const emlx_f16* x",
-            "float* out",
+            "float* __restrict__ out",
             "int a_shape0",
             "int a_shape1",
             "int a_shape2",

@@ -6,7 +6,7 @@
 //! mask: it would fall back to separate products, softmax and masking, four
 //! kernels a layer instead of one. This kernel (see [`crate::cuda_kernel`])
 //! takes the rows' key ranges instead. One block per (query head, row); its
-//! 8 warps take every 8th key with an online softmax in float32, then
+//! 8 warps take turns by 8 keys with an online softmax in float32, then
 //! combine. Before first use it is checked against
 //! MLX's masked attention on the device; a failure (no NVRTC, a wrong
 //! result) leaves the masked path in use. Metal keeps the masked path.
@@ -21,7 +21,7 @@ use crate::cuda_kernel::{within, CudaKernel, Template};
 use crate::error::{Error, Result};
 
 /// The kernel up to its loop over keys: one block per (query head, row),
-/// each of its 8 warps taking every 8th key.
+/// with the key range and pointers [`ATTEND_KEYS`] reads.
 const START: &str = r#"
   constexpr int WARPS = 8;
   constexpr int E = D / 32;
@@ -38,31 +38,71 @@ const START: &str = r#"
   for (int e = 0; e < E; e++) qv[e] = static_cast<float>(qp[e]) * scale;
   const T* kb = keys + row * keys_strides[0] + kv * keys_strides[1] + lane * E;
   const T* vb = values + row * values_strides[0] + kv * values_strides[1] + lane * E;
-  const int start = starts[row];
-  const int end = ends[row];
+  const int first = starts[row];
+  const int last = ends[row] - 1;
+#define KEY(j) (kb + (long)(j) * keys_strides[2])
+#define VALUE(j) (vb + (long)(j) * values_strides[2])
+"#;
 
+/// The keys `first..=last` into each warp's online softmax (float32): its
+/// running max `m`, sum `l` and weighted values `acc` (the lane's `E` of
+/// them), the query `qv` prescaled; `KEY(j)` and `VALUE(j)` point at the
+/// lane's part of key and value `j`. A warp takes `U` keys at a time, all
+/// their loads before any use, so that a trip to memory serves `U` keys
+/// (one key at a time, a short context's attention was bound by the chain
+/// of trips), and the warps take turns by `U` keys.
+pub(crate) const ATTEND_KEYS: &str = r#"
+  constexpr int U = 8;
   float m = neg_inf;
   float l = 0.f;
   float acc[E];
   for (int e = 0; e < E; e++) acc[e] = 0.f;
-  for (int j = start + w; j < end; j += WARPS) {
-    const T* kp = kb + j * keys_strides[2];
-    const T* vp = vb + j * values_strides[2];
-"#;
-
-/// One key `kp` and its value `vp` into a warp's online softmax (float32):
-/// its running max `m`, sum `l` and weighted values `acc` (the lane's `E`
-/// of them), the query `qv` prescaled.
-pub(crate) const ATTEND_KEY: &str = r#"
-    float s = 0.f;
-    for (int e = 0; e < E; e++) s += qv[e] * static_cast<float>(kp[e]);
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
-    const float mn = fmaxf(m, s);
+  for (int j0 = first + w * U; j0 <= last; j0 += WARPS * U) {
+    float kf[U][E];
+    float vf[U][E];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int j = min(j0 + u, last);
+      const T* kp = KEY(j);
+      const T* vp = VALUE(j);
+#pragma unroll
+      for (int e = 0; e < E; e++) {
+        kf[u][e] = static_cast<float>(kp[e]);
+        vf[u][e] = static_cast<float>(vp[e]);
+      }
+    }
+    float s[U];
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      s[u] = 0.f;
+#pragma unroll
+      for (int e = 0; e < E; e++) s[u] += qv[e] * kf[u][e];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+      for (int u = 0; u < U; u++) s[u] += __shfl_xor_sync(0xffffffff, s[u], o);
+    }
+    float mn = m;
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      if (j0 + u <= last) mn = fmaxf(mn, s[u]);
+    }
     const float c = expf(m - mn);
-    const float p = expf(s - mn);
-    l = l * c + p;
-    for (int e = 0; e < E; e++) acc[e] = acc[e] * c + p * static_cast<float>(vp[e]);
+    l *= c;
+#pragma unroll
+    for (int e = 0; e < E; e++) acc[e] *= c;
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      if (j0 + u <= last) {
+        const float p = expf(s[u] - mn);
+        l += p;
+#pragma unroll
+        for (int e = 0; e < E; e++) acc[e] += p * vf[u][e];
+      }
+    }
     m = mn;
+  }
 "#;
 
 /// The warps' softmaxes combined into the block's output row: `out` laid
@@ -140,7 +180,7 @@ fn new_kernel() -> Result<CudaKernel> {
         "emlx_axon_decode_attention",
         &["q", "keys", "values", "starts", "ends"],
         &["out"],
-        &[START, ATTEND_KEY, "  }\n", ATTEND_COMBINE].concat(),
+        &[START, ATTEND_KEYS, ATTEND_COMBINE].concat(),
     )
 }
 

@@ -58,6 +58,28 @@ fn dequantized_on_gpu(in_dim: i32, spec: &QuantSpec, on_cpu_stream: impl FnOnce(
     in_dim <= spec.group_size && !on_cpu_stream()
 }
 
+/// Whether loads stack projections on a CPU stream (on CUDA, unless
+/// `EMLX_AXON_HOST_STACKING=0`).
+static HOST_STACKING: once_cell::sync::Lazy<bool> = once_cell::sync::Lazy::new(|| {
+    !crate::switch::off("EMLX_AXON_HOST_STACKING")
+        && !cfg!(feature = "metal")
+        && crate::device::gpu_available()
+});
+
+/// `f` (a load-time copy of checkpoint tensors) on a CPU stream where MLX
+/// runs on CUDA. The tensors sit in unified memory, where MLX copied them
+/// from the file: a GPU copy would first move every page to the device,
+/// and its result would be moved back again for sharing
+/// ([`crate::device::share_with_host`]), while the host's copy stays in
+/// place and the GPU reads it as it reads the checkpoint's own tensors.
+fn on_host<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    if !*HOST_STACKING || crate::rope::on_cpu_stream() {
+        return f();
+    }
+    let host = crate::device::Lease::new(crate::device::DeviceKind::Cpu)?;
+    host.stream().run(f)
+}
+
 /// How the loader should treat a module's weight.
 #[derive(Debug, Clone, Copy)]
 pub struct LoadPlan {
@@ -188,6 +210,25 @@ impl Weight {
         matches!(self, Weight::Quantized { .. })
     }
 
+    /// The weight as the GPU product kernels take it, when quantized.
+    pub fn quantized(&self) -> Option<emlx_axon_kernels::QuantWeight<'_>> {
+        match self {
+            Weight::Quantized {
+                w,
+                scales,
+                biases,
+                spec,
+            } => Some(emlx_axon_kernels::QuantWeight {
+                w,
+                scales,
+                biases,
+                bits: spec.bits,
+                group_size: spec.group_size,
+            }),
+            Weight::Dense(_) => None,
+        }
+    }
+
     /// The weights' rows stacked into one weight, when they share a layout:
     /// all dense in one dtype, or all quantized with the same spec and
     /// parameter dtype. Exact: MLX's affine groups run along a row, so
@@ -207,7 +248,7 @@ impl Weight {
             if ws.iter().any(|w| w.dtype() != ws[0].dtype()) {
                 return Ok(None);
             }
-            return Ok(Some(Weight::Dense(concatenate(&ws, 0)?)));
+            return Ok(Some(Weight::Dense(on_host(|| Ok(concatenate(&ws, 0)?))?)));
         }
         let quantized: Option<Vec<[&Array; 3]>> = parts
             .iter()
@@ -229,10 +270,11 @@ impl Weight {
             return Ok(None);
         }
         let stack = |i: usize| concatenate(&q.iter().map(|t| t[i]).collect::<Vec<_>>(), 0);
+        let (w, scales, biases) = on_host(|| Ok((stack(0)?, stack(1)?, stack(2)?)))?;
         Ok(Some(Weight::Quantized {
-            w: stack(0)?,
-            scales: stack(1)?,
-            biases: stack(2)?,
+            w,
+            scales,
+            biases,
             spec: *spec,
         }))
     }
@@ -353,24 +395,7 @@ impl Linear {
 
     /// The weight as our kernels take it, and the bias.
     pub fn quantized(&self) -> Option<(emlx_axon_kernels::QuantWeight<'_>, Option<&Array>)> {
-        match &self.projection.weight {
-            Weight::Quantized {
-                w,
-                scales,
-                biases,
-                spec,
-            } => Some((
-                emlx_axon_kernels::QuantWeight {
-                    w,
-                    scales,
-                    biases,
-                    bits: spec.bits,
-                    group_size: spec.group_size,
-                },
-                self.bias.as_ref(),
-            )),
-            Weight::Dense(_) => None,
-        }
+        Some((self.projection.weight.quantized()?, self.bias.as_ref()))
     }
 }
 
@@ -676,6 +701,11 @@ impl Embedding {
 
     pub fn is_quantized(&self) -> bool {
         self.projection.weight.is_quantized()
+    }
+
+    /// The quantized weight as the tied output projection reads it.
+    pub fn quantized(&self) -> Option<emlx_axon_kernels::QuantWeight<'_>> {
+        self.projection.weight.quantized()
     }
 }
 

@@ -329,18 +329,22 @@ impl Model {
             _ => None,
         };
         if let (Some(rows), false) = (&step_rows, cpu_ops) {
-            let normed = crate::gpu_layer::forward(
+            let out = crate::gpu_layer::forward(
                 c,
                 &self.blocks,
                 &self.norm,
+                self.quantized_head(),
                 &h,
                 cache,
                 rows,
                 &self.rope_probe_f32,
             )?;
-            if let Some(x) = normed {
+            if let Some(out) = out {
                 cache.advance(1);
-                return self.head(&x, workers);
+                return match out {
+                    crate::gpu_layer::Output::Logits(logits) => Ok(logits),
+                    crate::gpu_layer::Output::Normed(x) => self.head(&x, workers),
+                };
             }
         }
         // Every layer rotates the same positions.
@@ -390,6 +394,17 @@ impl Model {
         }
         let h = self.norm.forward(&h, cpu_ops)?;
         self.head(&h, workers)
+    }
+
+    /// The output head's weight when quantized and without bias.
+    fn quantized_head(&self) -> Option<emlx_axon_kernels::QuantWeight<'_>> {
+        match &self.lm_head {
+            Some(head) => match head.quantized()? {
+                (w, None) => Some(w),
+                _ => None,
+            },
+            None => self.embed.quantized(),
+        }
     }
 
     /// Logits of the normalized hidden state `h`.

@@ -8,14 +8,14 @@ use mlx_rs::{Array, Dtype};
 use emlx_axon_kernels::QuantWeight;
 
 use crate::cuda_kernel::{CudaKernel, Template};
-use crate::decode_attention::{ATTEND_COMBINE, ATTEND_KEY};
+use crate::decode_attention::{ATTEND_COMBINE, ATTEND_KEYS};
 use crate::error::Result;
 
 /// A layer's attention for one query per row from the q/k/v product: q and
 /// k RMSNorm (Qwen3), RoPE from a float32 table, the new key and value
 /// written into the cache at the row's position, and attention over the
-/// row's keys `starts..=position` (online softmax in float32, each of the
-/// block's warps taking every `WARPS`-th key, then combined). One block per
+/// row's keys `starts..=position` (online softmax in float32, the block's
+/// warps taking turns by a few keys, then combined). One block per
 /// (query head, row). Every block of a key head computes that head's new
 /// key itself and reads it from shared memory, so no block waits for
 /// another's cache write; the first query head of each group writes it.
@@ -34,6 +34,7 @@ const QKV_ATTEND_START: &str = r#"
   const int kv = head / GQA;
   const T* src = qkv + (size_t)row * (NQ + 2 * NKV) * D;
   const int pos = positions[row];
+  const int first = starts[row];
   const int crow = COS_ROWS == 1 ? 0 : row;
   const float neg_inf = __int_as_float(0xff800000);
 
@@ -42,45 +43,48 @@ const QKV_ATTEND_START: &str = r#"
   __shared__ T qs[D];
   __shared__ T ks[D];
 
-  auto norm_rope = [&](const T* x, const T* weight, T* out) {
+  // Every read of the prologue issued at once (a thread per head element,
+  // D <= BLOCK): in a chain of trips to memory they cost most of the time.
+  const bool mine = t < D;
+  const int i = mine ? t : 0;
+  const int partner = TRAD ? (i ^ 1) : (i < D / 2 ? i + D / 2 : i - D / 2);
+  const T* vnew = src + (NQ + NKV + kv) * D;
+  const float xq = static_cast<float>(src[head * D + i]);
+  const float xk = static_cast<float>(src[(NQ + kv) * D + i]);
+  const T vn = vnew[i];
+  const float wq = NORM ? static_cast<float>(q_norm[i]) : 1.f;
+  const float wk = NORM ? static_cast<float>(k_norm[i]) : 1.f;
+  const float cs = rope_cos[crow * D + i];
+  const float sn = rope_sin[crow * D + i];
+
+  auto norm_rope = [&](float x, float weight, T* out) {
     float n = 1.f;
     if (NORM) {
-      float ss = 0.f;
-      for (int i = t; i < D; i += BLOCK) {
-        const float f = static_cast<float>(x[i]);
-        ss += f * f;
-      }
+      float ss = mine ? x * x : 0.f;
       for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
       if (lane == 0) partial[w] = ss;
       __syncthreads();
       float total = 0.f;
-      for (int i = 0; i < WARPS; i++) total += partial[i];
+      for (int k = 0; k < WARPS; k++) total += partial[k];
       n = rsqrtf(total / D + __int_as_float(EPS_BITS));
     }
-    for (int i = t; i < D; i += BLOCK) {
-      normed[i] = NORM ? static_cast<T>(static_cast<float>(weight[i]) *
-                                        static_cast<float>(static_cast<T>(static_cast<float>(x[i]) * n)))
-                       : x[i];
+    if (mine) {
+      normed[i] = NORM ? static_cast<T>(weight * static_cast<float>(static_cast<T>(x * n))) : static_cast<T>(x);
     }
     __syncthreads();
-    for (int i = t; i < D; i += BLOCK) {
-      const int partner = TRAD ? (i ^ 1) : (i < D / 2 ? i + D / 2 : i - D / 2);
-      out[i] = static_cast<T>(static_cast<float>(normed[i]) * rope_cos[crow * D + i] +
-                              static_cast<float>(normed[partner]) * rope_sin[crow * D + i]);
+    if (mine) {
+      out[i] = static_cast<T>(static_cast<float>(normed[i]) * cs + static_cast<float>(normed[partner]) * sn);
     }
     __syncthreads();
   };
-  norm_rope(src + head * D, q_norm, qs);
-  norm_rope(src + (NQ + kv) * D, k_norm, ks);
-  const T* vnew = src + (NQ + NKV + kv) * D;
-  if (head % GQA == 0) {
+  norm_rope(xq, wq, qs);
+  norm_rope(xk, wk, ks);
+  if (head % GQA == 0 && mine) {
     T* kc = const_cast<T*>(keys) + row * keys_strides[0] + kv * keys_strides[1] + (long)pos * keys_strides[2];
     T* vc = const_cast<T*>(values) + row * values_strides[0] + kv * values_strides[1] +
             (long)pos * values_strides[2];
-    for (int i = t; i < D; i += BLOCK) {
-      kc[i] = ks[i];
-      vc[i] = vnew[i];
-    }
+    kc[i] = ks[i];
+    vc[i] = vn;
   }
 
   const float scale = rsqrtf((float)D);
@@ -88,13 +92,9 @@ const QKV_ATTEND_START: &str = r#"
   for (int e = 0; e < E; e++) qv[e] = static_cast<float>(qs[lane * E + e]) * scale;
   const T* kb = keys + row * keys_strides[0] + kv * keys_strides[1] + lane * E;
   const T* vb = values + row * values_strides[0] + kv * values_strides[1] + lane * E;
-  float m = neg_inf;
-  float l = 0.f;
-  float acc[E];
-  for (int e = 0; e < E; e++) acc[e] = 0.f;
-  for (int j = starts[row] + w; j <= pos; j += WARPS) {
-    const T* kp = j == pos ? ks + lane * E : kb + (long)j * keys_strides[2];
-    const T* vp = j == pos ? vnew + lane * E : vb + (long)j * values_strides[2];
+  const int last = pos;
+#define KEY(j) ((j) == pos ? ks + lane * E : kb + (long)(j) * keys_strides[2])
+#define VALUE(j) ((j) == pos ? vnew + lane * E : vb + (long)(j) * values_strides[2])
 "#;
 
 /// The residual add and the RMSNorm after it: `h + r`, and its norm.
@@ -148,48 +148,48 @@ const SWIGLU: &str = r#"
 /// The product of one quantized weight (MLX's affine layout: `BITS`-bit
 /// values packed little-end first into `uint32` words, a scale and a bias per
 /// `GS` values of a row) with a tile of `BT` input rows, after one of the
-/// prologues below has put the tile's inputs into shared memory (float32).
-/// Each warp takes `R` weight rows; a lane loads four words at a time (16
-/// bytes), all its loads of a row before using any, so that a row costs
-/// about one trip to memory; every weight value `scale * q + bias`
-/// (float32) is used for all rows of the tile.
+/// prologues below has put the tile's inputs into shared memory. Each warp
+/// takes `R` weight rows; a lane takes chunks of four words (16 bytes, in
+/// one group), the first row's fetched before the prologue (`GEMV_FETCH`)
+/// so that its trip to memory overlaps the prologue's; every weight value
+/// `scale * q + bias` (float32) is used for all rows of the tile. A lane
+/// reads its chunk's inputs with 16-byte loads, and the padding after each
+/// chunk's inputs (see `GEMV_START`) puts the lanes of a load on different
+/// banks.
 const GEMV_BODY: &str = r#"
-  const int R = (N + gridDim.x * WARPS - 1) / (gridDim.x * WARPS);
-  constexpr int PER_WORD = 32 / BITS;
-  constexpr int WORDS = K / PER_WORD;
-  constexpr int GROUPS = K / GS;
   constexpr unsigned MASK = (1u << BITS) - 1u;
-  constexpr int ITERS = (WORDS / 4 + 31) / 32;
+  constexpr int LOADS = CH * (int)sizeof(T) / 16;
   for (int rr = 0; rr < R; rr++) {
-    const int n = (blockIdx.x * WARPS + w) * R + rr;
+    const int n = n0 + rr;
     if (n >= N) break;
-    const uint4* wr = reinterpret_cast<const uint4*>(wq + (size_t)n * WORDS);
-    uint4 words[ITERS];
-#pragma unroll
-    for (int it = 0; it < ITERS; it++) {
-      const int i = it * 32 + lane;
-      if (i < WORDS / 4) words[it] = wr[i];
-    }
+    if (rr > 0) fetch(n);
     float acc[BT];
 #pragma unroll
     for (int b = 0; b < BT; b++) acc[b] = 0.f;
 #pragma unroll
     for (int it = 0; it < ITERS; it++) {
       const int i = it * 32 + lane;
-      if (i >= WORDS / 4) break;
+      if (i >= CHUNKS) break;
       const uint32_t ws[4] = {words[it].x, words[it].y, words[it].z, words[it].w};
+      float wv[CH];
 #pragma unroll
       for (int v = 0; v < 4; v++) {
-        const int k0 = (i * 4 + v) * PER_WORD;
-        const int g = k0 / GS;
-        const float sc = static_cast<float>(scales[(size_t)n * GROUPS + g]);
-        const float bi = static_cast<float>(biases[(size_t)n * GROUPS + g]);
 #pragma unroll
         for (int j = 0; j < PER_WORD; j++) {
-          const float wv = sc * static_cast<float>((ws[v] >> (BITS * j)) & MASK) + bi;
-#pragma unroll
-          for (int b = 0; b < BT; b++) acc[b] += wv * xs[b][k0 + j];
+          wv[v * PER_WORD + j] = sc[it] * static_cast<float>((ws[v] >> (BITS * j)) & MASK) + bi[it];
         }
+      }
+#pragma unroll
+      for (int b = 0; b < BT; b++) {
+        const uint4* xp = reinterpret_cast<const uint4*>(&xs[b][i * (CH + PAD)]);
+        uint4 raw[LOADS];
+#pragma unroll
+        for (int q = 0; q < LOADS; q++) raw[q] = xp[q];
+        const T* xv = reinterpret_cast<const T*>(raw);
+        float a = acc[b];
+#pragma unroll
+        for (int e = 0; e < CH; e++) a += wv[e] * static_cast<float>(xv[e]);
+        acc[b] = a;
       }
     }
 #pragma unroll
@@ -202,23 +202,64 @@ const GEMV_BODY: &str = r#"
 "#;
 
 /// What every prologue starts with (after naming its first input's rows
-/// `ROWS`): the block's place and its input tile. Sizes that need not be
-/// constants are read from the shapes, so that fewer variants are compiled.
+/// `ROWS`): the block's place and its input tile, in the compute dtype
+/// (what MLX's ops would store), each lane chunk's `CH` inputs followed by
+/// 16 bytes of padding; then the warp's first weight row fetched into
+/// registers. Sizes that need not be constants are read from the shapes,
+/// so that fewer variants are compiled.
 const GEMV_START: &str = r#"
   const int N = wq_shape[0];
   constexpr int WARPS = BLOCK / 32;
+  constexpr int PER_WORD = 32 / BITS;
+  constexpr int CH = 4 * PER_WORD;
+  constexpr int PAD = 16 / (int)sizeof(T);
+  constexpr int KP = K + K / CH * PAD;
+  constexpr int WORDS = K / PER_WORD;
+  constexpr int CHUNKS = WORDS / 4;
+  constexpr int GROUPS = K / GS;
+  constexpr int ITERS = (CHUNKS + 31) / 32;
+  constexpr int PER = (K + BLOCK - 1) / BLOCK;
   const int t = threadIdx.x;
   const int lane = t % 32;
   const int w = t / 32;
   const int b0 = blockIdx.y * BT;
   const int nb = min(BT, ROWS - b0);
-  __shared__ float xs[BT][K];
+  const int R = (N + gridDim.x * WARPS - 1) / (gridDim.x * WARPS);
+  const int n0 = (blockIdx.x * WARPS + w) * R;
+  __shared__ __align__(16) T xs[BT][KP];
+#define XI(k) ((k) + (k) / CH * PAD)
+  uint4 words[ITERS];
+  float sc[ITERS];
+  float bi[ITERS];
+  auto fetch = [&](int n) {
+    const uint4* wr = reinterpret_cast<const uint4*>(wq + (size_t)n * WORDS);
+#pragma unroll
+    for (int it = 0; it < ITERS; it++) {
+      const int i = it * 32 + lane;
+      if (i < CHUNKS) {
+        words[it] = wr[i];
+        const size_t g = (size_t)n * GROUPS + i * CH / GS;
+        sc[it] = static_cast<float>(scales[g]);
+        bi[it] = static_cast<float>(biases[g]);
+      }
+    }
+  };
+  if (n0 < N) fetch(n0);
 "#;
 
-/// Plain input `x` `[ROWS, 1, K]`, contiguous.
+/// Plain input `x` `[ROWS, 1, K]`, contiguous. The prologues' loops have
+/// constant trip counts and are unrolled, so that all their reads are in
+/// flight at once.
 const GEMV_PLAIN: &str = r#"
-  for (int b = 0; b < nb; b++) {
-    for (int k = t; k < K; k += BLOCK) xs[b][k] = static_cast<float>(x[(size_t)(b0 + b) * K + k]);
+#pragma unroll
+  for (int b = 0; b < BT; b++) {
+    if (b < nb) {
+#pragma unroll
+      for (int c = 0; c < PER; c++) {
+        const int k = t + c * BLOCK;
+        if (k < K) xs[b][XI(k)] = x[(size_t)(b0 + b) * K + k];
+      }
+    }
   }
   __syncthreads();
 "#;
@@ -226,13 +267,20 @@ const GEMV_PLAIN: &str = r#"
 /// `silu(gate) * up` of a stacked product `gu` `[ROWS, 1, 2 * K]`, rounded
 /// as MLX's separate ops round it.
 const GEMV_SWIGLU: &str = r#"
-  for (int b = 0; b < nb; b++) {
-    const T* p = gu + (size_t)(b0 + b) * 2 * K;
-    for (int k = t; k < K; k += BLOCK) {
-      const float g = static_cast<float>(p[k]);
-      const T s = static_cast<T>(1.f / (1.f + expf(-g)));
-      const T a = static_cast<T>(g * static_cast<float>(s));
-      xs[b][k] = static_cast<float>(static_cast<T>(static_cast<float>(a) * static_cast<float>(p[K + k])));
+#pragma unroll
+  for (int b = 0; b < BT; b++) {
+    if (b < nb) {
+      const T* p = gu + (size_t)(b0 + b) * 2 * K;
+#pragma unroll
+      for (int c = 0; c < PER; c++) {
+        const int k = t + c * BLOCK;
+        if (k < K) {
+          const float g = static_cast<float>(p[k]);
+          const T s = static_cast<T>(1.f / (1.f + expf(-g)));
+          const T a = static_cast<T>(g * static_cast<float>(s));
+          xs[b][XI(k)] = static_cast<T>(static_cast<float>(a) * static_cast<float>(p[K + k]));
+        }
+      }
     }
   }
   __syncthreads();
@@ -241,40 +289,69 @@ const GEMV_SWIGLU: &str = r#"
 /// The residual add `h + r` (the first block of each tile also writes it out
 /// as `sum`) and its RMSNorm with weight `nw`.
 const GEMV_ADD_NORM: &str = r#"
-  __shared__ float partial[WARPS];
-  for (int b = 0; b < nb; b++) {
-    const size_t row = b0 + b;
-    float ss = 0.f;
-    for (int k = t; k < K; k += BLOCK) {
-      const T s = static_cast<T>(static_cast<float>(h[row * h_strides[0] + k * h_strides[2]]) +
-                                 static_cast<float>(r[row * r_strides[0] + k * r_strides[2]]));
-      if (blockIdx.x == 0) sum[row * K + k] = s;
-      xs[b][k] = static_cast<float>(s);
-      ss += xs[b][k] * xs[b][k];
+  __shared__ float partial[BT][WARPS];
+#pragma unroll
+  for (int b = 0; b < BT; b++) {
+    if (b < nb) {
+      const size_t row = b0 + b;
+      float ss = 0.f;
+#pragma unroll
+      for (int c = 0; c < PER; c++) {
+        const int k = t + c * BLOCK;
+        if (k < K) {
+          const T s = static_cast<T>(static_cast<float>(h[row * h_strides[0] + k * h_strides[2]]) +
+                                     static_cast<float>(r[row * r_strides[0] + k * r_strides[2]]));
+          if (blockIdx.x == 0) sum[row * K + k] = s;
+          xs[b][XI(k)] = s;
+          const float f = static_cast<float>(s);
+          ss += f * f;
+        }
+      }
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+      if (lane == 0) partial[b][w] = ss;
     }
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
-    if (lane == 0) partial[w] = ss;
-    __syncthreads();
-    float total = 0.f;
-    for (int i = 0; i < WARPS; i++) total += partial[i];
-    const float n = rsqrtf(total / K + __int_as_float(EPS_BITS));
-    for (int k = t; k < K; k += BLOCK) {
-      xs[b][k] = static_cast<float>(
-          static_cast<T>(static_cast<float>(nw[k]) * static_cast<float>(static_cast<T>(xs[b][k] * n))));
-    }
-    __syncthreads();
   }
+  __syncthreads();
+#pragma unroll
+  for (int b = 0; b < BT; b++) {
+    if (b < nb) {
+      float total = 0.f;
+      for (int i = 0; i < WARPS; i++) total += partial[b][i];
+      const float n = rsqrtf(total / K + __int_as_float(EPS_BITS));
+#pragma unroll
+      for (int c = 0; c < PER; c++) {
+        const int k = t + c * BLOCK;
+        if (k < K) {
+          const float f = static_cast<float>(xs[b][XI(k)]);
+          xs[b][XI(k)] = static_cast<T>(static_cast<float>(nw[k]) * static_cast<float>(static_cast<T>(f * n)));
+        }
+      }
+    }
+  }
+  __syncthreads();
 "#;
 
 /// Shared memory for a tile's inputs, at most: room for the kernels' other
 /// arrays within the 48 KiB a block may have without asking.
-const TILE_BYTES: i32 = 24 * 1024;
+const TILE_BYTES: i32 = 40 * 1024;
+
+/// Rows of a product's input tile: as many as fit (up to 8), the rows
+/// spread evenly over the fewest tiles.
+fn tile_rows(rows: i32, k_dim: i32, bits: i32, dtype: Dtype) -> i32 {
+    let size = if dtype == Dtype::Float32 { 4 } else { 2 };
+    // `KP` of `GEMV_START`: each chunk of `128 / bits` inputs and 16 bytes.
+    let row_bytes = k_dim * size + k_dim / (128 / bits) * 16;
+    let most = (TILE_BYTES / row_bytes).clamp(1, 8);
+    let tiles = (rows + most - 1) / most;
+    ((rows + tiles - 1) / tiles.max(1)).max(1)
+}
 
 /// Bit widths the product kernels unpack (values never straddle a word) and
-/// that their check covers, and rows that are whole 16-byte loads.
+/// that their check covers, groups of whole 16-byte chunks, and rows that
+/// are whole chunks.
 pub(crate) fn gemv_takes(bits: i32, group_size: i32, in_dim: i32) -> bool {
     matches!(bits, 4 | 8)
-        && group_size % (32 / bits) == 0
+        && group_size % (128 / bits) == 0
         && in_dim % group_size == 0
         && (in_dim * bits) % 128 == 0
 }
@@ -346,7 +423,7 @@ impl Kernels {
                     "values",
                 ],
                 &["out"],
-                &[QKV_ATTEND_START, ATTEND_KEY, "  }\n", ATTEND_COMBINE].concat(),
+                &[QKV_ATTEND_START, ATTEND_KEYS, ATTEND_COMBINE].concat(),
             )?,
             add_norm: CudaKernel::new(
                 "emlx_axon_add_norm",
@@ -483,16 +560,12 @@ impl Kernels {
         };
         let (rows, dtype) = (first.dim(0), first.dtype());
         let n = wt.w.dim(0);
-        let bt = (TILE_BYTES / (k_dim * 4)).clamp(1, 4).min(rows);
-        // Rows a warp takes one after another, each a trip to memory: one
-        // for a single input row (a block per 8 weight rows, one wave on an
-        // H200); with a tile of rows, about a block per multiprocessor (132
-        // there), so that fewer blocks repeat the tile's prologue.
-        let r = if rows == 1 {
-            1
-        } else {
-            (n / (8 * 128)).clamp(1, 8)
-        };
+        let bt = tile_rows(rows, k_dim, wt.bits, dtype);
+        // Weight rows a warp takes one after another: one (a block per 8
+        // weight rows, every block's prologue on the same inputs), four for
+        // an output head's tens of thousands of rows, where the repeated
+        // prologues would cost more than the products.
+        let r = if n >= 32768 { 4 } else { 1 };
         let blocks = (n + 8 * r - 1) / (8 * r);
         let mut templates = vec![
             ("T", Template::Dtype(dtype)),

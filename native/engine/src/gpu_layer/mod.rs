@@ -2,9 +2,9 @@
 //! quantized products and kernels of our own ([`kernels`]): q/k norm +
 //! RoPE + cache write + attention over each row's keys in one, residual
 //! add + RMSNorm, SwiGLU; eight nodes a layer instead of about twenty.
-//! For one-row steps the products are ours too, each reading the add +
-//! norm or SwiGLU before it: four nodes a layer (`EMLX_AXON_GPU_GEMV=1`
-//! for every step, `=0` for none).
+//! By default the products are ours too, each reading the add + norm or
+//! SwiGLU before it: four nodes a layer, and the output head reads the
+//! final norm (`EMLX_AXON_GPU_GEMV=0` keeps MLX's products).
 //!
 //! MLX's CUDA backend spends about 6 µs of host time on every node it
 //! evaluates (an NVIDIA H200, chains of small ops), views and reshapes
@@ -52,10 +52,9 @@ static WANTED: Lazy<bool> = Lazy::new(|| {
         && crate::device::gpu_available()
 });
 
-/// Whether the quantized products are ours too: always (`EMLX_AXON_GPU_GEMV=1`),
-/// never (`=0`), or by default for one-row steps only, where they save
-/// four nodes a layer; with more rows MLX's products, which read each
-/// weight once for all rows, were faster.
+/// Whether the quantized products are ours too: yes unless
+/// `EMLX_AXON_GPU_GEMV=0`. They save four nodes a layer, and on an NVIDIA
+/// H200 they were faster than MLX's at 1, 4 and 8 rows.
 static GEMV: Lazy<Option<bool>> = Lazy::new(|| {
     if crate::switch::on("EMLX_AXON_GPU_GEMV") {
         Some(true)
@@ -113,19 +112,30 @@ fn kernels(dtype: Dtype) -> Option<&'static Kernels> {
     ok.then_some(k)
 }
 
+/// What a step's layers end with.
+pub(crate) enum Output {
+    /// The final norm's output, for the output head to read.
+    Normed(Array),
+    /// The output head's logits `[rows, 1, vocab]`.
+    Logits(Array),
+}
+
 /// Every layer of a one-token step over `h` (`[rows, 1, hidden]`, the
-/// embeddings), then the final norm: the normalized hidden state the
-/// output head reads. `None`, before anything is written to the cache,
-/// where the kernels do not take this model or step.
+/// embeddings), then the final norm, and with our products the output
+/// head `head` too (its quantized weight, without bias). `None`, before
+/// anything is written to the cache, where the kernels do not take this
+/// model or step.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn forward<C: KvStore>(
     c: &ModelConfig,
     blocks: &[Block],
     final_norm: &RmsNorm,
+    head: Option<QuantWeight>,
     h: &Array,
     cache: &C,
     rows: &StepRows,
     rope_probe_f32: &Array,
-) -> Result<Option<Array>> {
+) -> Result<Option<Output>> {
     let n = h.dim(0);
     let (hd, dtype) = (c.head_dim, h.dtype());
     let takes = kernels::takes_dtype(dtype)
@@ -186,10 +196,11 @@ pub(crate) fn forward<C: KvStore>(
             kv_heads: c.num_kv_heads,
         })
     };
-    let ours = GEMV.unwrap_or(n == 1);
+    let ours = GEMV.unwrap_or(true);
     if let Some(weights) = ours.then(|| products(blocks)).flatten() {
+        let head = head.filter(unpacks);
         return Ok(Some(with_our_products(
-            k, blocks, &weights, final_norm, h, &x, &attend,
+            k, blocks, &weights, final_norm, head, h, &x, &attend,
         )?));
     }
     let mut h = h.clone();
@@ -205,7 +216,7 @@ pub(crate) fn forward<C: KvStore>(
         let next = blocks.get(i + 1).map_or(final_norm, |b| &b.input_norm);
         (h, x) = k.add_norm(&h1, &d, next.weight(), next.eps())?;
     }
-    Ok(Some(x))
+    Ok(Some(Output::Normed(x)))
 }
 
 /// A layer's quantized weights as our product kernels take them.
@@ -217,11 +228,14 @@ struct Products<'a> {
     down: QuantWeight<'a>,
 }
 
+/// Whether the product kernels unpack this weight's layout.
+fn unpacks(w: &QuantWeight) -> bool {
+    kernels::gemv_takes(w.bits, w.group_size, w.w.dim(1) * 32 / w.bits)
+}
+
 /// Every layer's products, when all are quantized in a layout the kernels
 /// unpack (and only q/k/v have a bias).
 fn products(blocks: &[Block]) -> Option<Vec<Products<'_>>> {
-    let takes =
-        |w: &QuantWeight| kernels::gemv_takes(w.bits, w.group_size, w.w.dim(1) * 32 / w.bits);
     blocks
         .iter()
         .map(|b| {
@@ -235,7 +249,7 @@ fn products(blocks: &[Block]) -> Option<Vec<Products<'_>>> {
             let (down, None) = b.mlp.down.quantized()? else {
                 return None;
             };
-            let all = takes(&qkv) && takes(&o) && takes(&gate_up) && takes(&down);
+            let all = unpacks(&qkv) && unpacks(&o) && unpacks(&gate_up) && unpacks(&down);
             all.then_some(Products {
                 qkv,
                 qkv_bias,
@@ -249,16 +263,19 @@ fn products(blocks: &[Block]) -> Option<Vec<Products<'_>>> {
 
 /// The layers with our product kernels: four nodes a layer, the residual
 /// add and RMSNorm done by the product that reads them, SwiGLU by the down
-/// projection. `x` is the first layer's normalized input.
+/// projection, the final norm by the output head where it is given. `x`
+/// is the first layer's normalized input.
+#[allow(clippy::too_many_arguments)]
 fn with_our_products(
     k: &Kernels,
     blocks: &[Block],
     weights: &[Products],
     final_norm: &RmsNorm,
+    head: Option<QuantWeight>,
     h: &Array,
     x: &Array,
     attend: &dyn Fn(&Array, &Block, usize) -> Result<Array>,
-) -> Result<Array> {
+) -> Result<Output> {
     let with_bias = |y: Array, bias: Option<&Array>| -> Result<Array> {
         Ok(match bias {
             Some(b) => y.add(b)?,
@@ -296,8 +313,19 @@ fn with_our_products(
                 h = h2;
             }
             _ => {
-                let (_, x) = k.add_norm(&h1, &d, final_norm.weight(), final_norm.eps())?;
-                return Ok(x);
+                let (weight, eps) = (final_norm.weight(), final_norm.eps());
+                return Ok(match &head {
+                    Some(head) => {
+                        let norm_d = GemvInput::AddNorm {
+                            h: &h1,
+                            r: &d,
+                            weight,
+                            eps,
+                        };
+                        Output::Logits(pair(k.gemv(&norm_d, head)?).1)
+                    }
+                    None => Output::Normed(k.add_norm(&h1, &d, weight, eps)?.1),
+                });
             }
         }
     }
@@ -360,9 +388,17 @@ fn close_relative(what: &str, got: &Array, want: &Array, bound: f32) -> Result<(
 /// The product kernels against MLX's `quantized_matmul` of the same inputs
 /// (4- and 8-bit weights).
 fn check_gemv(k: &Kernels, dtype: Dtype, normal: Normal) -> Result<()> {
-    let (n, kd, eps) = (72, 256, 1e-6);
+    let (kd, eps) = (256, 1e-6);
     let bound = if dtype == Dtype::Float32 { 1e-4 } else { 2e-2 };
-    for (bits, gs) in [(4, 64), (8, 32)] {
+    // One row (the default path's grid), six (one tile) and nine (two
+    // tiles, the second part full); an output head's width (four weight
+    // rows a warp, the last block part full).
+    let cases: [(i32, i32, i32, &[i32]); 3] = [
+        (72, 4, 64, &[1, 6, 9]),
+        (72, 8, 32, &[1, 6, 9]),
+        (32776, 4, 64, &[1, 6]),
+    ];
+    for (n, bits, gs, rows_list) in cases {
         let (w, scales, biases) =
             mlx_rs::ops::quantize(&normal(&[n, kd], 12, Dtype::Float32)?, gs, bits)?;
         let (scales, biases) = (scales.as_dtype(dtype)?, biases.as_dtype(dtype)?);
@@ -378,9 +414,7 @@ fn check_gemv(k: &Kernels, dtype: Dtype, normal: Normal) -> Result<()> {
                 x, &w, &scales, &biases, true, gs, bits,
             )?)
         };
-        // One row (the default path's grid), and six: two tiles, the
-        // second part full.
-        for rows in [1, 6] {
+        for &rows in rows_list {
             let what = format!("{bits}-bit product ({rows} rows, {dtype:?})");
             let x = normal(&[rows, 1, kd], 13, dtype)?;
             let got = k.gemv(&GemvInput::Plain(&x), &wt)?;
