@@ -20,7 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
-PEER_ORDER = ["rust", "rust-eager", "rust-compiled", "rust-ops", "rust-mlx-products", "rust-our-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream",
+PEER_ORDER = ["rust", "rust-eager", "rust-compiled", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream",
               "mlx-lm-cli", "llama.cpp"]
 PEER_NAMES = {
     "rust": "Rust engine",
@@ -28,7 +28,6 @@ PEER_NAMES = {
     "rust-compiled": "Rust engine, compiled decode on (opt-in)",
     "rust-ops": "Rust engine, layers from MLX's ops (fused GPU layer kernels off)",
     "rust-mlx-products": "Rust engine, fused GPU layers with MLX's quantized products",
-    "rust-our-products": "Rust engine, fused GPU layers with our quantized products at every batch size",
     "mlx-lm-stream": "mlx-lm (stream_generate)",
     "mlx-lm-cli": "mlx-lm (python -m mlx_lm generate)",
     "rust-1t": "Rust engine, 1 thread",
@@ -38,10 +37,10 @@ PEER_NAMES = {
     "elixir-textgen": "Elixir (TextGeneration.stream)",
     "mlx-lm": "mlx-lm",
 }
-OURS = ["rust", "rust-eager", "rust-compiled", "rust-ops", "rust-mlx-products", "rust-our-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen"]
+OURS = ["rust", "rust-eager", "rust-compiled", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen"]
 MLX_LM = ["mlx-lm", "mlx-lm-stream", "mlx-lm-cli"]
 # The engine under its GPU-relevant settings, each set against the mlx-lm paths.
-ENGINE_VARIANTS = ["rust", "rust-eager", "rust-ops", "rust-mlx-products", "rust-our-products"]
+ENGINE_VARIANTS = ["rust", "rust-eager", "rust-ops", "rust-mlx-products"]
 BEST_MLX = "best mlx-lm path"
 
 
@@ -318,7 +317,7 @@ def model_section(name, folder, settings):
             f"{PEER_NAMES[p]}: {'/'.join(v) or 'not reported'}" for p, v in compiled.items() if p in runs) + ".")
     # And whether its fused GPU layer kernels were built and passed their check.
     fused = {p: sorted({str(r["gpu_layer_kernels"]).lower() for reps in runs.get(p, {}).values()
-                        for r in reps if "gpu_layer_kernels" in r}) for p in ("rust", "rust-ops", "rust-mlx-products", "rust-our-products")}
+                        for r in reps if "gpu_layer_kernels" in r}) for p in ("rust", "rust-ops", "rust-mlx-products")}
     if any(fused.values()):
         lines.append("Fused GPU layer kernels, as the engine reported them: " + "; ".join(
             f"{PEER_NAMES[p]}: {'/'.join(v) or 'not reported'}" for p, v in fused.items() if p in runs)
@@ -418,7 +417,7 @@ def model_section(name, folder, settings):
 # ids must equal the engine's. llama.cpp runs a Q4_0 requantization of them,
 # and bf16 rounding may flip a near tie, so there a divergence is reported
 # with its position, not failed.
-SAME_WEIGHTS = ["rust-eager", "rust-compiled", "rust-ops", "rust-mlx-products", "rust-our-products", "rust-1t", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream"]
+SAME_WEIGHTS = ["rust-eager", "rust-compiled", "rust-ops", "rust-mlx-products", "rust-1t", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream"]
 
 
 def first_divergence(a, b):
@@ -714,7 +713,7 @@ def plot(summaries, path):
 
     n = len(summaries)
     fig, axes = plt.subplots(n, 2, figsize=(12, 4.2 * n), squeeze=False, gridspec_kw={"width_ratios": [3, 1]})
-    colors = {"rust": "#c0392b", "rust-eager": "#922b21", "rust-compiled": "#6e2c00", "rust-ops": "#ec7063", "rust-mlx-products": "#f5b7b1", "rust-our-products": "#78281f", "mlx-lm-stream": "#5dade2", "mlx-lm-cli": "#1b4f72",
+    colors = {"rust": "#c0392b", "rust-eager": "#922b21", "rust-compiled": "#6e2c00", "rust-ops": "#ec7063", "rust-mlx-products": "#f5b7b1", "mlx-lm-stream": "#5dade2", "mlx-lm-cli": "#1b4f72",
               "rust-1t": "#e59866", "rust-int8": "#f1c40f", "elixir": "#8e44ad", "elixir-textgen": "#bb8fce",
               "mlx-lm": "#2e86c1", "llama.cpp": "#229954"}
     for row, s in enumerate(summaries):

@@ -58,28 +58,6 @@ fn dequantized_on_gpu(in_dim: i32, spec: &QuantSpec, on_cpu_stream: impl FnOnce(
     in_dim <= spec.group_size && !on_cpu_stream()
 }
 
-/// Whether loads stack projections on a CPU stream (on CUDA, unless
-/// `EMLX_AXON_HOST_STACKING=0`).
-static HOST_STACKING: once_cell::sync::Lazy<bool> = once_cell::sync::Lazy::new(|| {
-    !crate::switch::off("EMLX_AXON_HOST_STACKING")
-        && !cfg!(feature = "metal")
-        && crate::device::gpu_available()
-});
-
-/// `f` (a load-time copy of checkpoint tensors) on a CPU stream where MLX
-/// runs on CUDA. The tensors sit in unified memory, where MLX copied them
-/// from the file: a GPU copy would first move every page to the device,
-/// and its result would be moved back again for sharing
-/// ([`crate::device::share_with_host`]), while the host's copy stays in
-/// place and the GPU reads it as it reads the checkpoint's own tensors.
-fn on_host<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
-    if !*HOST_STACKING || crate::rope::on_cpu_stream() {
-        return f();
-    }
-    let host = crate::device::Lease::new(crate::device::DeviceKind::Cpu)?;
-    host.stream().run(f)
-}
-
 /// How the loader should treat a module's weight.
 #[derive(Debug, Clone, Copy)]
 pub struct LoadPlan {
@@ -248,7 +226,7 @@ impl Weight {
             if ws.iter().any(|w| w.dtype() != ws[0].dtype()) {
                 return Ok(None);
             }
-            return Ok(Some(Weight::Dense(on_host(|| Ok(concatenate(&ws, 0)?))?)));
+            return Ok(Some(Weight::Dense(concatenate(&ws, 0)?)));
         }
         let quantized: Option<Vec<[&Array; 3]>> = parts
             .iter()
@@ -270,11 +248,10 @@ impl Weight {
             return Ok(None);
         }
         let stack = |i: usize| concatenate(&q.iter().map(|t| t[i]).collect::<Vec<_>>(), 0);
-        let (w, scales, biases) = on_host(|| Ok((stack(0)?, stack(1)?, stack(2)?)))?;
         Ok(Some(Weight::Quantized {
-            w,
-            scales,
-            biases,
+            w: stack(0)?,
+            scales: stack(1)?,
+            biases: stack(2)?,
             spec: *spec,
         }))
     }

@@ -608,3 +608,33 @@ pub(crate) fn pair(mut outputs: Vec<Array>) -> (Array, Array) {
 pub(crate) fn takes_dtype(d: Dtype) -> bool {
     matches!(d, Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn input_tiles_fit_and_spread_rows_evenly() {
+        for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+            for bits in [4, 8] {
+                for k in [256, 1024, 2048, 3072, 8192] {
+                    let size = if dtype == Dtype::Float32 { 4 } else { 2 };
+                    let row_bytes = k * size + k / (128 / bits) * 16;
+                    for rows in 1..=20 {
+                        let bt = tile_rows(rows, k, bits, dtype);
+                        let tiles = (rows + bt - 1) / bt;
+                        assert!((1..=8).contains(&bt), "{rows} rows of {k}: {bt}");
+                        assert!(
+                            bt == 1 || bt * row_bytes <= TILE_BYTES,
+                            "{rows} of {k}: {bt}"
+                        );
+                        // No tile is emptier than another by more than a row.
+                        assert!(tiles * bt - rows < tiles, "{rows} of {k}: {bt} x {tiles}");
+                    }
+                }
+            }
+        }
+        // One tile takes all eight rows of a Qwen3-0.6B-sized input.
+        assert_eq!(tile_rows(8, 1024, 4, Dtype::Bfloat16), 8);
+    }
+}
