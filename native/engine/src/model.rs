@@ -329,16 +329,12 @@ impl Model {
             _ => None,
         };
         if let (Some(rows), false) = (&step_rows, cpu_ops) {
-            let out = crate::gpu_layer::forward(
-                c,
-                &self.blocks,
-                &self.norm,
-                self.quantized_head(),
-                &h,
-                cache,
-                rows,
-                &self.rope_probe_f32,
-            )?;
+            let stack = crate::gpu_layer::Stack {
+                blocks: &self.blocks,
+                final_norm: &self.norm,
+                head: self.quantized_head(),
+            };
+            let out = crate::gpu_layer::forward(c, stack, &h, cache, rows, &self.rope_probe_f32)?;
             if let Some(out) = out {
                 cache.advance(1);
                 return match out {

@@ -116,22 +116,27 @@ pub(crate) enum Output {
     Logits(Array),
 }
 
+/// The parts of a model a step runs here.
+pub(crate) struct Stack<'a> {
+    pub blocks: &'a [Block],
+    pub final_norm: &'a RmsNorm,
+    /// The output head's weight, when quantized and without bias.
+    pub head: Option<QuantWeight<'a>>,
+}
+
 /// Every layer of a one-token step over `h` (`[rows, 1, hidden]`, the
 /// embeddings), then the final norm, and with our products the output
-/// head `head` too (its quantized weight, without bias). `None`, before
-/// anything is written to the cache, where the kernels do not take this
-/// model or step.
-#[allow(clippy::too_many_arguments)]
+/// head too. `None`, before anything is written to the cache, where the
+/// kernels do not take this model or step.
 pub(crate) fn forward<C: KvStore>(
     c: &ModelConfig,
-    blocks: &[Block],
-    final_norm: &RmsNorm,
-    head: Option<QuantWeight>,
+    stack: Stack,
     h: &Array,
     cache: &C,
     rows: &StepRows,
     rope_probe_f32: &Array,
 ) -> Result<Option<Output>> {
+    let (blocks, final_norm) = (stack.blocks, stack.final_norm);
     let n = h.dim(0);
     let (hd, dtype) = (c.head_dim, h.dtype());
     let takes = kernels::takes_dtype(dtype)
@@ -193,9 +198,12 @@ pub(crate) fn forward<C: KvStore>(
         })
     };
     if let Some(weights) = GEMV.then(|| products(blocks)).flatten() {
-        let head = head.filter(unpacks);
+        let stack = Stack {
+            head: stack.head.filter(unpacks),
+            ..stack
+        };
         return Ok(Some(with_our_products(
-            k, blocks, &weights, final_norm, head, h, &x, &attend,
+            k, &stack, &weights, h, &x, &attend,
         )?));
     }
     let mut h = h.clone();
@@ -260,13 +268,10 @@ fn products(blocks: &[Block]) -> Option<Vec<Products<'_>>> {
 /// add and RMSNorm done by the product that reads them, SwiGLU by the down
 /// projection, the final norm by the output head where it is given. `x`
 /// is the first layer's normalized input.
-#[allow(clippy::too_many_arguments)]
 fn with_our_products(
     k: &Kernels,
-    blocks: &[Block],
+    stack: &Stack,
     weights: &[Products],
-    final_norm: &RmsNorm,
-    head: Option<QuantWeight>,
     h: &Array,
     x: &Array,
     attend: &dyn Fn(&Array, &Block, usize) -> Result<Array>,
@@ -283,6 +288,7 @@ fn with_our_products(
         weights[0].qkv_bias,
     )?;
     let mut h = h.clone();
+    let blocks = stack.blocks;
     for (i, (block, w)) in blocks.iter().zip(weights).enumerate() {
         let a = attend(&qkv, block, i)?;
         let o = one(k.gemv(&GemvInput::Plain(&a), &w.o)?);
@@ -308,8 +314,8 @@ fn with_our_products(
                 h = h2;
             }
             _ => {
-                let (weight, eps) = (final_norm.weight(), final_norm.eps());
-                return Ok(match &head {
+                let (weight, eps) = (stack.final_norm.weight(), stack.final_norm.eps());
+                return Ok(match &stack.head {
                     Some(head) => {
                         let norm_d = GemvInput::AddNorm {
                             h: &h1,
