@@ -2,9 +2,9 @@
 //!
 //! The source is a kernel body. At first use with given input dtypes, ranks
 //! and template arguments, the whole kernel is written out (a signature of
-//! `const T* name` per input and `T* name` per output; `name_shape` and
-//! `name_strides` arrays where the body mentions them; template arguments
-//! as constants), compiled with NVRTC to a binary for this device and kept
+//! `const T* name` per input and `T* __restrict__ name` per output;
+//! `name_shape` and `name_strides` arrays where the body mentions them;
+//! template arguments as constants), compiled with NVRTC to a binary for this device and kept
 //! on disk, then launched through MLX's `precompiled_cuda_kernel`, inside
 //! MLX's command graph like its own kernels. MLX's own `cuda_kernel` would
 //! recompile every variant in every process (about a second each: MLX skips

@@ -7,9 +7,9 @@
 //! kernels a layer instead of one. This kernel (see [`crate::cuda_kernel`])
 //! takes the rows' key ranges instead. One block per (query head, row); its
 //! 8 warps take turns by 8 keys with an online softmax in float32, then
-//! combine. Before first use it is checked against
-//! MLX's masked attention on the device; a failure (no NVRTC, a wrong
-//! result) leaves the masked path in use. Metal keeps the masked path.
+//! combine. Before first use it is checked against MLX's masked attention
+//! on the device; a failure (no NVRTC, a wrong result) leaves the masked
+//! path in use. Metal keeps the masked path.
 
 use mlx_rs::fast::scaled_dot_product_attention;
 use mlx_rs::ops::indexing::IndexOp;

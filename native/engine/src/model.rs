@@ -614,8 +614,8 @@ mod tests {
     }
 
     /// On a CUDA GPU (unless `EMLX_AXON_GPU_LAYER=0`; with our products or,
-    /// `EMLX_AXON_GPU_GEMV=0`, MLX's), one-token steps run each layer from our kernels
-    /// (`crate::gpu_layer`): the same logits as MLX's separate ops, to
+    /// `EMLX_AXON_GPU_GEMV=0`, MLX's), one-token steps run each layer from
+    /// our kernels (`crate::gpu_layer`): the same logits as MLX's separate ops, to
     /// float32 summation order, and close in bfloat16 (whose roundings the
     /// kernels repeat, but whose norms and products sum in another order).
     /// Elsewhere the kernels are not used and this test has nothing to run.

@@ -335,13 +335,17 @@ const GEMV_ADD_NORM: &str = r#"
 /// arrays within the 48 KiB a block may have without asking.
 const TILE_BYTES: i32 = 40 * 1024;
 
+/// Bytes of one input row in a product's tile (`KP` of `GEMV_START`): each
+/// chunk of `128 / bits` inputs in the compute dtype, then 16 bytes.
+fn tile_row_bytes(k_dim: i32, bits: i32, dtype: Dtype) -> i32 {
+    let size = if dtype == Dtype::Float32 { 4 } else { 2 };
+    k_dim * size + k_dim / (128 / bits) * 16
+}
+
 /// Rows of a product's input tile: as many as fit (up to 8), the rows
 /// spread evenly over the fewest tiles.
 fn tile_rows(rows: i32, k_dim: i32, bits: i32, dtype: Dtype) -> i32 {
-    let size = if dtype == Dtype::Float32 { 4 } else { 2 };
-    // `KP` of `GEMV_START`: each chunk of `128 / bits` inputs and 16 bytes.
-    let row_bytes = k_dim * size + k_dim / (128 / bits) * 16;
-    let most = (TILE_BYTES / row_bytes).clamp(1, 8);
+    let most = (TILE_BYTES / tile_row_bytes(k_dim, bits, dtype)).clamp(1, 8);
     let tiles = (rows + most - 1) / most;
     ((rows + tiles - 1) / tiles.max(1)).max(1)
 }
@@ -618,8 +622,7 @@ mod tests {
         for dtype in [Dtype::Float32, Dtype::Bfloat16] {
             for bits in [4, 8] {
                 for k in [256, 1024, 2048, 3072, 8192] {
-                    let size = if dtype == Dtype::Float32 { 4 } else { 2 };
-                    let row_bytes = k * size + k / (128 / bits) * 16;
+                    let row_bytes = tile_row_bytes(k, bits, dtype);
                     for rows in 1..=20 {
                         let bt = tile_rows(rows, k, bits, dtype);
                         let tiles = (rows + bt - 1) / bt;
