@@ -36,6 +36,7 @@ fn main() {
     let compat = manifest_dir.join("compat");
 
     build_mlx_c(&mlx_c, &prefix, &compat);
+    build_shim(&mlx_c, &prefix, &compat, "array_shim");
     if env::var("CARGO_CFG_TARGET_ARCH").as_deref() != Ok("aarch64") {
         build_shim(&mlx_c, &prefix, &compat, "half_shim");
     }

@@ -18,7 +18,7 @@ use crate::config::{Arch, ModelConfig};
 use crate::error::Result;
 use crate::layers::{Linear, LinearGroup, LoadPlan, Member, RmsNorm, Workers};
 use crate::rope::Rope;
-use crate::weights::Weights;
+use crate::weights::{Join, Weights};
 
 pub enum AttentionMask {
     None,
@@ -54,6 +54,15 @@ pub(crate) struct Attention {
     scale_step: Array,
 }
 
+/// A layer's q, k and v projections, read stacked.
+pub(crate) fn qkv_join() -> Join {
+    let path = |name: &str| format!("self_attn.{name}");
+    Join {
+        name: path("qkv_proj"),
+        members: vec![path("q_proj"), path("k_proj"), path("v_proj")],
+    }
+}
+
 impl Attention {
     /// Loads layer `prefix`'s attention (`<prefix>.self_attn.*`).
     pub(crate) fn load(
@@ -66,7 +75,10 @@ impl Attention {
     ) -> Result<Self> {
         let (d, hd) = (c.hidden_size, c.head_dim);
         let path = |name: &str| format!("{prefix}.self_attn.{name}");
-        let (q, k, v) = (path("q_proj"), path("k_proj"), path("v_proj"));
+        let join = qkv_join().at(prefix);
+        let [q, k, v] = &join.members[..] else {
+            unreachable!("q, k and v");
+        };
         fn member<'a>(
             prefix: &'a str,
             out_dim: i32,
@@ -80,10 +92,11 @@ impl Attention {
         }
         let qkv = LinearGroup::load(
             weights,
+            &join.name,
             &[
-                member(&q, c.num_heads * hd, &plan),
-                member(&k, c.num_kv_heads * hd, &plan),
-                member(&v, c.num_kv_heads * hd, &plan),
+                member(q, c.num_heads * hd, &plan),
+                member(k, c.num_kv_heads * hd, &plan),
+                member(v, c.num_kv_heads * hd, &plan),
             ],
             d,
             c.arch == Arch::Qwen2,
@@ -99,6 +112,27 @@ impl Attention {
             plan(&o_path),
             ways,
         )?;
+        // On the host: each would be a device kernel inside the load.
+        let (norm, scale, scale_step) =
+            crate::device::on_host(|| Self::load_constants(weights, c, prefix, dtype))?;
+        Ok(Attention {
+            qkv,
+            o,
+            norm,
+            scale,
+            scale_step,
+        })
+    }
+
+    /// The q/k norms (Qwen3) and the softmax scales, in the compute dtype.
+    fn load_constants(
+        weights: &mut Weights,
+        c: &ModelConfig,
+        prefix: &str,
+        dtype: Dtype,
+    ) -> Result<(Option<QkNorm>, Array, Array)> {
+        let hd = c.head_dim;
+        let path = |name: &str| format!("{prefix}.self_attn.{name}");
         let norm = match c.arch {
             Arch::Qwen3 => {
                 let mut take = |name: &str| -> Result<Array> {
@@ -128,13 +162,7 @@ impl Attention {
             &step,
         )
         .as_dtype(dtype)?;
-        Ok(Attention {
-            qkv,
-            o,
-            norm,
-            scale,
-            scale_step,
-        })
+        Ok((norm, scale, scale_step))
     }
 
     pub(crate) fn arrays(&self) -> Vec<&Array> {

@@ -87,6 +87,14 @@ pub fn share_with_host(arrays: &[&Array]) -> Result<()> {
     Ok(())
 }
 
+/// Runs `f` with MLX's CPU stream as the default: for the small arrays a
+/// model derives at load (norm weights side by side, scales in the compute
+/// dtype), which on a GPU stream would each be a kernel reading unified
+/// memory, with its first-use cost, inside the load.
+pub fn on_host<T>(f: impl FnOnce() -> T) -> T {
+    mlx_rs::with_stream(&mlx_rs::Stream::cpu(), f)
+}
+
 /// Whether libmlx was built with a GPU backend (CUDA or Metal) and has a device.
 pub fn gpu_available() -> bool {
     install_error_handler();

@@ -59,7 +59,7 @@ fn dequantized_on_gpu(in_dim: i32, spec: &QuantSpec, on_cpu_stream: impl FnOnce(
 }
 
 /// How the loader should treat a module's weight.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LoadPlan {
     /// The checkpoint's spec for this module, if the checkpoint is quantized.
     pub stored: Option<QuantSpec>,
@@ -479,14 +479,46 @@ pub struct Member<'a> {
 }
 
 impl LinearGroup {
+    /// The members, stacked where they can be: as loaded under `joined`
+    /// (see [`crate::weights::Join`]), else concatenated here.
     pub fn load(
         weights: &mut Weights,
+        joined: &str,
         members: &[Member],
         in_dim: i32,
         bias: bool,
         ways: usize,
     ) -> Result<Self> {
         let sizes: Vec<i32> = members.iter().map(|m| m.out_dim).collect();
+        if let Some(rows) = weights.joined_rows(&format!("{joined}.weight")) {
+            let plan = members[0].plan;
+            let bias_name = format!("{joined}.bias");
+            // Anything else (another split, mixed plans, a bias missing or
+            // unexpected) takes the members apart, for their own checks.
+            if rows == sizes
+                && members.iter().all(|m| m.plan == plan)
+                && weights.contains(&bias_name) == bias
+            {
+                let total = sizes.iter().sum();
+                let weight = Weight::load(weights, joined, total, in_dim, plan)?;
+                let bias = match bias {
+                    true => Some(
+                        weights
+                            .take(&bias_name, Some(&[total]))?
+                            .as_dtype(plan.dtype)?,
+                    ),
+                    false => None,
+                };
+                return Ok(LinearGroup {
+                    sizes,
+                    layout: GroupLayout::Stacked(Linear {
+                        projection: Projection::new(weight, ways),
+                        bias,
+                    }),
+                });
+            }
+            weights.unjoin(joined);
+        }
         let mut parts = Vec::with_capacity(members.len());
         let mut biases = Vec::with_capacity(members.len());
         for m in members {
@@ -509,9 +541,12 @@ impl LinearGroup {
                         None
                     },
                 };
-                // Now, so that the members' own buffers are freed layer by
-                // layer rather than all held until the model is evaluated.
+                // Now, so that the members' own buffers are freed group by
+                // group rather than all held until the model is evaluated,
+                // and given back to the system: in MLX's buffer cache they
+                // would stay in sizes later work rarely asks for.
                 mlx_rs::transforms::eval(linear.arrays())?;
+                crate::memory::clear_cache()?;
                 GroupLayout::Stacked(linear)
             }
             None => {
@@ -744,7 +779,7 @@ pub(crate) mod tests {
                 plan: plan(*spec),
             })
             .collect();
-        let group = LinearGroup::load(&mut weights, &list, 128, true, 1).unwrap();
+        let group = LinearGroup::load(&mut weights, "layer.stacked", &list, 128, true, 1).unwrap();
         let apart = members
             .iter()
             .map(|(prefix, rows, spec)| {

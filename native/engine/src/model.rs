@@ -14,7 +14,7 @@ use crate::config::{add_missing, generation_eos_ids, Arch, ModelConfig, QuantSpe
 use crate::error::{Error, Result};
 use crate::layers::{Embedding, Linear, LinearGroup, LoadPlan, Member, RmsNorm, Workers};
 use crate::rope::Rope;
-use crate::weights::Weights;
+use crate::weights::{Join, Weights};
 
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
@@ -91,6 +91,14 @@ pub struct Model {
 // so sharing them between threads (each running its own stream) is sound.
 unsafe impl Sync for Model {}
 
+/// A layer's gate and up projections, read stacked.
+fn gate_up_join() -> Join {
+    Join {
+        name: "mlp.gate_up_proj".into(),
+        members: vec!["mlp.gate_proj".into(), "mlp.up_proj".into()],
+    }
+}
+
 pub fn default_dtype() -> Dtype {
     if crate::device::gpu_available() {
         Dtype::Bfloat16
@@ -121,7 +129,8 @@ impl Model {
                 "compute dtype must be float32, float16 or bfloat16, got {dtype:?}"
             )));
         }
-        let mut weights = Weights::load_dir(dir)?;
+        let joins = [crate::attention::qkv_join(), gate_up_join()];
+        let mut weights = Weights::load_dir(dir, &joins)?;
         let weight_bytes = weights.bytes;
         let c = &config;
         let plan = |path: &str| LoadPlan {
@@ -130,7 +139,8 @@ impl Model {
             dtype,
         };
         let norm = |w: &mut Weights, name: &str, dim: i32| -> Result<RmsNorm> {
-            RmsNorm::new(w.take(name, Some(&[dim]))?.as_dtype(dtype)?, c.rms_norm_eps)
+            let weight = w.take(name, Some(&[dim]))?;
+            crate::device::on_host(|| RmsNorm::new(weight.as_dtype(dtype)?, c.rms_norm_eps))
         };
 
         let on_cpu = crate::device::DeviceKind::default_kind() == crate::device::DeviceKind::Cpu;
@@ -159,7 +169,7 @@ impl Model {
                 Linear::load(w, &path, i, o, bias, plan(&path), ways)
             };
             let attn = Attention::load(&mut weights, c, &p, plan, dtype, ways)?;
-            let (gate, up) = (format!("{p}.mlp.gate_proj"), format!("{p}.mlp.up_proj"));
+            let join = gate_up_join().at(&p);
             let member = |prefix| Member {
                 prefix,
                 out_dim: c.intermediate_size,
@@ -168,7 +178,8 @@ impl Model {
             let mlp = Mlp {
                 gate_up: LinearGroup::load(
                     &mut weights,
-                    &[member(&gate), member(&up)],
+                    &join.name,
+                    &[member(&join.members[0]), member(&join.members[1])],
                     d,
                     false,
                     ways,
@@ -185,11 +196,6 @@ impl Model {
                     d,
                 )?,
             });
-            // The layer's separate q/k/v and gate/up tensors, freed once
-            // stacked, would stay in MLX's buffer cache in sizes later work
-            // rarely asks for: back to the system, so that loading peaks
-            // near one copy of the checkpoint.
-            crate::memory::clear_cache()?;
         }
         let final_norm = norm(&mut weights, "model.norm.weight", d)?;
         let lm_head = if c.tie_word_embeddings {
@@ -217,8 +223,12 @@ impl Model {
         if options.strict && !unexpected.is_empty() {
             return Err(Error::UnexpectedTensors(unexpected));
         }
-        let rope_probe = crate::rope::probe(c.head_dim, c.rope_traditional, dtype)?;
-        let rope_probe_f32 = crate::rope::probe(c.head_dim, c.rope_traditional, Dtype::Float32)?;
+        let (rope_probe, rope_probe_f32) = crate::device::on_host(|| -> Result<_> {
+            Ok((
+                crate::rope::probe(c.head_dim, c.rope_traditional, dtype)?,
+                crate::rope::probe(c.head_dim, c.rope_traditional, Dtype::Float32)?,
+            ))
+        })?;
         let model = Model {
             quantized_at_load: options.quantize,
             config,

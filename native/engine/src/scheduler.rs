@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use mlx_rs::ops::concatenate;
-use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
+use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{transforms, Array};
 
 use crate::cache::KvCache;
@@ -813,7 +813,7 @@ impl Scheduler {
         let any_greedy = running().any(|r| r.request.options.sampler.is_greedy());
         let all_greedy = running().all(|r| r.request.options.sampler.is_greedy());
         let greedy = if any_greedy {
-            Some(argmax_axis(&logits, -1, false)?.as_dtype(mlx_rs::Dtype::Uint32)?)
+            Some(crate::sampler::greedy(&logits)?)
         } else {
             None
         };

@@ -29,6 +29,17 @@ extern "C" {
     pub fn mlx_array_data_bfloat16(arr: mlx_array) -> *const bfloat16_t;
 }
 
+// compat/array_shim.cpp: an array with an allocated, unwritten buffer.
+extern "C" {
+    pub fn emlx_array_new_uninit(
+        res: *mut mlx_array,
+        data: *mut *mut ::std::os::raw::c_void,
+        shape: *const ::std::os::raw::c_int,
+        dim: ::std::os::raw::c_int,
+        dtype: mlx_dtype,
+    ) -> ::std::os::raw::c_int;
+}
+
 // compat/cuda_kernel_shim.cpp: our own CUDA kernels, compiled with NVRTC
 // and launched through MLX's `precompiled_cuda_kernel` (not in MLX-C).
 #[cfg(not(target_os = "macos"))]

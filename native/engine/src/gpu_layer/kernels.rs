@@ -145,38 +145,87 @@ const SWIGLU: &str = r#"
   }
 "#;
 
+/// Each row's greedy token: the index of its largest value, the first of
+/// equal ones (as MLX's argmax), over `x` `[rows, V]`, one block a row.
+/// 16-byte loads where the row allows them: MLX's own kernel took 21 µs
+/// for a 151,936-wide row on an NVIDIA H200, its loads one value each.
+const ARGMAX: &str = r#"
+  constexpr int WARPS = BLOCK / 32;
+  constexpr int PV = 16 / (int)sizeof(T);
+  const int V = x_shape[1];
+  const int row = blockIdx.x;
+  const int t = threadIdx.x;
+  const T* p = x + (size_t)row * x_strides[0];
+  float best = __int_as_float(0xff800000);
+  int at = V;
+  auto take = [&](float v, int i) {
+    if (v > best || (v == best && i < at)) {
+      best = v;
+      at = i;
+    }
+  };
+  int done = 0;
+  if (x_strides[1] == 1 && reinterpret_cast<size_t>(p) % 16 == 0) {
+    const uint4* pv = reinterpret_cast<const uint4*>(p);
+    const int chunks = V / PV;
+#pragma unroll 4
+    for (int c = t; c < chunks; c += BLOCK) {
+      const uint4 raw = pv[c];
+      const T* vals = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int e = 0; e < PV; e++) take(static_cast<float>(vals[e]), c * PV + e);
+    }
+    done = chunks * PV;
+  }
+  for (int i = done + t; i < V; i += BLOCK) take(static_cast<float>(p[(size_t)i * x_strides[1]]), i);
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ob = __shfl_xor_sync(0xffffffff, best, o);
+    const int oa = __shfl_xor_sync(0xffffffff, at, o);
+    take(ob, oa);
+  }
+  __shared__ float sb[WARPS];
+  __shared__ int sa[WARPS];
+  if (t % 32 == 0) {
+    sb[t / 32] = best;
+    sa[t / 32] = at;
+  }
+  __syncthreads();
+  if (t == 0) {
+    for (int i = 0; i < WARPS; i++) take(sb[i], sa[i]);
+    out[row] = at < V ? (uint32_t)at : 0u;
+  }
+"#;
+
 /// The product of one quantized weight (MLX's affine layout: `BITS`-bit
 /// values packed little-end first into `uint32` words, a scale and a bias per
 /// `GS` values of a row) with a tile of `BT` input rows, after one of the
 /// prologues below has put the tile's inputs into shared memory. Each warp
-/// takes `R` weight rows; a lane takes chunks of four words (16 bytes, in
-/// one group), the first row's fetched before the prologue (`GEMV_FETCH`)
-/// so that its trip to memory overlaps the prologue's; every weight value
-/// `scale * q + bias` (float32) is used for all rows of the tile. A lane
-/// reads its chunk's inputs with 16-byte loads, and the padding after each
-/// chunk's inputs (see `GEMV_START`) puts the lanes of a load on different
-/// banks.
+/// takes `R` outputs, each from `PER_OUT` weight rows (two for SwiGLU: the
+/// gate row and the up row `OUTS` further on), all fetched before the
+/// prologue (`GEMV_START`) so that their trips to memory overlap its. A
+/// lane takes chunks of four words (16 bytes, in one group), and every
+/// weight value `scale * q + bias` (float32) is used for all rows of the
+/// tile. A lane reads its chunk's inputs with 16-byte loads, and the
+/// padding after each chunk's inputs (see `GEMV_START`) puts the lanes of
+/// a load on different banks.
 const GEMV_BODY: &str = r#"
   constexpr unsigned MASK = (1u << BITS) - 1u;
   constexpr int LOADS = CH * (int)sizeof(T) / 16;
-  for (int rr = 0; rr < R; rr++) {
-    const int n = n0 + rr;
-    if (n >= N) break;
-    if (rr > 0) fetch(n);
-    float acc[BT];
+  // The tile's products with one weight row, summed over the warp.
+  auto dot = [&](const Row& row, float (&acc)[BT]) {
 #pragma unroll
     for (int b = 0; b < BT; b++) acc[b] = 0.f;
 #pragma unroll
     for (int it = 0; it < ITERS; it++) {
       const int i = it * 32 + lane;
       if (i >= CHUNKS) break;
-      const uint32_t ws[4] = {words[it].x, words[it].y, words[it].z, words[it].w};
+      const uint32_t ws[4] = {row.words[it].x, row.words[it].y, row.words[it].z, row.words[it].w};
       float wv[CH];
 #pragma unroll
       for (int v = 0; v < 4; v++) {
 #pragma unroll
         for (int j = 0; j < PER_WORD; j++) {
-          wv[v * PER_WORD + j] = sc[it] * static_cast<float>((ws[v] >> (BITS * j)) & MASK) + bi[it];
+          wv[v * PER_WORD + j] = row.sc[it] * static_cast<float>((ws[v] >> (BITS * j)) & MASK) + row.bi[it];
         }
       }
 #pragma unroll
@@ -194,9 +243,34 @@ const GEMV_BODY: &str = r#"
     }
 #pragma unroll
     for (int b = 0; b < BT; b++) {
-      float a = acc[b];
-      for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffff, a, o);
-      if (lane == 0 && b < nb) y[(size_t)(b0 + b) * N + n] = static_cast<T>(a);
+      for (int o = 16; o > 0; o >>= 1) acc[b] += __shfl_xor_sync(0xffffffff, acc[b], o);
+    }
+  };
+#pragma unroll
+  for (int rr = 0; rr < R; rr++) {
+    const int n = n0 + rr;
+    if (n >= OUTS) break;
+    float acc[BT];
+    dot(rows[rr][0], acc);
+    if constexpr (PER_OUT == 1) {
+#pragma unroll
+      for (int b = 0; b < BT; b++) {
+        if (lane == 0 && b < nb) y[(size_t)(b0 + b) * OUTS + n] = static_cast<T>(acc[b]);
+      }
+    } else {
+      // `silu(gate) * up`, rounded where MLX's product and its ops round.
+      float up[BT];
+      dot(rows[rr][1], up);
+#pragma unroll
+      for (int b = 0; b < BT; b++) {
+        if (lane == 0 && b < nb) {
+          const float g = static_cast<float>(static_cast<T>(acc[b]));
+          const T s = static_cast<T>(1.f / (1.f + expf(-g)));
+          const T a = static_cast<T>(g * static_cast<float>(s));
+          y[(size_t)(b0 + b) * OUTS + n] =
+              static_cast<T>(static_cast<float>(a) * static_cast<float>(static_cast<T>(up[b])));
+        }
+      }
     }
   }
 "#;
@@ -204,11 +278,11 @@ const GEMV_BODY: &str = r#"
 /// What every prologue starts with (after naming its first input's rows
 /// `ROWS`): the block's place and its input tile, in the compute dtype
 /// (what MLX's ops would store), each lane chunk's `CH` inputs followed by
-/// 16 bytes of padding; then the warp's first weight row fetched into
+/// 16 bytes of padding; then the warp's weight rows fetched into
 /// registers. Sizes that need not be constants are read from the shapes,
 /// so that fewer variants are compiled.
 const GEMV_START: &str = r#"
-  const int N = wq_shape[0];
+  const int OUTS = wq_shape[0] / PER_OUT;
   constexpr int WARPS = BLOCK / 32;
   constexpr int PER_WORD = 32 / BITS;
   constexpr int CH = 4 * PER_WORD;
@@ -219,66 +293,70 @@ const GEMV_START: &str = r#"
   constexpr int GROUPS = K / GS;
   constexpr int ITERS = (CHUNKS + 31) / 32;
   constexpr int PER = (K + BLOCK - 1) / BLOCK;
+  // Inputs move 16 bytes (PV values) at a time where rows allow it (VEC):
+  // KC such pieces a row, each inside one lane chunk of the tile, a warp's
+  // 32 within one row.
+  constexpr int PV = 16 / (int)sizeof(T);
+  constexpr int KC = K / PV;
+  constexpr bool VEC = K % (32 * PV) == 0 && CH % PV == 0;
+  constexpr int VITERS = (BT * KC + BLOCK - 1) / BLOCK;
   const int t = threadIdx.x;
   const int lane = t % 32;
   const int w = t / 32;
   const int b0 = blockIdx.y * BT;
   const int nb = min(BT, ROWS - b0);
-  const int R = (N + gridDim.x * WARPS - 1) / (gridDim.x * WARPS);
   const int n0 = (blockIdx.x * WARPS + w) * R;
   __shared__ __align__(16) T xs[BT][KP];
 #define XI(k) ((k) + (k) / CH * PAD)
-  uint4 words[ITERS];
-  float sc[ITERS];
-  float bi[ITERS];
-  auto fetch = [&](int n) {
-    const uint4* wr = reinterpret_cast<const uint4*>(wq + (size_t)n * WORDS);
+  struct Row {
+    uint4 words[ITERS];
+    float sc[ITERS];
+    float bi[ITERS];
+  };
+  Row rows[R][PER_OUT];
 #pragma unroll
-    for (int it = 0; it < ITERS; it++) {
-      const int i = it * 32 + lane;
-      if (i < CHUNKS) {
-        words[it] = wr[i];
-        const size_t g = (size_t)n * GROUPS + i * CH / GS;
-        sc[it] = static_cast<float>(scales[g]);
-        bi[it] = static_cast<float>(biases[g]);
+  for (int rr = 0; rr < R; rr++) {
+#pragma unroll
+    for (int p = 0; p < PER_OUT; p++) {
+      const int n = n0 + rr + p * OUTS;
+      const uint4* wr = reinterpret_cast<const uint4*>(wq + (size_t)n * WORDS);
+#pragma unroll
+      for (int it = 0; it < ITERS; it++) {
+        const int i = it * 32 + lane;
+        if (n0 + rr < OUTS && i < CHUNKS) {
+          rows[rr][p].words[it] = wr[i];
+          const size_t g = (size_t)n * GROUPS + i * CH / GS;
+          rows[rr][p].sc[it] = static_cast<float>(scales[g]);
+          rows[rr][p].bi[it] = static_cast<float>(biases[g]);
+        }
       }
     }
-  };
-  if (n0 < N) fetch(n0);
+  }
 "#;
 
 /// Plain input `x` `[ROWS, 1, K]`, contiguous. The prologues' loops have
 /// constant trip counts and are unrolled, so that all their reads are in
 /// flight at once.
 const GEMV_PLAIN: &str = r#"
+  if (VEC && reinterpret_cast<size_t>(x) % 16 == 0) {
 #pragma unroll
-  for (int b = 0; b < BT; b++) {
-    if (b < nb) {
-#pragma unroll
-      for (int c = 0; c < PER; c++) {
-        const int k = t + c * BLOCK;
-        if (k < K) xs[b][XI(k)] = x[(size_t)(b0 + b) * K + k];
+    for (int c = 0; c < VITERS; c++) {
+      const int q = t + c * BLOCK;
+      const int b = q / KC;
+      const int k = q % KC * PV;
+      if (b < nb) {
+        *reinterpret_cast<uint4*>(&xs[b][XI(k)]) =
+            *reinterpret_cast<const uint4*>(x + (size_t)(b0 + b) * K + k);
       }
     }
-  }
-  __syncthreads();
-"#;
-
-/// `silu(gate) * up` of a stacked product `gu` `[ROWS, 1, 2 * K]`, rounded
-/// as MLX's separate ops round it.
-const GEMV_SWIGLU: &str = r#"
+  } else {
 #pragma unroll
-  for (int b = 0; b < BT; b++) {
-    if (b < nb) {
-      const T* p = gu + (size_t)(b0 + b) * 2 * K;
+    for (int b = 0; b < BT; b++) {
+      if (b < nb) {
 #pragma unroll
-      for (int c = 0; c < PER; c++) {
-        const int k = t + c * BLOCK;
-        if (k < K) {
-          const float g = static_cast<float>(p[k]);
-          const T s = static_cast<T>(1.f / (1.f + expf(-g)));
-          const T a = static_cast<T>(g * static_cast<float>(s));
-          xs[b][XI(k)] = static_cast<T>(static_cast<float>(a) * static_cast<float>(p[K + k]));
+        for (int c = 0; c < PER; c++) {
+          const int k = t + c * BLOCK;
+          if (k < K) xs[b][XI(k)] = x[(size_t)(b0 + b) * K + k];
         }
       }
     }
@@ -287,43 +365,100 @@ const GEMV_SWIGLU: &str = r#"
 "#;
 
 /// The residual add `h + r` (the first block of each tile also writes it out
-/// as `sum`) and its RMSNorm with weight `nw`.
+/// as `sum`) and its RMSNorm with weight `nw`: 16 bytes at a time where the
+/// rows are contiguous and aligned, as a step's are, else a value at a time.
 const GEMV_ADD_NORM: &str = r#"
-  __shared__ float partial[BT][WARPS];
+  constexpr int SLOTS = VEC ? KC / 32 : 1;
+  __shared__ float partial[BT][SLOTS > WARPS ? SLOTS : WARPS];
+  const float eps = __int_as_float(EPS_BITS);
+  const bool dense = VEC && h_strides[2] == 1 && r_strides[2] == 1 && h_strides[0] % PV == 0 &&
+                     r_strides[0] % PV == 0 && reinterpret_cast<size_t>(h) % 16 == 0 &&
+                     reinterpret_cast<size_t>(r) % 16 == 0 && reinterpret_cast<size_t>(nw) % 16 == 0;
+  if (dense) {
+    // Each warp's sum of squares is one of its row's SLOTS parts.
 #pragma unroll
-  for (int b = 0; b < BT; b++) {
-    if (b < nb) {
-      const size_t row = b0 + b;
-      float ss = 0.f;
+    for (int c = 0; c < VITERS; c++) {
+      const int q = t + c * BLOCK;
+      const int b = q / KC;
+      const int k = q % KC * PV;
+      if (b < nb) {
+        const size_t row = b0 + b;
+        const uint4 hv = *reinterpret_cast<const uint4*>(h + row * h_strides[0] + k);
+        const uint4 rv = *reinterpret_cast<const uint4*>(r + row * r_strides[0] + k);
+        const T* he = reinterpret_cast<const T*>(&hv);
+        const T* re = reinterpret_cast<const T*>(&rv);
+        uint4 sv;
+        T* se = reinterpret_cast<T*>(&sv);
+        float ss = 0.f;
 #pragma unroll
-      for (int c = 0; c < PER; c++) {
-        const int k = t + c * BLOCK;
-        if (k < K) {
-          const T s = static_cast<T>(static_cast<float>(h[row * h_strides[0] + k * h_strides[2]]) +
-                                     static_cast<float>(r[row * r_strides[0] + k * r_strides[2]]));
-          if (blockIdx.x == 0) sum[row * K + k] = s;
-          xs[b][XI(k)] = s;
-          const float f = static_cast<float>(s);
+        for (int e = 0; e < PV; e++) {
+          se[e] = static_cast<T>(static_cast<float>(he[e]) + static_cast<float>(re[e]));
+          const float f = static_cast<float>(se[e]);
           ss += f * f;
         }
+        if (blockIdx.x == 0) *reinterpret_cast<uint4*>(sum + row * K + k) = sv;
+        *reinterpret_cast<uint4*>(&xs[b][XI(k)]) = sv;
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+        if (lane == 0) partial[b][q % KC / 32] = ss;
       }
-      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
-      if (lane == 0) partial[b][w] = ss;
     }
-  }
-  __syncthreads();
+    __syncthreads();
 #pragma unroll
-  for (int b = 0; b < BT; b++) {
-    if (b < nb) {
-      float total = 0.f;
-      for (int i = 0; i < WARPS; i++) total += partial[b][i];
-      const float n = rsqrtf(total / K + __int_as_float(EPS_BITS));
+    for (int c = 0; c < VITERS; c++) {
+      const int q = t + c * BLOCK;
+      const int b = q / KC;
+      const int k = q % KC * PV;
+      if (b < nb) {
+        float total = 0.f;
+        for (int i = 0; i < SLOTS; i++) total += partial[b][i];
+        const float n = rsqrtf(total / K + eps);
+        uint4 xv = *reinterpret_cast<const uint4*>(&xs[b][XI(k)]);
+        const uint4 wv = *reinterpret_cast<const uint4*>(nw + k);
+        T* xe = reinterpret_cast<T*>(&xv);
+        const T* we = reinterpret_cast<const T*>(&wv);
 #pragma unroll
-      for (int c = 0; c < PER; c++) {
-        const int k = t + c * BLOCK;
-        if (k < K) {
-          const float f = static_cast<float>(xs[b][XI(k)]);
-          xs[b][XI(k)] = static_cast<T>(static_cast<float>(nw[k]) * static_cast<float>(static_cast<T>(f * n)));
+        for (int e = 0; e < PV; e++) {
+          xe[e] = static_cast<T>(static_cast<float>(we[e]) * static_cast<float>(static_cast<T>(static_cast<float>(xe[e]) * n)));
+        }
+        *reinterpret_cast<uint4*>(&xs[b][XI(k)]) = xv;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int b = 0; b < BT; b++) {
+      if (b < nb) {
+        const size_t row = b0 + b;
+        float ss = 0.f;
+#pragma unroll
+        for (int c = 0; c < PER; c++) {
+          const int k = t + c * BLOCK;
+          if (k < K) {
+            const T s = static_cast<T>(static_cast<float>(h[row * h_strides[0] + k * h_strides[2]]) +
+                                       static_cast<float>(r[row * r_strides[0] + k * r_strides[2]]));
+            if (blockIdx.x == 0) sum[row * K + k] = s;
+            xs[b][XI(k)] = s;
+            const float f = static_cast<float>(s);
+            ss += f * f;
+          }
+        }
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+        if (lane == 0) partial[b][w] = ss;
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int b = 0; b < BT; b++) {
+      if (b < nb) {
+        float total = 0.f;
+        for (int i = 0; i < WARPS; i++) total += partial[b][i];
+        const float n = rsqrtf(total / K + eps);
+#pragma unroll
+        for (int c = 0; c < PER; c++) {
+          const int k = t + c * BLOCK;
+          if (k < K) {
+            const float f = static_cast<float>(xs[b][XI(k)]);
+            xs[b][XI(k)] = static_cast<T>(static_cast<float>(nw[k]) * static_cast<float>(static_cast<T>(f * n)));
+          }
         }
       }
     }
@@ -360,23 +495,25 @@ pub(crate) fn gemv_takes(bits: i32, group_size: i32, in_dim: i32) -> bool {
         && (in_dim * bits) % 128 == 0
 }
 
-/// Threads of every kernel's blocks: 8 warps.
+/// Threads of every kernel's blocks but the argmax's: 8 warps.
 const BLOCK: i32 = 256;
+
+/// The argmax's threads: one block reads a whole row.
+const ARGMAX_BLOCK: i32 = 1024;
 
 pub(crate) struct Kernels {
     qkv_attend: CudaKernel,
     add_norm: CudaKernel,
     swiglu: CudaKernel,
-    gemv: CudaKernel,
-    gemv_swiglu: CudaKernel,
-    gemv_add_norm: CudaKernel,
+    /// By input (plain, add + norm) and output (product, SwiGLU of its
+    /// halves): `products[input][output]`.
+    products: [[CudaKernel; 2]; 2],
+    argmax: CudaKernel,
 }
 
 /// How a product's input tile is made.
 pub(crate) enum GemvInput<'a> {
     Plain(&'a Array),
-    /// `silu(gate) * up` of a stacked gate/up product.
-    Swiglu(&'a Array),
     /// `h + r` normalized with `weight` and `eps`; the sum is a second output.
     AddNorm {
         h: &'a Array,
@@ -384,6 +521,15 @@ pub(crate) enum GemvInput<'a> {
         weight: &'a Array,
         eps: f32,
     },
+}
+
+/// What a product gives.
+#[derive(Clone, Copy)]
+pub(crate) enum GemvOutput {
+    Product,
+    /// `silu(gate) * up` of the product's halves (a stacked gate/up weight),
+    /// half as wide.
+    Swiglu,
 }
 
 /// What [`Kernels::qkv_attend`] reads.
@@ -436,42 +582,11 @@ impl Kernels {
                 ADD_NORM,
             )?,
             swiglu: CudaKernel::new("emlx_axon_swiglu", &["gu"], &["act"], SWIGLU)?,
-            gemv: CudaKernel::new(
-                "emlx_axon_gemv",
-                &["x", "wq", "scales", "biases"],
-                &["y"],
-                &[
-                    "const int ROWS = x_shape[0];",
-                    GEMV_START,
-                    GEMV_PLAIN,
-                    GEMV_BODY,
-                ]
-                .concat(),
-            )?,
-            gemv_swiglu: CudaKernel::new(
-                "emlx_axon_gemv_swiglu",
-                &["gu", "wq", "scales", "biases"],
-                &["y"],
-                &[
-                    "const int ROWS = gu_shape[0];",
-                    GEMV_START,
-                    GEMV_SWIGLU,
-                    GEMV_BODY,
-                ]
-                .concat(),
-            )?,
-            gemv_add_norm: CudaKernel::new(
-                "emlx_axon_gemv_add_norm",
-                &["h", "r", "nw", "wq", "scales", "biases"],
-                &["sum", "y"],
-                &[
-                    "const int ROWS = h_shape[0];",
-                    GEMV_START,
-                    GEMV_ADD_NORM,
-                    GEMV_BODY,
-                ]
-                .concat(),
-            )?,
+            products: [
+                [product_kernel(false, 1)?, product_kernel(false, 2)?],
+                [product_kernel(true, 1)?, product_kernel(true, 2)?],
+            ],
+            argmax: CudaKernel::new("emlx_axon_argmax", &["x"], &["out"], ARGMAX)?,
         })
     }
 
@@ -541,6 +656,25 @@ impl Kernels {
         Ok(pair(out))
     }
 
+    /// The last axis's argmax (uint32), as MLX's `argmax`.
+    pub(crate) fn argmax(&self, logits: &Array) -> Result<Array> {
+        let shape = logits.shape();
+        let v = logits.dim(-1);
+        let rows = shape[..shape.len() - 1].iter().product::<i32>();
+        let x = logits.reshape(&[rows, v])?;
+        let mut out = self.argmax.apply(
+            &[&x],
+            &[(&[rows], Dtype::Uint32)],
+            (rows * ARGMAX_BLOCK, 1, 1),
+            (ARGMAX_BLOCK, 1, 1),
+            &[
+                ("T", Template::Dtype(logits.dtype())),
+                ("BLOCK", Template::Int(ARGMAX_BLOCK)),
+            ],
+        )?;
+        Ok(out.remove(0).reshape(&shape[..shape.len() - 1])?)
+    }
+
     /// `silu(gate) * up` of a stacked gate/up product `[rows, 1, 2 * I]`.
     pub(crate) fn swiglu(&self, gu: &Array) -> Result<Array> {
         let (rows, i) = (gu.dim(0), gu.dim(-1) / 2);
@@ -554,50 +688,103 @@ impl Kernels {
         Ok(out.remove(0))
     }
 
-    /// `input @ W.T` for a quantized `W` (`[N, K]` logical), `[rows, 1, N]`;
-    /// with the residual sum first for [`GemvInput::AddNorm`].
-    pub(crate) fn gemv(&self, input: &GemvInput, wt: &QuantWeight) -> Result<Vec<Array>> {
-        let (first, k_dim) = match input {
-            GemvInput::Plain(x) => (*x, x.dim(-1)),
-            GemvInput::Swiglu(gu) => (*gu, gu.dim(-1) / 2),
-            GemvInput::AddNorm { h, .. } => (*h, h.dim(-1)),
+    /// `input @ W.T` for a quantized `W` (`[N, K]` logical), `[rows, 1, N]`
+    /// (`N / 2` for [`GemvOutput::Swiglu`]); with the residual sum first for
+    /// [`GemvInput::AddNorm`].
+    pub(crate) fn gemv(
+        &self,
+        input: &GemvInput,
+        output: GemvOutput,
+        wt: &QuantWeight,
+    ) -> Result<Vec<Array>> {
+        let first = match input {
+            GemvInput::Plain(x) => *x,
+            GemvInput::AddNorm { h, .. } => *h,
         };
-        let (rows, dtype) = (first.dim(0), first.dtype());
-        let n = wt.w.dim(0);
+        let (rows, k_dim, dtype) = (first.dim(0), first.dim(-1), first.dtype());
+        let per_out = match output {
+            GemvOutput::Product => 1,
+            GemvOutput::Swiglu => 2,
+        };
+        let outs = wt.w.dim(0) / per_out;
         let bt = tile_rows(rows, k_dim, wt.bits, dtype);
-        // Weight rows a warp takes one after another: one (a block per 8
-        // weight rows, every block's prologue on the same inputs), four for
-        // an output head's tens of thousands of rows, where the repeated
-        // prologues would cost more than the products.
-        let r = if n >= 32768 { 4 } else { 1 };
-        let blocks = (n + 8 * r - 1) / (8 * r);
+        let r = outputs_per_warp(outs);
+        let blocks = (outs + 8 * r - 1) / (8 * r);
         let mut templates = vec![
             ("T", Template::Dtype(dtype)),
             ("K", Template::Int(k_dim)),
             ("BITS", Template::Int(wt.bits)),
             ("GS", Template::Int(wt.group_size)),
             ("BT", Template::Int(bt)),
+            ("R", Template::Int(r)),
             ("BLOCK", Template::Int(BLOCK)),
         ];
         let params = [wt.w, wt.scales, wt.biases];
-        let out = [rows, 1, n];
+        let out = [rows, 1, outs];
         let grid = (blocks * BLOCK, (rows + bt - 1) / bt, 1);
         let sum_shape = [rows, 1, k_dim];
-        let (kernel, inputs, outputs): (_, Vec<&Array>, Vec<(&[i32], Dtype)>) = match input {
-            GemvInput::Plain(x) => (&self.gemv, vec![*x], vec![(&out, dtype)]),
-            GemvInput::Swiglu(gu) => (&self.gemv_swiglu, vec![*gu], vec![(&out, dtype)]),
+        let (inputs, outputs, add_norm): (Vec<&Array>, Vec<(&[i32], Dtype)>, _) = match input {
+            GemvInput::Plain(x) => (vec![*x], vec![(&out, dtype)], false),
             GemvInput::AddNorm { h, r, weight, eps } => {
                 templates.push(("EPS_BITS", eps_bits(*eps)));
                 let outputs = vec![(&sum_shape[..], dtype), (&out[..], dtype)];
-                (&self.gemv_add_norm, vec![*h, *r, *weight], outputs)
+                (vec![*h, *r, *weight], outputs, true)
             }
         };
-        kernel.apply(
+        self.products[add_norm as usize][per_out as usize - 1].apply(
             &[&inputs[..], &params].concat(),
             &outputs,
             grid,
             (BLOCK, 1, 1),
             &templates,
+        )
+    }
+}
+
+/// Outputs a warp computes: one (a block per 8, every block's prologue on
+/// the same inputs) up to a few thousand; more for wider products, where the
+/// repeated prologues would cost more than the products (all a warp's weight
+/// rows are fetched at once, so they cost registers, not trips).
+fn outputs_per_warp(outs: i32) -> i32 {
+    match outs {
+        32768.. => 4,
+        4096.. => 2,
+        _ => 1,
+    }
+}
+
+/// The product kernel for an input (plain, or add + norm) and an output
+/// (each of `per_out` weight rows: 1 a product, 2 SwiGLU of gate and up).
+fn product_kernel(add_norm: bool, per_out: i32) -> Result<CudaKernel> {
+    let output = if per_out == 1 { "" } else { "_swiglu" };
+    let per_out = format!("constexpr int PER_OUT = {per_out};");
+    if add_norm {
+        CudaKernel::new(
+            &format!("emlx_axon_gemv_add_norm{output}"),
+            &["h", "r", "nw", "wq", "scales", "biases"],
+            &["sum", "y"],
+            &[
+                "const int ROWS = h_shape[0];",
+                &per_out,
+                GEMV_START,
+                GEMV_ADD_NORM,
+                GEMV_BODY,
+            ]
+            .concat(),
+        )
+    } else {
+        CudaKernel::new(
+            &format!("emlx_axon_gemv{output}"),
+            &["x", "wq", "scales", "biases"],
+            &["y"],
+            &[
+                "const int ROWS = x_shape[0];",
+                &per_out,
+                GEMV_START,
+                GEMV_PLAIN,
+                GEMV_BODY,
+            ]
+            .concat(),
         )
     }
 }

@@ -2,9 +2,10 @@
 //! quantized products and kernels of our own ([`kernels`]): q/k norm +
 //! RoPE + cache write + attention over each row's keys in one, residual
 //! add + RMSNorm, SwiGLU; eight nodes a layer instead of about twenty.
-//! By default the products are ours too, each reading the add + norm or
-//! SwiGLU before it: four nodes a layer, and the output head reads the
-//! final norm (`EMLX_AXON_GPU_GEMV=0` keeps MLX's products).
+//! By default the products are ours too, each reading the add + norm before
+//! it, the gate/up product giving SwiGLU of its halves: five nodes a layer,
+//! the output head reads the final norm, and greedy tokens come from our
+//! argmax (`EMLX_AXON_GPU_GEMV=0` keeps MLX's products).
 //!
 //! MLX's CUDA backend spends about 6 µs of host time on every node it
 //! evaluates (an NVIDIA H200, chains of small ops), views and reshapes
@@ -12,7 +13,7 @@
 //! The kernels cut the count without changing what is computed: they round
 //! where MLX's ops would (see [`kernels`]). Keys and values are written into
 //! the cache buffers in place, so the cache's own update goes too. With
-//! four nodes a layer the step is bound by the GPU instead: timed kernel by
+//! five nodes a layer the step is bound by the GPU instead: timed kernel by
 //! kernel on an H200 (Qwen3-0.6B shape, 4-bit, bfloat16), a batch-1 step's
 //! kernels took about 1.3 ms of its 1.45 ms, each bound by its chain of
 //! trips to memory rather than by bandwidth (the products 4-13 µs for
@@ -46,7 +47,7 @@ use crate::layers::RmsNorm;
 use crate::model::Block;
 use crate::rope::Rope;
 use emlx_axon_kernels::QuantWeight;
-use kernels::{pair, GemvInput, Kernels, QkvAttend};
+use kernels::{pair, GemvInput, GemvOutput, Kernels, QkvAttend};
 
 /// On by default where MLX has a CUDA GPU; `EMLX_AXON_GPU_LAYER=0` keeps
 /// MLX's ops.
@@ -106,6 +107,21 @@ fn kernels(dtype: Dtype) -> Option<&'static Kernels> {
         .is_some();
     checked.push((dtype, ok));
     ok.then_some(k)
+}
+
+/// Each row's greedy token (uint32) from `logits` (`[..., vocab]`) with our
+/// kernel, on a GPU stream where the kernels passed their check; `None`
+/// elsewhere (MLX's argmax then).
+pub(crate) fn argmax(logits: &Array) -> Result<Option<Array>> {
+    let usable = *WANTED
+        && kernels::takes_dtype(logits.dtype())
+        && logits.ndim() > 0
+        && logits.size() > 0
+        && !crate::rope::on_cpu_stream();
+    match usable.then(|| kernels(logits.dtype())).flatten() {
+        Some(k) => Ok(Some(k.argmax(logits)?)),
+        None => Ok(None),
+    }
 }
 
 /// What a step's layers end with.
@@ -264,9 +280,9 @@ fn products(blocks: &[Block]) -> Option<Vec<Products<'_>>> {
         .collect()
 }
 
-/// The layers with our product kernels: four nodes a layer, the residual
-/// add and RMSNorm done by the product that reads them, SwiGLU by the down
-/// projection, the final norm by the output head where it is given. `x`
+/// The layers with our product kernels: five nodes a layer, the residual
+/// add and RMSNorm done by the product that reads them, SwiGLU by the
+/// gate/up product, the final norm by the output head where it is given. `x`
 /// is the first layer's normalized input.
 fn with_our_products(
     k: &Kernels,
@@ -283,15 +299,16 @@ fn with_our_products(
         })
     };
     let one = |mut v: Vec<Array>| v.remove(0);
+    let product = GemvOutput::Product;
     let mut qkv = with_bias(
-        one(k.gemv(&GemvInput::Plain(x), &weights[0].qkv)?),
+        one(k.gemv(&GemvInput::Plain(x), product, &weights[0].qkv)?),
         weights[0].qkv_bias,
     )?;
     let mut h = h.clone();
     let blocks = stack.blocks;
     for (i, (block, w)) in blocks.iter().zip(weights).enumerate() {
         let a = attend(&qkv, block, i)?;
-        let o = one(k.gemv(&GemvInput::Plain(&a), &w.o)?);
+        let o = one(k.gemv(&GemvInput::Plain(&a), product, &w.o)?);
         let post = &block.post_norm;
         let norm_o = GemvInput::AddNorm {
             h: &h,
@@ -299,8 +316,8 @@ fn with_our_products(
             weight: post.weight(),
             eps: post.eps(),
         };
-        let (h1, gu) = pair(k.gemv(&norm_o, &w.gate_up)?);
-        let d = one(k.gemv(&GemvInput::Swiglu(&gu), &w.down)?);
+        let (h1, act) = pair(k.gemv(&norm_o, GemvOutput::Swiglu, &w.gate_up)?);
+        let d = one(k.gemv(&GemvInput::Plain(&act), product, &w.down)?);
         match (blocks.get(i + 1), weights.get(i + 1)) {
             (Some(next), Some(nw)) => {
                 let norm_d = GemvInput::AddNorm {
@@ -309,7 +326,7 @@ fn with_our_products(
                     weight: next.input_norm.weight(),
                     eps: next.input_norm.eps(),
                 };
-                let (h2, y) = pair(k.gemv(&norm_d, &nw.qkv)?);
+                let (h2, y) = pair(k.gemv(&norm_d, product, &nw.qkv)?);
                 qkv = with_bias(y, nw.qkv_bias)?;
                 h = h2;
             }
@@ -323,7 +340,7 @@ fn with_our_products(
                             weight,
                             eps,
                         };
-                        Output::Logits(pair(k.gemv(&norm_d, head)?).1)
+                        Output::Logits(pair(k.gemv(&norm_d, product, head)?).1)
                     }
                     None => Output::Normed(k.add_norm(&h1, &d, weight, eps)?.1),
                 });
@@ -366,6 +383,29 @@ fn check(k: &Kernels, dtype: Dtype) -> Result<()> {
     let want = g.multiply(mlx_rs::ops::sigmoid(&g)?)?.multiply(&u)?;
     close("SwiGLU", dtype, &k.swiglu(&gu)?, &want)?;
 
+    // Many ties (values on a grid of quarters), a row not 16-byte aligned
+    // and a width that leaves a tail.
+    let quarters = Array::from_f32(4.0);
+    let x = normal(&[3, 1, 32777], 18, Dtype::Float32)?
+        .multiply(&quarters)?
+        .round(None)?
+        .divide(&quarters)?
+        .as_dtype(dtype)?;
+    let (got, want) = (
+        k.argmax(&x)?,
+        mlx_rs::ops::indexing::argmax_axis(&x, -1, false)?,
+    );
+    let same = got.shape() == want.shape() && {
+        let differ = got.ne(&want)?.sum(None)?.as_dtype(Dtype::Int32)?;
+        differ.eval()?;
+        differ.as_slice::<i32>()[0] == 0
+    };
+    if !same {
+        return Err(Error::Mlx(format!(
+            "the argmax kernel ({dtype:?}) picks other tokens than MLX's argmax"
+        )));
+    }
+
     check_qkv_attend(k, dtype, &normal)?;
     if *GEMV {
         check_gemv(k, dtype, &normal)?;
@@ -387,19 +427,23 @@ fn close_relative(what: &str, got: &Array, want: &Array, bound: f32) -> Result<(
 }
 
 /// The product kernels against MLX's `quantized_matmul` of the same inputs
-/// (4- and 8-bit weights).
+/// (4- and 8-bit weights), and their SwiGLU outputs against MLX's ops on
+/// its product.
 fn check_gemv(k: &Kernels, dtype: Dtype, normal: Normal) -> Result<()> {
-    let (kd, eps) = (256, 1e-6);
+    let eps = 1e-6;
     let bound = if dtype == Dtype::Float32 { 1e-4 } else { 2e-2 };
     // One row (the default path's grid), six (one tile) and nine (two
-    // tiles, the second part full); an output head's width (four weight
-    // rows a warp, the last block part full).
-    let cases: [(i32, i32, i32, &[i32]); 3] = [
-        (72, 4, 64, &[1, 6, 9]),
-        (72, 8, 32, &[1, 6, 9]),
-        (32776, 4, 64, &[1, 6]),
+    // tiles, the second part full); widths with two outputs a warp and
+    // an output head's (four a warp), the last block part full; inputs
+    // read 16 bytes at a time (rows of 256) and a value at a time (320).
+    let cases: [(i32, i32, i32, i32, &[i32]); 5] = [
+        (72, 256, 4, 64, &[1, 6, 9]),
+        (72, 256, 8, 32, &[1, 6, 9]),
+        (72, 320, 4, 64, &[1, 6]),
+        (8200, 256, 4, 64, &[1]),
+        (32776, 256, 4, 64, &[1, 6]),
     ];
-    for (n, bits, gs, rows_list) in cases {
+    for (n, kd, bits, gs, rows_list) in cases {
         let (w, scales, biases) =
             mlx_rs::ops::quantize(&normal(&[n, kd], 12, Dtype::Float32)?, gs, bits)?;
         let (scales, biases) = (scales.as_dtype(dtype)?, biases.as_dtype(dtype)?);
@@ -415,34 +459,45 @@ fn check_gemv(k: &Kernels, dtype: Dtype, normal: Normal) -> Result<()> {
                 x, &w, &scales, &biases, true, gs, bits,
             )?)
         };
+        let half = n / 2;
+        // SwiGLU of a product's halves, as MLX's ops compute it.
+        let swiglu = |y: &Array| -> Result<Array> {
+            let (g, u) = (y.index((.., .., ..half)), y.index((.., .., half..)));
+            Ok(g.multiply(mlx_rs::ops::sigmoid(&g)?)?.multiply(&u)?)
+        };
         for &rows in rows_list {
-            let what = format!("{bits}-bit product ({rows} rows, {dtype:?})");
             let x = normal(&[rows, 1, kd], 13, dtype)?;
-            let got = k.gemv(&GemvInput::Plain(&x), &wt)?;
-            close_relative(&what, &got[0], &mlx(&x)?, bound)?;
-
-            let gu = normal(&[rows, 1, 2 * kd], 14, dtype)?;
-            let (g, u) = (gu.index((.., .., ..kd)), gu.index((.., .., kd..)));
-            let act = g.multiply(mlx_rs::ops::sigmoid(&g)?)?.multiply(&u)?;
-            let got = k.gemv(&GemvInput::Swiglu(&gu), &wt)?;
-            close_relative(&format!("SwiGLU {what}"), &got[0], &mlx(&act)?, bound)?;
-
             let (h, r) = (
                 normal(&[rows, 1, kd], 15, dtype)?,
                 normal(&[rows, 1, kd], 16, dtype)?,
             );
             let nw = normal(&[kd], 17, dtype)?;
-            let input = GemvInput::AddNorm {
-                h: &h,
-                r: &r,
-                weight: &nw,
-                eps,
-            };
-            let got = k.gemv(&input, &wt)?;
             let sum = h.add(&r)?;
-            close("add", dtype, &got[0], &sum)?;
-            let want = mlx(&rms_norm(&sum, Some(&nw), eps)?)?;
-            close_relative(&format!("RMSNorm {what}"), &got[1], &want, bound)?;
+            let normed = rms_norm(&sum, Some(&nw), eps)?;
+            for (output, name) in [
+                (GemvOutput::Product, "product"),
+                (GemvOutput::Swiglu, "SwiGLU product"),
+            ] {
+                let want = |x: &Array| -> Result<Array> {
+                    match output {
+                        GemvOutput::Product => mlx(x),
+                        GemvOutput::Swiglu => swiglu(&mlx(x)?),
+                    }
+                };
+                let what = format!("{bits}-bit {name} ({rows} rows, {dtype:?})");
+                let got = k.gemv(&GemvInput::Plain(&x), output, &wt)?;
+                close_relative(&what, &got[0], &want(&x)?, bound)?;
+
+                let input = GemvInput::AddNorm {
+                    h: &h,
+                    r: &r,
+                    weight: &nw,
+                    eps,
+                };
+                let got = k.gemv(&input, output, &wt)?;
+                close("add", dtype, &got[0], &sum)?;
+                close_relative(&format!("RMSNorm {what}"), &got[1], &want(&normed)?, bound)?;
+            }
         }
     }
     Ok(())
