@@ -42,24 +42,16 @@ const START: &str = r#"
   const int last = ends[row] - 1;
 #define KEY(j) (kb + (long)(j) * keys_strides[2])
 #define VALUE(j) (vb + (long)(j) * values_strides[2])
+  constexpr bool FIRST_LOADED = false;
 "#;
 
-/// The keys `first..=last` into each warp's online softmax (float32): its
-/// running max `m`, sum `l` and weighted values `acc` (the lane's `E` of
-/// them), the query `qv` prescaled; `KEY(j)` and `VALUE(j)` point at the
-/// lane's part of key and value `j`. A warp takes `U` keys at a time, all
-/// their loads before any use, so that a trip to memory serves `U` keys
-/// (one key at a time, a short context's attention was bound by the chain
-/// of trips), and the warps take turns by `U` keys.
-pub(crate) const ATTEND_KEYS: &str = r#"
+/// A warp's trip to memory for the keys and values `j0..j0 + U` (clamped
+/// to `last`), all loads before any use: `load`, and the registers of a
+/// warp's first trip, `kf0` and `vf0`, which a kernel may fill early
+/// (`FIRST_LOADED`) so that the trip overlaps work before the loop.
+pub(crate) const ATTEND_LOAD: &str = r#"
   constexpr int U = 8;
-  float m = neg_inf;
-  float l = 0.f;
-  float acc[E];
-  for (int e = 0; e < E; e++) acc[e] = 0.f;
-  for (int j0 = first + w * U; j0 <= last; j0 += WARPS * U) {
-    float kf[U][E];
-    float vf[U][E];
+  auto load = [&](int j0, float (&kf)[U][E], float (&vf)[U][E]) {
 #pragma unroll
     for (int u = 0; u < U; u++) {
       const int j = min(j0 + u, last);
@@ -71,6 +63,24 @@ pub(crate) const ATTEND_KEYS: &str = r#"
         vf[u][e] = static_cast<float>(vp[e]);
       }
     }
+  };
+  float kf0[U][E];
+  float vf0[U][E];
+"#;
+
+/// The keys `first..=last` into each warp's online softmax (float32): its
+/// running max `m`, sum `l` and weighted values `acc` (the lane's `E` of
+/// them), the query `qv` prescaled; `KEY(j)` and `VALUE(j)` point at the
+/// lane's part of key and value `j`. A warp takes `U` keys at a time
+/// ([`ATTEND_LOAD`]), so that a trip to memory serves `U` keys (one key at
+/// a time, a short context's attention was bound by the chain of trips),
+/// and the warps take turns by `U` keys.
+pub(crate) const ATTEND_KEYS: &str = r#"
+  float m = neg_inf;
+  float l = 0.f;
+  float acc[E];
+  for (int e = 0; e < E; e++) acc[e] = 0.f;
+  auto update = [&](int j0, const float (&kf)[U][E], const float (&vf)[U][E]) {
     float s[U];
 #pragma unroll
     for (int u = 0; u < U; u++) {
@@ -102,6 +112,17 @@ pub(crate) const ATTEND_KEYS: &str = r#"
       }
     }
     m = mn;
+  };
+  int j0 = first + w * U;
+  if (j0 <= last) {
+    if (!FIRST_LOADED) load(j0, kf0, vf0);
+    update(j0, kf0, vf0);
+    for (j0 += WARPS * U; j0 <= last; j0 += WARPS * U) {
+      float kf[U][E];
+      float vf[U][E];
+      load(j0, kf, vf);
+      update(j0, kf, vf);
+    }
   }
 "#;
 
@@ -180,7 +201,7 @@ fn new_kernel() -> Result<CudaKernel> {
         "emlx_axon_decode_attention",
         &["q", "keys", "values", "starts", "ends"],
         &["out"],
-        &[START, ATTEND_KEYS, ATTEND_COMBINE].concat(),
+        &[START, ATTEND_LOAD, ATTEND_KEYS, ATTEND_COMBINE].concat(),
     )
 }
 

@@ -80,7 +80,8 @@ pub struct Model {
     /// What RoPE on a CPU stream turns into its cosines and sines.
     rope_probe: Array,
     /// The same in float32: the GPU layer kernels' RoPE table.
-    rope_probe_f32: Array,
+    /// One-token GPU steps' rotations.
+    step_rope: crate::rope::PositionTable,
     /// Compiled decode steps by stream index, made on first use (see
     /// [`crate::decode_step::for_stream`]); their traces die with the model.
     pub(crate) compiled_steps: crate::decode_step::Steps,
@@ -223,10 +224,10 @@ impl Model {
         if options.strict && !unexpected.is_empty() {
             return Err(Error::UnexpectedTensors(unexpected));
         }
-        let (rope_probe, rope_probe_f32) = crate::device::on_host(|| -> Result<_> {
+        let (rope_probe, step_rope) = crate::device::on_host(|| -> Result<_> {
             Ok((
                 crate::rope::probe(c.head_dim, c.rope_traditional, dtype)?,
-                crate::rope::probe(c.head_dim, c.rope_traditional, Dtype::Float32)?,
+                crate::rope::PositionTable::new(c)?,
             ))
         })?;
         let model = Model {
@@ -242,7 +243,7 @@ impl Model {
             norm: final_norm,
             lm_head,
             rope_probe,
-            rope_probe_f32,
+            step_rope,
             compiled_steps: Default::default(),
         };
         // Converting or quantizing the weights allocates their final form
@@ -273,7 +274,7 @@ impl Model {
             all.extend(b.post_norm.arrays());
         }
         all.extend(self.norm.arrays());
-        all.extend([&self.rope_probe, &self.rope_probe_f32]);
+        all.extend([&self.rope_probe, self.step_rope.probe()]);
         if let Some(h) = &self.lm_head {
             all.extend(h.arrays());
         }
@@ -344,7 +345,7 @@ impl Model {
                 final_norm: &self.norm,
                 head: self.quantized_head(),
             };
-            let out = crate::gpu_layer::forward(c, stack, &h, cache, rows, &self.rope_probe_f32)?;
+            let out = crate::gpu_layer::forward(c, stack, &h, cache, rows, &self.step_rope)?;
             if let Some(out) = out {
                 cache.advance(1);
                 return match out {

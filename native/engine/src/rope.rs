@@ -11,10 +11,11 @@ use mlx_rs::fast::{rope, rope_dynamic};
 use mlx_rs::ops::indexing::{IndexOp, IntoStrideBy};
 use mlx_rs::ops::{broadcast_to, concatenate, stack, zeros_dtype};
 use mlx_rs::{Array, Dtype};
+use std::sync::Mutex;
 
 use crate::cache::RopeOffset;
 use crate::config::ModelConfig;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// Whether the calling thread's default stream (the one a forward pass's ops
 /// go to) runs on the CPU.
@@ -28,6 +29,59 @@ pub fn on_cpu_stream() -> bool {
             && mlx_sys::mlx_device_get_type(&mut kind, device) == 0;
         mlx_sys::mlx_device_free(device);
         ok && kind == mlx_sys::mlx_device_type__MLX_CPU
+    }
+}
+
+/// MLX's rotation of every position from 0 as float32 rows `[len,
+/// head_dim]` (cosines, signed sines; see [`Rope::Table`]), made once and
+/// grown as steps reach further: one-token steps on a GPU read their rows'
+/// positions from it, where building each step's rows took eight nodes.
+/// The same rows: MLX's `rope` rotates each position on its own.
+pub struct PositionTable {
+    /// [`probe`] in float32.
+    probe: Array,
+    rows: Mutex<Option<(i32, Array, Array)>>,
+}
+
+impl PositionTable {
+    pub fn new(c: &ModelConfig) -> Result<Self> {
+        Ok(PositionTable {
+            probe: probe(c.head_dim, c.rope_traditional, Dtype::Float32)?,
+            rows: Mutex::new(None),
+        })
+    }
+
+    pub fn probe(&self) -> &Array {
+        &self.probe
+    }
+
+    /// `(cos, signed_sin)`, `[len, head_dim]` with `len > last`.
+    pub fn rows(&self, c: &ModelConfig, last: i32) -> Result<(Array, Array)> {
+        let mut held = self.rows.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((len, cos, sin)) = held.as_ref() {
+            if *len > last {
+                return Ok((cos.clone(), sin.clone()));
+            }
+        }
+        let len = u32::try_from(last)
+            .ok()
+            .and_then(|l| (l + 1).max(256).checked_next_power_of_two())
+            .and_then(|l| i32::try_from(l).ok())
+            .ok_or_else(|| Error::invalid(format!("position {last} out of range")))?;
+        let Rope::Table {
+            rows: (cos, sin), ..
+        } = Rope::new(c, RopeOffset::Scalar(0), 1, len, 1, &self.probe, true)?
+        else {
+            return Err(Error::Mlx("a RoPE table was asked for".into()));
+        };
+        let (cos, sin) = (
+            cos.reshape(&[len, c.head_dim])?,
+            sin.reshape(&[len, c.head_dim])?,
+        );
+        // Evaluated here, once: steps on other streams read it later.
+        mlx_rs::transforms::eval([&cos, &sin])?;
+        *held = Some((len, cos.clone(), sin.clone()));
+        Ok((cos, sin))
     }
 }
 

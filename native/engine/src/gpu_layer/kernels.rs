@@ -8,21 +8,23 @@ use mlx_rs::{Array, Dtype};
 use emlx_axon_kernels::QuantWeight;
 
 use crate::cuda_kernel::{CudaKernel, Template};
-use crate::decode_attention::{ATTEND_COMBINE, ATTEND_KEYS};
+use crate::decode_attention::{ATTEND_COMBINE, ATTEND_KEYS, ATTEND_LOAD};
 use crate::error::Result;
 
 /// A layer's attention for one query per row from the q/k/v product: q and
-/// k RMSNorm (Qwen3), RoPE from a float32 table, the new key and value
+/// k RMSNorm (Qwen3), RoPE from a float32 table of positions, the new key and value
 /// written into the cache at the row's position, and attention over the
 /// row's keys `starts..=position` (online softmax in float32, the block's
 /// warps taking turns by a few keys, then combined). One block per
-/// (query head, row). Every block of a key head computes that head's new
-/// key itself and reads it from shared memory, so no block waits for
-/// another's cache write; the first query head of each group writes it.
-/// The cache buffers are inputs that the kernel writes in place: nothing
-/// else reads them within the step's layer, and the next layer's caches
-/// are other buffers.
-const QKV_ATTEND_START: &str = r#"
+/// (query head, row), of at least `2 * D` threads: the query and the new
+/// key are normalized and rotated at once, while each warp's first trip
+/// for keys is already under way. Every block of a key head computes that
+/// head's new key itself and reads it from shared memory, so no block waits
+/// for another's cache write; the first query head of each group writes
+/// it. The cache buffers are inputs that the kernel writes in place:
+/// nothing else reads them within the step's layer, and the next layer's
+/// caches are other buffers.
+const QKV_ATTEND_HEAD: &str = r#"
   constexpr int WARPS = BLOCK / 32;
   constexpr int E = D / 32;
   constexpr int GQA = NQ / NKV;
@@ -35,66 +37,77 @@ const QKV_ATTEND_START: &str = r#"
   const T* src = qkv + (size_t)row * (NQ + 2 * NKV) * D;
   const int pos = positions[row];
   const int first = starts[row];
-  const int crow = COS_ROWS == 1 ? 0 : row;
+  const int last = pos;
   const float neg_inf = __int_as_float(0xff800000);
 
   __shared__ float partial[WARPS];
-  __shared__ T normed[D];
-  __shared__ T qs[D];
-  __shared__ T ks[D];
-
-  // Every read of the prologue issued at once (a thread per head element,
-  // D <= BLOCK): in a chain of trips to memory they cost most of the time.
-  const bool mine = t < D;
-  const int i = mine ? t : 0;
-  const int partner = TRAD ? (i ^ 1) : (i < D / 2 ? i + D / 2 : i - D / 2);
+  __shared__ T normed[2][D];
+  // The rotated query (0) and new key (1).
+  __shared__ __align__(16) T qk[2][D];
+  const T* ks = qk[1];
   const T* vnew = src + (NQ + NKV + kv) * D;
-  const float xq = static_cast<float>(src[head * D + i]);
-  const float xk = static_cast<float>(src[(NQ + kv) * D + i]);
-  const T vn = vnew[i];
-  const float wq = NORM ? static_cast<float>(q_norm[i]) : 1.f;
-  const float wk = NORM ? static_cast<float>(k_norm[i]) : 1.f;
-  const float cs = rope_cos[crow * D + i];
-  const float sn = rope_sin[crow * D + i];
+  const T* kb = keys + row * keys_strides[0] + kv * keys_strides[1] + lane * E;
+  const T* vb = values + row * values_strides[0] + kv * values_strides[1] + lane * E;
+#define KEY(j) ((j) == pos ? ks + lane * E : kb + (long)(j) * keys_strides[2])
+#define VALUE(j) ((j) == pos ? vnew + lane * E : vb + (long)(j) * values_strides[2])
+"#;
 
-  auto norm_rope = [&](float x, float weight, T* out) {
-    float n = 1.f;
-    if (NORM) {
-      float ss = mine ? x * x : 0.f;
-      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
-      if (lane == 0) partial[w] = ss;
-      __syncthreads();
-      float total = 0.f;
-      for (int k = 0; k < WARPS; k++) total += partial[k];
-      n = rsqrtf(total / D + __int_as_float(EPS_BITS));
-    }
-    if (mine) {
-      normed[i] = NORM ? static_cast<T>(weight * static_cast<float>(static_cast<T>(x * n))) : static_cast<T>(x);
-    }
+/// After [`ATTEND_LOAD`]: the warp's first trip issued, then the prologue,
+/// every read of it issued at once (in a chain of trips to memory they cost
+/// most of the time), threads `0..D` on the query and `D..2D` on the key.
+const QKV_ATTEND_PROLOGUE: &str = r#"
+  constexpr bool FIRST_LOADED = true;
+  const int j00 = first + w * U;
+  if (j00 <= last) load(j00, kf0, vf0);
+
+  const int role = t / D;
+  const bool mine = role < 2;
+  const int i = t % D;
+  const int partner = TRAD ? (i ^ 1) : (i < D / 2 ? i + D / 2 : i - D / 2);
+  const float x = mine ? static_cast<float>(src[(role == 0 ? head : NQ + kv) * D + i]) : 0.f;
+  const float wn = NORM && mine ? static_cast<float>(role == 0 ? q_norm[i] : k_norm[i]) : 1.f;
+  const T vn = vnew[i];
+  const float cs = rope_cos[(size_t)pos * D + i];
+  const float sn = rope_sin[(size_t)pos * D + i];
+  float n = 1.f;
+  if (NORM) {
+    float ss = x * x;
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+    if (lane == 0) partial[w] = ss;
     __syncthreads();
+    float total = 0.f;
     if (mine) {
-      out[i] = static_cast<T>(static_cast<float>(normed[i]) * cs + static_cast<float>(normed[partner]) * sn);
+      for (int k = 0; k < D / 32; k++) total += partial[role * (D / 32) + k];
     }
-    __syncthreads();
-  };
-  norm_rope(xq, wq, qs);
-  norm_rope(xk, wk, ks);
-  if (head % GQA == 0 && mine) {
+    n = rsqrtf(total / D + __int_as_float(EPS_BITS));
+  }
+  if (mine) normed[role][i] = NORM ? static_cast<T>(wn * static_cast<float>(static_cast<T>(x * n))) : static_cast<T>(x);
+  __syncthreads();
+  if (mine) {
+    qk[role][i] = static_cast<T>(static_cast<float>(normed[role][i]) * cs +
+                                 static_cast<float>(normed[role][partner]) * sn);
+  }
+  __syncthreads();
+  if (head % GQA == 0 && role == 1) {
     T* kc = const_cast<T*>(keys) + row * keys_strides[0] + kv * keys_strides[1] + (long)pos * keys_strides[2];
     T* vc = const_cast<T*>(values) + row * values_strides[0] + kv * values_strides[1] +
             (long)pos * values_strides[2];
     kc[i] = ks[i];
     vc[i] = vn;
   }
+  // The new key, read early from shared memory not yet written, where the
+  // first trip took it.
+#pragma unroll
+  for (int u = 0; u < U; u++) {
+    if (min(j00 + u, last) == pos) {
+#pragma unroll
+      for (int e = 0; e < E; e++) kf0[u][e] = static_cast<float>(ks[lane * E + e]);
+    }
+  }
 
   const float scale = rsqrtf((float)D);
   float qv[E];
-  for (int e = 0; e < E; e++) qv[e] = static_cast<float>(qs[lane * E + e]) * scale;
-  const T* kb = keys + row * keys_strides[0] + kv * keys_strides[1] + lane * E;
-  const T* vb = values + row * values_strides[0] + kv * values_strides[1] + lane * E;
-  const int last = pos;
-#define KEY(j) ((j) == pos ? ks + lane * E : kb + (long)(j) * keys_strides[2])
-#define VALUE(j) ((j) == pos ? vnew + lane * E : vb + (long)(j) * values_strides[2])
+  for (int e = 0; e < E; e++) qv[e] = static_cast<float>(qk[0][lane * E + e]) * scale;
 "#;
 
 /// The residual add and the RMSNorm after it: `h + r`, and its norm.
@@ -210,7 +223,7 @@ const ARGMAX: &str = r#"
 /// a load on different banks.
 const GEMV_BODY: &str = r#"
   constexpr unsigned MASK = (1u << BITS) - 1u;
-  constexpr int LOADS = CH * (int)sizeof(T) / 16;
+  constexpr int LOADS = CH * (int)sizeof(XT) / 16;
   // The tile's products with one weight row, summed over the warp.
   auto dot = [&](const Row& row, float (&acc)[BT]) {
 #pragma unroll
@@ -234,7 +247,7 @@ const GEMV_BODY: &str = r#"
         uint4 raw[LOADS];
 #pragma unroll
         for (int q = 0; q < LOADS; q++) raw[q] = xp[q];
-        const T* xv = reinterpret_cast<const T*>(raw);
+        const XT* xv = reinterpret_cast<const XT*>(raw);
         float a = acc[b];
 #pragma unroll
         for (int e = 0; e < CH; e++) a += wv[e] * static_cast<float>(xv[e]);
@@ -286,7 +299,7 @@ const GEMV_START: &str = r#"
   constexpr int WARPS = BLOCK / 32;
   constexpr int PER_WORD = 32 / BITS;
   constexpr int CH = 4 * PER_WORD;
-  constexpr int PAD = 16 / (int)sizeof(T);
+  constexpr int PAD = 16 / (int)sizeof(XT);
   constexpr int KP = K + K / CH * PAD;
   constexpr int WORDS = K / PER_WORD;
   constexpr int CHUNKS = WORDS / 4;
@@ -306,8 +319,29 @@ const GEMV_START: &str = r#"
   const int b0 = blockIdx.y * BT;
   const int nb = min(BT, ROWS - b0);
   const int n0 = (blockIdx.x * WARPS + w) * R;
-  __shared__ __align__(16) T xs[BT][KP];
+  __shared__ __align__(16) XT xs[BT][KP];
 #define XI(k) ((k) + (k) / CH * PAD)
+  // PV values (16 bytes of T) into tile row b at column k, a multiple of
+  // PV, and out as floats.
+  auto tile_put = [&](int b, int k, const T* v) {
+    if constexpr (sizeof(XT) == sizeof(T)) {
+      *reinterpret_cast<uint4*>(&xs[b][XI(k)]) = *reinterpret_cast<const uint4*>(v);
+    } else {
+#pragma unroll
+      for (int q = 0; q < PV / 4; q++) {
+        float4 f;
+        f.x = static_cast<float>(v[4 * q]);
+        f.y = static_cast<float>(v[4 * q + 1]);
+        f.z = static_cast<float>(v[4 * q + 2]);
+        f.w = static_cast<float>(v[4 * q + 3]);
+        *reinterpret_cast<float4*>(&xs[b][XI(k) + 4 * q]) = f;
+      }
+    }
+  };
+  auto tile_get = [&](int b, int k, float* f) {
+#pragma unroll
+    for (int q = 0; q < PV; q++) f[q] = static_cast<float>(xs[b][XI(k) + q]);
+  };
   struct Row {
     uint4 words[ITERS];
     float sc[ITERS];
@@ -345,8 +379,8 @@ const GEMV_PLAIN: &str = r#"
       const int b = q / KC;
       const int k = q % KC * PV;
       if (b < nb) {
-        *reinterpret_cast<uint4*>(&xs[b][XI(k)]) =
-            *reinterpret_cast<const uint4*>(x + (size_t)(b0 + b) * K + k);
+        const uint4 raw = *reinterpret_cast<const uint4*>(x + (size_t)(b0 + b) * K + k);
+        tile_put(b, k, reinterpret_cast<const T*>(&raw));
       }
     }
   } else {
@@ -356,7 +390,7 @@ const GEMV_PLAIN: &str = r#"
 #pragma unroll
         for (int c = 0; c < PER; c++) {
           const int k = t + c * BLOCK;
-          if (k < K) xs[b][XI(k)] = x[(size_t)(b0 + b) * K + k];
+          if (k < K) xs[b][XI(k)] = static_cast<XT>(static_cast<float>(x[(size_t)(b0 + b) * K + k]));
         }
       }
     }
@@ -397,7 +431,7 @@ const GEMV_ADD_NORM: &str = r#"
           ss += f * f;
         }
         if (blockIdx.x == 0) *reinterpret_cast<uint4*>(sum + row * K + k) = sv;
-        *reinterpret_cast<uint4*>(&xs[b][XI(k)]) = sv;
+        tile_put(b, k, se);
         for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
         if (lane == 0) partial[b][q % KC / 32] = ss;
       }
@@ -412,15 +446,17 @@ const GEMV_ADD_NORM: &str = r#"
         float total = 0.f;
         for (int i = 0; i < SLOTS; i++) total += partial[b][i];
         const float n = rsqrtf(total / K + eps);
-        uint4 xv = *reinterpret_cast<const uint4*>(&xs[b][XI(k)]);
+        float xf[PV];
+        tile_get(b, k, xf);
         const uint4 wv = *reinterpret_cast<const uint4*>(nw + k);
-        T* xe = reinterpret_cast<T*>(&xv);
         const T* we = reinterpret_cast<const T*>(&wv);
+        uint4 ov;
+        T* oe = reinterpret_cast<T*>(&ov);
 #pragma unroll
         for (int e = 0; e < PV; e++) {
-          xe[e] = static_cast<T>(static_cast<float>(we[e]) * static_cast<float>(static_cast<T>(static_cast<float>(xe[e]) * n)));
+          oe[e] = static_cast<T>(static_cast<float>(we[e]) * static_cast<float>(static_cast<T>(xf[e] * n)));
         }
-        *reinterpret_cast<uint4*>(&xs[b][XI(k)]) = xv;
+        tile_put(b, k, oe);
       }
     }
   } else {
@@ -436,7 +472,7 @@ const GEMV_ADD_NORM: &str = r#"
             const T s = static_cast<T>(static_cast<float>(h[row * h_strides[0] + k * h_strides[2]]) +
                                        static_cast<float>(r[row * r_strides[0] + k * r_strides[2]]));
             if (blockIdx.x == 0) sum[row * K + k] = s;
-            xs[b][XI(k)] = s;
+            xs[b][XI(k)] = static_cast<XT>(static_cast<float>(s));
             const float f = static_cast<float>(s);
             ss += f * f;
           }
@@ -457,7 +493,8 @@ const GEMV_ADD_NORM: &str = r#"
           const int k = t + c * BLOCK;
           if (k < K) {
             const float f = static_cast<float>(xs[b][XI(k)]);
-            xs[b][XI(k)] = static_cast<T>(static_cast<float>(nw[k]) * static_cast<float>(static_cast<T>(f * n)));
+            xs[b][XI(k)] = static_cast<XT>(static_cast<float>(
+                static_cast<T>(static_cast<float>(nw[k]) * static_cast<float>(static_cast<T>(f * n)))));
           }
         }
       }
@@ -470,29 +507,39 @@ const GEMV_ADD_NORM: &str = r#"
 /// arrays within the 48 KiB a block may have without asking.
 const TILE_BYTES: i32 = 40 * 1024;
 
+/// A tile of one row, at most: the 48 KiB less the other arrays' largest.
+const ROW_BYTES: i32 = 46 * 1024;
+
 /// Bytes of one input row in a product's tile (`KP` of `GEMV_START`): each
-/// chunk of `128 / bits` inputs in the compute dtype, then 16 bytes.
+/// chunk of `128 / bits` inputs in the tile's dtype, then 16 bytes.
 fn tile_row_bytes(k_dim: i32, bits: i32, dtype: Dtype) -> i32 {
     let size = if dtype == Dtype::Float32 { 4 } else { 2 };
     k_dim * size + k_dim / (128 / bits) * 16
 }
 
-/// Rows of a product's input tile: as many as fit (up to 8), the rows
-/// spread evenly over the fewest tiles.
-fn tile_rows(rows: i32, k_dim: i32, bits: i32, dtype: Dtype) -> i32 {
+/// Rows of a product's input tile and the tile's dtype (`XT`): float32,
+/// which spares the product a conversion per input value and row, where
+/// all rows fit one tile; else the compute dtype, as many rows as fit (up
+/// to 8), spread evenly over the fewest tiles.
+fn tile(rows: i32, k_dim: i32, bits: i32, dtype: Dtype) -> (i32, Dtype) {
+    let rows = rows.max(1);
+    if rows <= 8 && rows * tile_row_bytes(k_dim, bits, Dtype::Float32) <= TILE_BYTES {
+        return (rows, Dtype::Float32);
+    }
     let most = (TILE_BYTES / tile_row_bytes(k_dim, bits, dtype)).clamp(1, 8);
     let tiles = (rows + most - 1) / most;
-    ((rows + tiles - 1) / tiles.max(1)).max(1)
+    ((rows + tiles - 1) / tiles, dtype)
 }
 
 /// Bit widths the product kernels unpack (values never straddle a word) and
-/// that their check covers, groups of whole 16-byte chunks, and rows that
-/// are whole chunks.
-pub(crate) fn gemv_takes(bits: i32, group_size: i32, in_dim: i32) -> bool {
+/// that their check covers, groups of whole 16-byte chunks, rows that are
+/// whole chunks, and a row of inputs that fits a tile in `dtype`.
+pub(crate) fn gemv_takes(bits: i32, group_size: i32, in_dim: i32, dtype: Dtype) -> bool {
     matches!(bits, 4 | 8)
         && group_size % (128 / bits) == 0
         && in_dim % group_size == 0
         && (in_dim * bits) % 128 == 0
+        && tile_row_bytes(in_dim, bits, dtype) <= ROW_BYTES
 }
 
 /// Threads of every kernel's blocks but the argmax's: 8 warps.
@@ -538,7 +585,8 @@ pub(crate) struct QkvAttend<'a> {
     pub qkv: &'a Array,
     /// Qwen3's q and k norm weights (`[head_dim]` each) and eps.
     pub qk_norm: Option<(&'a Array, &'a Array, f32)>,
-    /// `[1 or rows, 1, head_dim]` float32, as [`crate::rope::Rope::Table`]'s rows.
+    /// `[positions, head_dim]` float32, a [`crate::rope::PositionTable`]'s
+    /// rows, read at each row's position.
     pub cos: &'a Array,
     pub signed_sin: &'a Array,
     pub traditional: bool,
@@ -573,7 +621,14 @@ impl Kernels {
                     "values",
                 ],
                 &["out"],
-                &[QKV_ATTEND_START, ATTEND_KEYS, ATTEND_COMBINE].concat(),
+                &[
+                    QKV_ATTEND_HEAD,
+                    ATTEND_LOAD,
+                    QKV_ATTEND_PROLOGUE,
+                    ATTEND_KEYS,
+                    ATTEND_COMBINE,
+                ]
+                .concat(),
             )?,
             add_norm: CudaKernel::new(
                 "emlx_axon_add_norm",
@@ -594,6 +649,8 @@ impl Kernels {
     /// values go into the cache.
     pub(crate) fn qkv_attend(&self, p: &QkvAttend) -> Result<Array> {
         let (rows, hd) = (p.qkv.dim(0), p.cos.dim(-1));
+        // Threads for the query and the key at once.
+        let threads = BLOCK.max(2 * hd);
         let dtype = p.qkv.dtype();
         let (q_norm, k_norm, eps) = match p.qk_norm {
             Some((q, k, eps)) => (q, k, eps),
@@ -613,8 +670,8 @@ impl Kernels {
         let mut out = self.qkv_attend.apply(
             &inputs,
             &[(&[rows, 1, p.heads * hd], dtype)],
-            (p.heads * BLOCK, rows, 1),
-            (BLOCK, 1, 1),
+            (p.heads * threads, rows, 1),
+            (threads, 1, 1),
             &[
                 ("T", Template::Dtype(dtype)),
                 ("D", Template::Int(hd)),
@@ -622,9 +679,8 @@ impl Kernels {
                 ("NKV", Template::Int(p.kv_heads)),
                 ("NORM", Template::Bool(p.qk_norm.is_some())),
                 ("TRAD", Template::Bool(p.traditional)),
-                ("COS_ROWS", Template::Int(p.cos.dim(0))),
                 ("EPS_BITS", eps_bits(eps)),
-                ("BLOCK", Template::Int(BLOCK)),
+                ("BLOCK", Template::Int(threads)),
             ],
         )?;
         Ok(out.remove(0))
@@ -661,9 +717,17 @@ impl Kernels {
         let shape = logits.shape();
         let v = logits.dim(-1);
         let rows = shape[..shape.len() - 1].iter().product::<i32>();
-        let x = logits.reshape(&[rows, v])?;
+        // Reshapes only where needed: each is a node of its own.
+        let flat;
+        let x = match shape.len() {
+            2 => logits,
+            _ => {
+                flat = logits.reshape(&[rows, v])?;
+                &flat
+            }
+        };
         let mut out = self.argmax.apply(
-            &[&x],
+            &[x],
             &[(&[rows], Dtype::Uint32)],
             (rows * ARGMAX_BLOCK, 1, 1),
             (ARGMAX_BLOCK, 1, 1),
@@ -672,7 +736,11 @@ impl Kernels {
                 ("BLOCK", Template::Int(ARGMAX_BLOCK)),
             ],
         )?;
-        Ok(out.remove(0).reshape(&shape[..shape.len() - 1])?)
+        let ids = out.remove(0);
+        Ok(match shape.len() {
+            2 => ids,
+            _ => ids.reshape(&shape[..shape.len() - 1])?,
+        })
     }
 
     /// `silu(gate) * up` of a stacked gate/up product `[rows, 1, 2 * I]`.
@@ -707,7 +775,7 @@ impl Kernels {
             GemvOutput::Swiglu => 2,
         };
         let outs = wt.w.dim(0) / per_out;
-        let bt = tile_rows(rows, k_dim, wt.bits, dtype);
+        let (bt, xt) = tile(rows, k_dim, wt.bits, dtype);
         let r = outputs_per_warp(outs);
         let blocks = (outs + 8 * r - 1) / (8 * r);
         let mut templates = vec![
@@ -716,6 +784,7 @@ impl Kernels {
             ("BITS", Template::Int(wt.bits)),
             ("GS", Template::Int(wt.group_size)),
             ("BT", Template::Int(bt)),
+            ("XT", Template::Dtype(xt)),
             ("R", Template::Int(r)),
             ("BLOCK", Template::Int(BLOCK)),
         ];
@@ -809,13 +878,14 @@ mod tests {
         for dtype in [Dtype::Float32, Dtype::Bfloat16] {
             for bits in [4, 8] {
                 for k in [256, 1024, 2048, 3072, 8192] {
-                    let row_bytes = tile_row_bytes(k, bits, dtype);
                     for rows in 1..=20 {
-                        let bt = tile_rows(rows, k, bits, dtype);
+                        let (bt, xt) = tile(rows, k, bits, dtype);
                         let tiles = (rows + bt - 1) / bt;
                         assert!((1..=8).contains(&bt), "{rows} rows of {k}: {bt}");
+                        assert!(xt == dtype || xt == Dtype::Float32);
                         assert!(
-                            bt == 1 || bt * row_bytes <= TILE_BYTES,
+                            bt * tile_row_bytes(k, bits, xt) <= TILE_BYTES
+                                || (bt == 1 && tile_row_bytes(k, bits, xt) <= ROW_BYTES),
                             "{rows} of {k}: {bt}"
                         );
                         // No tile is emptier than another by more than a row.
@@ -824,7 +894,13 @@ mod tests {
                 }
             }
         }
-        // One tile takes all eight rows of a Qwen3-0.6B-sized input.
-        assert_eq!(tile_rows(8, 1024, 4, Dtype::Bfloat16), 8);
+        // Qwen3-0.6B's shapes: one row of any product and eight of its
+        // hidden size in float32; eight rows of the MLP's width in two tiles.
+        assert_eq!(tile(1, 3072, 4, Dtype::Bfloat16), (1, Dtype::Float32));
+        assert_eq!(tile(8, 1024, 4, Dtype::Bfloat16), (8, Dtype::Float32));
+        assert_eq!(tile(8, 3072, 4, Dtype::Bfloat16), (4, Dtype::Bfloat16));
+        // A row too wide for a tile is refused.
+        assert!(gemv_takes(4, 64, 17408, Dtype::Bfloat16));
+        assert!(!gemv_takes(4, 64, 25600, Dtype::Bfloat16));
     }
 }

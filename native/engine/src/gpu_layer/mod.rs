@@ -39,13 +39,13 @@ use std::sync::Mutex;
 
 use once_cell::sync::{Lazy, OnceCell};
 
-use crate::cache::{KvStore, RopeOffset, StepRows};
+use crate::cache::{KvStore, StepRows};
 use crate::config::ModelConfig;
 use crate::cuda_kernel::{max_diff, within};
 use crate::error::{Error, Result};
 use crate::layers::RmsNorm;
 use crate::model::Block;
-use crate::rope::Rope;
+use crate::rope::PositionTable;
 use emlx_axon_kernels::QuantWeight;
 use kernels::{pair, GemvInput, GemvOutput, Kernels, QkvAttend};
 
@@ -150,14 +150,16 @@ pub(crate) fn forward<C: KvStore>(
     h: &Array,
     cache: &C,
     rows: &StepRows,
-    rope_probe_f32: &Array,
+    rope: &PositionTable,
 ) -> Result<Option<Output>> {
     let (blocks, final_norm) = (stack.blocks, stack.final_norm);
     let n = h.dim(0);
     let (hd, dtype) = (c.head_dim, h.dtype());
     let takes = kernels::takes_dtype(dtype)
         && hd % 32 == 0
-        && (32..=256).contains(&hd)
+        // Heads of at most 128: the attention kernel's blocks have 2 * hd
+        // threads, each holding a trip's keys through the prologue.
+        && (32..=128).contains(&hd)
         && c.num_heads % c.num_kv_heads == 0
         && rows.positions.len() == n as usize
         && rows.starts.len() == n as usize
@@ -174,27 +176,8 @@ pub(crate) fn forward<C: KvStore>(
     };
     let positions = Array::from_slice(&rows.positions, &[n]);
     let starts = Array::from_slice(&rows.starts, &[n]);
-    let offset = match rows.positions.as_slice() {
-        [first, rest @ ..] if rest.iter().all(|p| p == first) => RopeOffset::Scalar(*first),
-        _ => RopeOffset::PerRow(positions.clone()),
-    };
-    let rope = Rope::new(
-        c,
-        offset,
-        n,
-        1,
-        c.num_heads + c.num_kv_heads,
-        rope_probe_f32,
-        true,
-    )?;
-    let Rope::Table {
-        traditional,
-        rows: (cos, signed_sin),
-        ..
-    } = &rope
-    else {
-        return Err(Error::Mlx("a RoPE table was asked for".into()));
-    };
+    let last = rows.positions.iter().copied().max().unwrap_or(0);
+    let (cos, signed_sin) = rope.rows(c, last)?;
     let first = &blocks[0].input_norm;
     let mut x = rms_norm(h, Some(first.weight()), first.eps())?;
     let attend = |qkv: &Array, block: &Block, i: usize| -> Result<Array> {
@@ -202,9 +185,9 @@ pub(crate) fn forward<C: KvStore>(
         k.qkv_attend(&QkvAttend {
             qkv,
             qk_norm: block.attn.qk_norms(),
-            cos,
-            signed_sin,
-            traditional: *traditional,
+            cos: &cos,
+            signed_sin: &signed_sin,
+            traditional: c.rope_traditional,
             positions: &positions,
             starts: &starts,
             keys,
@@ -213,9 +196,9 @@ pub(crate) fn forward<C: KvStore>(
             kv_heads: c.num_kv_heads,
         })
     };
-    if let Some(weights) = GEMV.then(|| products(blocks)).flatten() {
+    if let Some(weights) = GEMV.then(|| products(blocks, dtype)).flatten() {
         let stack = Stack {
-            head: stack.head.filter(unpacks),
+            head: stack.head.filter(|w| unpacks(w, dtype)),
             ..stack
         };
         return Ok(Some(with_our_products(
@@ -247,14 +230,15 @@ struct Products<'a> {
     down: QuantWeight<'a>,
 }
 
-/// Whether the product kernels unpack this weight's layout.
-fn unpacks(w: &QuantWeight) -> bool {
-    kernels::gemv_takes(w.bits, w.group_size, w.w.dim(1) * 32 / w.bits)
+/// Whether the product kernels unpack this weight's layout, for inputs
+/// in `dtype`.
+fn unpacks(w: &QuantWeight, dtype: Dtype) -> bool {
+    kernels::gemv_takes(w.bits, w.group_size, w.w.dim(1) * 32 / w.bits, dtype)
 }
 
 /// Every layer's products, when all are quantized in a layout the kernels
 /// unpack (and only q/k/v have a bias).
-fn products(blocks: &[Block]) -> Option<Vec<Products<'_>>> {
+fn products(blocks: &[Block], dtype: Dtype) -> Option<Vec<Products<'_>>> {
     blocks
         .iter()
         .map(|b| {
@@ -268,7 +252,9 @@ fn products(blocks: &[Block]) -> Option<Vec<Products<'_>>> {
             let (down, None) = b.mlp.down.quantized()? else {
                 return None;
             };
-            let all = unpacks(&qkv) && unpacks(&o) && unpacks(&gate_up) && unpacks(&down);
+            let all = [&qkv, &o, &gate_up, &down]
+                .into_iter()
+                .all(|w| unpacks(w, dtype));
             all.then_some(Products {
                 qkv,
                 qkv_bias,
@@ -439,7 +425,7 @@ fn check_gemv(k: &Kernels, dtype: Dtype, normal: Normal) -> Result<()> {
     let cases: [(i32, i32, i32, i32, &[i32]); 5] = [
         (72, 256, 4, 64, &[1, 6, 9]),
         (72, 256, 8, 32, &[1, 6, 9]),
-        (72, 320, 4, 64, &[1, 6]),
+        (72, 320, 4, 64, &[1, 6, 9]),
         (8200, 256, 4, 64, &[1]),
         (32776, 256, 4, 64, &[1, 6]),
     ];
@@ -513,8 +499,9 @@ fn check_qkv_attend(k: &Kernels, dtype: Dtype, normal: Normal) -> Result<()> {
     let (rows, nq, nkv, hd, cap, eps) = (2, 4, 2, 64, 16, 1e-6);
     let qkv = normal(&[rows, 1, (nq + 2 * nkv) * hd], 5, dtype)?;
     let (qw, kw) = (normal(&[hd], 6, dtype)?, normal(&[hd], 7, dtype)?);
-    let cos = normal(&[rows, 1, hd], 8, Dtype::Float32)?;
-    let sin = normal(&[rows, 1, hd], 9, Dtype::Float32)?;
+    // Tables of 16 positions, read at each row's.
+    let cos = normal(&[cap, hd], 8, Dtype::Float32)?;
+    let sin = normal(&[cap, hd], 9, Dtype::Float32)?;
     let shape = [rows + 1, nkv, cap, hd];
     let (keys, values) = (normal(&shape, 10, dtype)?, normal(&shape, 11, dtype)?);
     // Copies, in buffers of their own, of what the kernel overwrites.
@@ -546,9 +533,12 @@ fn check_qkv_attend(k: &Kernels, dtype: Dtype, normal: Normal) -> Result<()> {
         let swapped =
             mlx_rs::ops::concatenate(&[y.index((.., .., half..)), y.index((.., .., ..half))], -1)?;
         let f = |a: &Array| a.as_dtype(Dtype::Float32);
+        let at = |t: &Array| -> Result<Array> {
+            Ok(t.take_axis(&positions, 0)?.reshape(&[rows, 1, hd])?)
+        };
         Ok(f(y)?
-            .multiply(&cos)?
-            .add(&f(&swapped)?.multiply(&sin)?)?
+            .multiply(at(&cos)?)?
+            .add(&f(&swapped)?.multiply(at(&sin)?)?)?
             .as_dtype(dtype)?)
     };
     let q = rotate(&rms_norm(heads.index((.., ..nq, ..)), Some(&qw), eps)?)?;
