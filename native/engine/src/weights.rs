@@ -6,7 +6,8 @@
 //! Tensors the model reads stacked ([`Join`]) are copied side by side into
 //! one buffer, so that loading runs nothing on the device: stacking them
 //! there made the GPU read every part from unified memory and the host move
-//! the result back (on an NVIDIA H200 about 80 of a 220 ms load).
+//! the result back (on an NVIDIA H200 a 0.6B checkpoint loaded in 220-260 ms
+//! that way, in 67 ms now; mlx-lm took 142).
 
 use std::collections::{BTreeSet, HashMap};
 use std::ffi::c_void;
