@@ -231,15 +231,20 @@ impl TensorCopy<'_> {
     }
 }
 
-/// A join's tensors as copies, each with its members' names and first
-/// dimensions, where the file holds the same tensors of every member (taken
-/// out of `views`); `None` where it does not.
-#[allow(clippy::type_complexity)]
+/// A tensor of a mapped file: shape, dtype, bytes.
+type View<'a> = (Vec<i32>, Dtype, &'a [u8]);
+
+/// A joined tensor's members: names and first dimensions.
+type Members = Vec<(String, i32)>;
+
+/// A join's tensors as copies, each with its members, where the file holds
+/// the same tensors of every member (taken out of `views`); `None` where it
+/// does not.
 fn join_copies<'a>(
     join: &Join,
     modules: &HashMap<String, Vec<String>>,
-    views: &mut HashMap<&str, (Vec<i32>, Dtype, &'a [u8])>,
-) -> Option<Vec<(TensorCopy<'a>, Vec<(String, i32)>)>> {
+    views: &mut HashMap<&str, View<'a>>,
+) -> Option<Vec<(TensorCopy<'a>, Members)>> {
     let first = join.members.first()?;
     let wanted = modules.get(first)?;
     if join.members.iter().any(|m| modules.get(m) != Some(wanted)) {
@@ -249,10 +254,11 @@ fn join_copies<'a>(
         if views.contains_key(format!("{}.{suffix}", join.name).as_str()) {
             return None;
         }
-        let (shape, dtype, _) = &views[format!("{first}.{suffix}").as_str()];
+        let (shape, dtype, _) = views.get(format!("{first}.{suffix}").as_str())?;
         let same = join.members.iter().all(|m| {
-            let (s, d, _) = &views[format!("{m}.{suffix}").as_str()];
-            d == dtype && !s.is_empty() && s[1..] == shape[1..]
+            views
+                .get(format!("{m}.{suffix}").as_str())
+                .is_some_and(|(s, d, _)| d == dtype && !s.is_empty() && s[1..] == shape[1..])
         });
         if !same {
             return None;
@@ -336,7 +342,7 @@ fn copy_share(
     crate::device::install_error_handler();
     let mut arrays = Vec::with_capacity(share.len());
     for copy in share {
-        let array = copy_tensor(&copy)?.ok_or_else(|| {
+        let array = copy_tensor(&copy).ok_or_else(|| {
             // A failed creation (e.g. a device left unusable by an earlier
             // fault): say so here, not later as a misleading shape mismatch.
             Error::Mlx(format!(
@@ -363,7 +369,7 @@ fn copy_share(
 
 /// One MLX array holding the copy's parts in order; `None` where MLX could
 /// not make one.
-fn copy_tensor(copy: &TensorCopy) -> Result<Option<Array>> {
+fn copy_tensor(copy: &TensorCopy) -> Option<Array> {
     let TensorCopy {
         shape,
         dtype,
@@ -373,8 +379,9 @@ fn copy_tensor(copy: &TensorCopy) -> Result<Option<Array>> {
     if let [data] = parts.as_slice() {
         // SAFETY: safetensors checked that `data` holds exactly shape x dtype bytes.
         let array = unsafe { Array::from_raw_data(data.as_ptr() as *const c_void, shape, *dtype) };
-        return Ok((array.shape() == shape.as_slice()).then_some(array));
+        return (array.shape() == shape.as_slice()).then_some(array);
     }
+    // SAFETY: an empty handle, for the call below to fill.
     let mut raw = unsafe { mlx_sys::mlx_array_new() };
     let mut dest: *mut c_void = std::ptr::null_mut();
     // SAFETY: `shape` outlives the call; MLX writes a new array and its
@@ -392,7 +399,7 @@ fn copy_tensor(copy: &TensorCopy) -> Result<Option<Array>> {
     // now owned here.
     let array = unsafe { Array::from_ptr(raw) };
     if status != 0 || array.shape() != shape.as_slice() || array.nbytes() != copy.bytes() {
-        return Ok(None);
+        return None;
     }
     let mut at = 0;
     for part in parts {
@@ -406,7 +413,7 @@ fn copy_tensor(copy: &TensorCopy) -> Result<Option<Array>> {
         };
         at += part.len();
     }
-    Ok(Some(array))
+    Some(array)
 }
 
 fn mlx_dtype(dtype: StDtype) -> Option<Dtype> {

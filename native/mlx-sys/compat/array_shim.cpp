@@ -23,7 +23,7 @@ extern "C" int emlx_array_new_uninit(
     }
     mlx::core::array a(mlx::core::allocator::malloc(bytes), cpp_shape, cpp_dtype);
     *data = a.data<unsigned char>();
-    *res = mlx_array_new_(std::move(a));
+    mlx_array_set_(*res, std::move(a));
     return 0;
   } catch (std::exception& e) {
     mlx_error(e.what());
