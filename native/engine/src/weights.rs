@@ -179,7 +179,7 @@ impl Weights {
         let names: Vec<String> = self
             .joined
             .keys()
-            .filter(|n| n.starts_with(&start) && self.tensors.contains_key(*n))
+            .filter(|n| n.starts_with(&start))
             .cloned()
             .collect();
         for name in names {

@@ -145,16 +145,23 @@ const ADD_NORM: &str = r#"
   }
 "#;
 
+/// `silu(g) * u` of values in the compute dtype, rounded where MLX's
+/// `sigmoid`, `multiply` and `multiply` round.
+const SWIGLU_OF: &str = r#"
+  auto swiglu = [](float g, float u) -> T {
+    const T s = static_cast<T>(1.f / (1.f + expf(-g)));
+    const T a = static_cast<T>(g * static_cast<float>(s));
+    return static_cast<T>(static_cast<float>(a) * u);
+  };
+"#;
+
 /// `silu(gate) * up` from the stacked gate/up product `[rows, 1, 2 * I]`.
 const SWIGLU: &str = r#"
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   const int row = blockIdx.y;
   if (i < I) {
     const T* p = gu + (size_t)row * 2 * I;
-    const float g = static_cast<float>(p[i]);
-    const T s = static_cast<T>(1.f / (1.f + expf(-g)));
-    const T a = static_cast<T>(g * static_cast<float>(s));
-    act[(size_t)row * I + i] = static_cast<T>(static_cast<float>(a) * static_cast<float>(p[I + i]));
+    act[(size_t)row * I + i] = swiglu(static_cast<float>(p[i]), static_cast<float>(p[I + i]));
   }
 "#;
 
@@ -271,17 +278,14 @@ const GEMV_BODY: &str = r#"
         if (lane == 0 && b < nb) y[(size_t)(b0 + b) * OUTS + n] = static_cast<T>(acc[b]);
       }
     } else {
-      // `silu(gate) * up`, rounded where MLX's product and its ops round.
+      // `silu(gate) * up` of the products rounded as MLX's product rounds.
       float up[BT];
       dot(rows[rr][1], up);
 #pragma unroll
       for (int b = 0; b < BT; b++) {
         if (lane == 0 && b < nb) {
-          const float g = static_cast<float>(static_cast<T>(acc[b]));
-          const T s = static_cast<T>(1.f / (1.f + expf(-g)));
-          const T a = static_cast<T>(g * static_cast<float>(s));
-          y[(size_t)(b0 + b) * OUTS + n] =
-              static_cast<T>(static_cast<float>(a) * static_cast<float>(static_cast<T>(up[b])));
+          y[(size_t)(b0 + b) * OUTS + n] = swiglu(static_cast<float>(static_cast<T>(acc[b])),
+                                                  static_cast<float>(static_cast<T>(up[b])));
         }
       }
     }
@@ -342,6 +346,16 @@ const GEMV_START: &str = r#"
 #pragma unroll
     for (int q = 0; q < PV; q++) f[q] = static_cast<float>(xs[b][XI(k) + q]);
   };
+  // The thread's 16-byte pieces of the tile (VEC): `f(b, k, q)` for each in
+  // a row of this tile, at column k, piece q of the tile's.
+  auto each_piece = [&](auto f) {
+#pragma unroll
+    for (int c = 0; c < VITERS; c++) {
+      const int q = t + c * BLOCK;
+      const int b = q / KC;
+      if (b < nb) f(b, q % KC * PV, q);
+    }
+  };
   struct Row {
     uint4 words[ITERS];
     float sc[ITERS];
@@ -373,16 +387,10 @@ const GEMV_START: &str = r#"
 /// flight at once.
 const GEMV_PLAIN: &str = r#"
   if (VEC && reinterpret_cast<size_t>(x) % 16 == 0) {
-#pragma unroll
-    for (int c = 0; c < VITERS; c++) {
-      const int q = t + c * BLOCK;
-      const int b = q / KC;
-      const int k = q % KC * PV;
-      if (b < nb) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(x + (size_t)(b0 + b) * K + k);
-        tile_put(b, k, reinterpret_cast<const T*>(&raw));
-      }
-    }
+    each_piece([&](int b, int k, int) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(x + (size_t)(b0 + b) * K + k);
+      tile_put(b, k, reinterpret_cast<const T*>(&raw));
+    });
   } else {
 #pragma unroll
     for (int b = 0; b < BT; b++) {
@@ -410,55 +418,43 @@ const GEMV_ADD_NORM: &str = r#"
                      reinterpret_cast<size_t>(r) % 16 == 0 && reinterpret_cast<size_t>(nw) % 16 == 0;
   if (dense) {
     // Each warp's sum of squares is one of its row's SLOTS parts.
+    each_piece([&](int b, int k, int q) {
+      const size_t row = b0 + b;
+      const uint4 hv = *reinterpret_cast<const uint4*>(h + row * h_strides[0] + k);
+      const uint4 rv = *reinterpret_cast<const uint4*>(r + row * r_strides[0] + k);
+      const T* he = reinterpret_cast<const T*>(&hv);
+      const T* re = reinterpret_cast<const T*>(&rv);
+      uint4 sv;
+      T* se = reinterpret_cast<T*>(&sv);
+      float ss = 0.f;
 #pragma unroll
-    for (int c = 0; c < VITERS; c++) {
-      const int q = t + c * BLOCK;
-      const int b = q / KC;
-      const int k = q % KC * PV;
-      if (b < nb) {
-        const size_t row = b0 + b;
-        const uint4 hv = *reinterpret_cast<const uint4*>(h + row * h_strides[0] + k);
-        const uint4 rv = *reinterpret_cast<const uint4*>(r + row * r_strides[0] + k);
-        const T* he = reinterpret_cast<const T*>(&hv);
-        const T* re = reinterpret_cast<const T*>(&rv);
-        uint4 sv;
-        T* se = reinterpret_cast<T*>(&sv);
-        float ss = 0.f;
-#pragma unroll
-        for (int e = 0; e < PV; e++) {
-          se[e] = static_cast<T>(static_cast<float>(he[e]) + static_cast<float>(re[e]));
-          const float f = static_cast<float>(se[e]);
-          ss += f * f;
-        }
-        if (blockIdx.x == 0) *reinterpret_cast<uint4*>(sum + row * K + k) = sv;
-        tile_put(b, k, se);
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
-        if (lane == 0) partial[b][q % KC / 32] = ss;
+      for (int e = 0; e < PV; e++) {
+        se[e] = static_cast<T>(static_cast<float>(he[e]) + static_cast<float>(re[e]));
+        const float f = static_cast<float>(se[e]);
+        ss += f * f;
       }
-    }
+      if (blockIdx.x == 0) *reinterpret_cast<uint4*>(sum + row * K + k) = sv;
+      tile_put(b, k, se);
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+      if (lane == 0) partial[b][q % KC / 32] = ss;
+    });
     __syncthreads();
+    each_piece([&](int b, int k, int) {
+      float total = 0.f;
+      for (int i = 0; i < SLOTS; i++) total += partial[b][i];
+      const float n = rsqrtf(total / K + eps);
+      float xf[PV];
+      tile_get(b, k, xf);
+      const uint4 wv = *reinterpret_cast<const uint4*>(nw + k);
+      const T* we = reinterpret_cast<const T*>(&wv);
+      uint4 ov;
+      T* oe = reinterpret_cast<T*>(&ov);
 #pragma unroll
-    for (int c = 0; c < VITERS; c++) {
-      const int q = t + c * BLOCK;
-      const int b = q / KC;
-      const int k = q % KC * PV;
-      if (b < nb) {
-        float total = 0.f;
-        for (int i = 0; i < SLOTS; i++) total += partial[b][i];
-        const float n = rsqrtf(total / K + eps);
-        float xf[PV];
-        tile_get(b, k, xf);
-        const uint4 wv = *reinterpret_cast<const uint4*>(nw + k);
-        const T* we = reinterpret_cast<const T*>(&wv);
-        uint4 ov;
-        T* oe = reinterpret_cast<T*>(&ov);
-#pragma unroll
-        for (int e = 0; e < PV; e++) {
-          oe[e] = static_cast<T>(static_cast<float>(we[e]) * static_cast<float>(static_cast<T>(xf[e] * n)));
-        }
-        tile_put(b, k, oe);
+      for (int e = 0; e < PV; e++) {
+        oe[e] = static_cast<T>(static_cast<float>(we[e]) * static_cast<float>(static_cast<T>(xf[e] * n)));
       }
-    }
+      tile_put(b, k, oe);
+    });
   } else {
 #pragma unroll
     for (int b = 0; b < BT; b++) {
@@ -636,7 +632,12 @@ impl Kernels {
                 &["sum", "normed"],
                 ADD_NORM,
             )?,
-            swiglu: CudaKernel::new("emlx_axon_swiglu", &["gu"], &["act"], SWIGLU)?,
+            swiglu: CudaKernel::new(
+                "emlx_axon_swiglu",
+                &["gu"],
+                &["act"],
+                &[SWIGLU_OF, SWIGLU].concat(),
+            )?,
             products: [
                 [product_kernel(false, 1)?, product_kernel(false, 2)?],
                 [product_kernel(true, 1)?, product_kernel(true, 2)?],
@@ -825,37 +826,37 @@ fn outputs_per_warp(outs: i32) -> i32 {
 /// The product kernel for an input (plain, or add + norm) and an output
 /// (each of `per_out` weight rows: 1 a product, 2 SwiGLU of gate and up).
 fn product_kernel(add_norm: bool, per_out: i32) -> Result<CudaKernel> {
-    let output = if per_out == 1 { "" } else { "_swiglu" };
-    let per_out = format!("constexpr int PER_OUT = {per_out};");
-    if add_norm {
-        CudaKernel::new(
-            &format!("emlx_axon_gemv_add_norm{output}"),
-            &["h", "r", "nw", "wq", "scales", "biases"],
+    let (stem, inputs, outputs, prologue): (_, &[&str], &[&str], _) = if add_norm {
+        let inputs = &["h", "r", "nw", "wq", "scales", "biases"];
+        (
+            "emlx_axon_gemv_add_norm",
+            inputs,
             &["sum", "y"],
-            &[
-                "const int ROWS = h_shape[0];",
-                &per_out,
-                GEMV_START,
-                GEMV_ADD_NORM,
-                GEMV_BODY,
-            ]
-            .concat(),
+            GEMV_ADD_NORM,
         )
     } else {
-        CudaKernel::new(
-            &format!("emlx_axon_gemv{output}"),
+        (
+            "emlx_axon_gemv",
             &["x", "wq", "scales", "biases"],
             &["y"],
-            &[
-                "const int ROWS = x_shape[0];",
-                &per_out,
-                GEMV_START,
-                GEMV_PLAIN,
-                GEMV_BODY,
-            ]
-            .concat(),
+            GEMV_PLAIN,
         )
-    }
+    };
+    let output = if per_out == 1 { "" } else { "_swiglu" };
+    CudaKernel::new(
+        &format!("{stem}{output}"),
+        inputs,
+        outputs,
+        &[
+            &format!("const int ROWS = {}_shape[0];", inputs[0]),
+            &format!("constexpr int PER_OUT = {per_out};"),
+            SWIGLU_OF,
+            GEMV_START,
+            prologue,
+            GEMV_BODY,
+        ]
+        .concat(),
+    )
 }
 
 /// A two-output kernel's outputs in order (`apply` returns as many as asked).

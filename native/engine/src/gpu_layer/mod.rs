@@ -381,16 +381,12 @@ fn check(k: &Kernels, dtype: Dtype) -> Result<()> {
         k.argmax(&x)?,
         mlx_rs::ops::indexing::argmax_axis(&x, -1, false)?,
     );
-    let same = got.shape() == want.shape() && {
-        let differ = got.ne(&want)?.sum(None)?.as_dtype(Dtype::Int32)?;
-        differ.eval()?;
-        differ.as_slice::<i32>()[0] == 0
-    };
-    if !same {
-        return Err(Error::Mlx(format!(
-            "the argmax kernel ({dtype:?}) picks other tokens than MLX's argmax"
-        )));
+    let what = format!("argmax kernel ({dtype:?})");
+    if got.shape() != want.shape() {
+        return Err(Error::Mlx(format!("the {what} gives another shape")));
     }
+    // Token ids (far below 2^24) are exact in float32: every one the same.
+    within(&what, &got, &want, 0.0)?;
 
     check_qkv_attend(k, dtype, &normal)?;
     if *GEMV {
