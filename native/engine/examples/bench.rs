@@ -20,7 +20,9 @@
 //!            first token on the host)
 //!   batch    for each --batch size: rows x (batch tokens - 1) / decode time
 //!   profile  a hand-run decode loop timing graph construction, evaluation
-//!            and sampling separately, and each decode-shaped kernel alone;
+//!            and sampling separately, the same loop queued as Generation
+//!            runs it (construction, queuing, waiting), and each
+//!            decode-shaped kernel alone;
 //!            with BENCH_DOT=FILE, one decode step's graph as Graphviz
 //! Each measure reports the peak RSS while it ran (VmHWM, reset through
 //! /proc/self/clear_refs) and MLX's own peak memory.
@@ -33,6 +35,7 @@ use std::time::Instant;
 use emlx_axon_engine::cache::KvCache;
 use emlx_axon_engine::device::{gpu_available, mlx_version, DeviceKind, Lease};
 use emlx_axon_engine::model::AttentionMask;
+use emlx_axon_engine::sampler::greedy;
 use emlx_axon_engine::{Dtype, GenerateOptions, Generation, LoadOptions, Model};
 use mlx_rs::fast::{rms_norm, rope, scaled_dot_product_attention};
 use mlx_rs::ops::indexing::argmax_axis;
@@ -479,8 +482,10 @@ impl Bench {
         };
         if self.args.default_stream {
             self.profile_steps(&workers)?;
+            self.profile_queued(&workers)?;
         } else {
             own.stream().run(|| self.profile_steps(&workers))?;
+            own.stream().run(|| self.profile_queued(&workers))?;
         }
         own.stream()
             .run(|| self.profile_kernels(self.prompts().decode.len() + self.args.tokens / 2))
@@ -530,6 +535,55 @@ impl Bench {
                 "sample_ms": round(median(&sample), 3),
                 "step_ms": round(median(&step), 3),
                 "sync_tok_s": round(1e3 / median(&step), 3),
+            }),
+        );
+        Ok(())
+    }
+
+    /// The decode loop as `Generation` runs it (the next step queued before
+    /// this one is read back), timing per step the graph's construction, its
+    /// queuing (MLX encodes every node then) and the wait for the previous
+    /// step's token: a wait near zero means the host, not the device, sets
+    /// the pace.
+    fn profile_queued(&self, workers: &[Lease]) -> AnyResult<()> {
+        let model = &self.model;
+        let prompt = self.prompts().decode.clone();
+        let n = self.args.tokens;
+        let mut cache = KvCache::new(model, 1, (prompt.len() + n + 1) as i32)?;
+        let ids = Array::from_slice(&prompt, &[1, prompt.len() as i32]);
+        let logits = model.forward(&ids, &mut cache, &AttentionMask::Causal, true, workers)?;
+        let mut pending = greedy(&logits.reshape(&[1, -1])?)?;
+        transforms::async_eval([&pending])?;
+        let (mut build, mut queue, mut wait) = (vec![], vec![], vec![]);
+        let started = Instant::now();
+        for _ in 1..n {
+            let t0 = Instant::now();
+            let input = pending.reshape(&[1, 1])?;
+            let logits = model.forward(&input, &mut cache, &AttentionMask::None, false, workers)?;
+            let next = greedy(&logits.reshape(&[1, -1])?)?;
+            let t1 = Instant::now();
+            transforms::async_eval([&next])?;
+            let t2 = Instant::now();
+            pending.eval()?;
+            let _id: u32 = pending.as_slice::<u32>()[0];
+            let t3 = Instant::now();
+            pending = next;
+            build.push((t1 - t0).as_secs_f64() * 1e3);
+            queue.push((t2 - t1).as_secs_f64() * 1e3);
+            wait.push((t3 - t2).as_secs_f64() * 1e3);
+        }
+        pending.eval()?;
+        let steps = n.saturating_sub(1).max(1);
+        self.emit(
+            "profile_queued",
+            None,
+            json!({
+                "steps": steps,
+                "build_ms": round(median(&build), 3),
+                "queue_ms": round(median(&queue), 3),
+                "wait_ms": round(median(&wait), 3),
+                "step_ms": round(ms(started) / steps as f64, 3),
+                "tok_s": round(steps as f64 / (ms(started) / 1e3), 3),
             }),
         );
         Ok(())
@@ -694,6 +748,8 @@ fn run(args: Args) -> AnyResult<()> {
     // the device (on CUDA, 200-400 ms of context and library start-up): one
     // tiny evaluation first puts the engine's load on the same footing, and
     // the set-up is reported on its own.
+    // Before MLX's first call: the engine sizes MLX's command graphs.
+    emlx_axon_engine::device::prepare_mlx();
     let device_started = Instant::now();
     Array::from_f32(1.0).add(Array::from_f32(1.0))?.eval()?;
     let device_setup_ms = ms(device_started);

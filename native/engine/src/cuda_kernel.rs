@@ -43,8 +43,13 @@ pub struct CudaKernel {
     compiled: Mutex<HashMap<Vec<i32>, Arc<Compiled>>>,
 }
 
-/// A compiled variant as MLX launches it (the binary and its symbol).
-struct Compiled(*mut c_void);
+/// A compiled variant: as MLX launches it (the binary and its symbol), the
+/// binary, and its blocks per multiprocessor by block size, once asked.
+struct Compiled {
+    handle: *mut c_void,
+    binary: Vec<u8>,
+    resident: Mutex<Vec<(i32, Option<i32>)>>,
+}
 
 // SAFETY: the object is immutable after creation; MLX copies what it needs
 // from it into each node.
@@ -54,7 +59,7 @@ unsafe impl Sync for Compiled {}
 impl Compiled {
     /// The kernel `name` from `binary`; `token` names this binary and no
     /// other (MLX is launched with it where it can, see the glue).
-    fn new(name: &str, token: &str, binary: &[u8]) -> Result<Self> {
+    fn new(name: &str, token: &str, binary: Vec<u8>) -> Result<Self> {
         let (name, token) = (c_string(name)?, c_string(token)?);
         // SAFETY: the shim copies the strings and the binary.
         let handle = unsafe {
@@ -68,14 +73,41 @@ impl Compiled {
         if handle.is_null() {
             return Err(Error::Mlx("could not hold a compiled CUDA kernel".into()));
         }
-        Ok(Compiled(handle))
+        Ok(Compiled {
+            handle,
+            binary,
+            resident: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Blocks of `threads` threads that one multiprocessor holds at once,
+    /// as the driver tells (`None` where it cannot).
+    fn resident(&self, name: &str, threads: i32) -> Result<Option<i32>> {
+        let mut known = self.resident.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, blocks)) = known.iter().find(|(t, _)| *t == threads) {
+            return Ok(*blocks);
+        }
+        let name = c_string(name)?;
+        let mut blocks = 0;
+        // SAFETY: the binary outlives the call; the shim writes one int.
+        let status = unsafe {
+            mlx_sys::emlx_cuda_occupancy(
+                self.binary.as_ptr().cast(),
+                name.as_ptr(),
+                threads,
+                &mut blocks,
+            )
+        };
+        let blocks = (status == 0 && blocks > 0).then_some(blocks);
+        known.push((threads, blocks));
+        Ok(blocks)
     }
 }
 
 impl Drop for Compiled {
     fn drop(&mut self) {
         // SAFETY: made by `emlx_cuda_kernel_new`, freed once.
-        unsafe { mlx_sys::emlx_cuda_kernel_free(self.0) };
+        unsafe { mlx_sys::emlx_cuda_kernel_free(self.handle) };
     }
 }
 
@@ -131,7 +163,7 @@ fn c_type(d: Dtype) -> Result<&'static str> {
 impl CudaKernel {
     /// `name` is the kernel's symbol and names its cached binaries.
     pub fn new(name: &str, inputs: &[&str], outputs: &[&str], body: &str) -> Result<Self> {
-        crate::device::install_error_handler();
+        crate::device::prepare_mlx();
         let reads = inputs
             .iter()
             .map(|n| {
@@ -214,9 +246,25 @@ impl CudaKernel {
             return Ok(c.clone());
         }
         let (binary, id) = binary(&self.name, &source()?)?;
-        let c = Arc::new(Compiled::new(&self.name, &format!("emlx:{id}"), &binary)?);
+        let c = Arc::new(Compiled::new(&self.name, &format!("emlx:{id}"), binary)?);
         map.insert(key, c.clone());
         Ok(c)
+    }
+
+    /// Blocks of `threads` threads of the variant for these inputs, outputs
+    /// and constants that one multiprocessor holds at once (compiled now if
+    /// it is not yet), for grids of one wave; `None` where the driver
+    /// cannot tell.
+    pub fn resident_blocks(
+        &self,
+        inputs: &[&Array],
+        outputs: &[(&[i32], Dtype)],
+        templates: &[(&str, Template)],
+        threads: i32,
+    ) -> Result<Option<i32>> {
+        let key = variant(inputs, outputs, templates);
+        let kernel = self.compiled(key, || self.source(inputs, outputs, templates))?;
+        kernel.resident(&self.name, threads)
     }
 
     /// The kernel's node over `inputs` on the current stream, with one
@@ -308,7 +356,7 @@ fn launch(
         let mut results = mlx_sys::mlx_vector_array_new();
         let status = mlx_sys::emlx_cuda_kernel_apply(
             &mut results,
-            kernel.0,
+            kernel.handle,
             ins,
             shapes.as_ptr(),
             ndims.as_ptr(),
@@ -346,25 +394,46 @@ fn launch(
     }
 }
 
-/// The device's architecture (`sm_90`) and NVRTC's version, or why there is
-/// no compiling here.
-fn target() -> Result<&'static (String, String)> {
-    static TARGET: OnceCell<std::result::Result<(String, String), String>> = OnceCell::new();
+/// What kernels are compiled and sized for.
+struct Target {
+    /// The device's architecture, `sm_90`.
+    arch: String,
+    /// NVRTC's version, `nvrtc13.0`.
+    nvrtc: String,
+    multiprocessors: i32,
+}
+
+/// The device's [`Target`], or why there is no compiling here.
+fn target() -> Result<&'static Target> {
+    static TARGET: OnceCell<std::result::Result<Target, String>> = OnceCell::new();
     let t = TARGET.get_or_init(|| {
-        let (mut major, mut minor, mut nv_major, mut nv_minor) = (0, 0, 0, 0);
-        // SAFETY: the shim writes the four ints it is given.
+        let (mut major, mut minor, mut sms, mut nv_major, mut nv_minor) = (0, 0, 0, 0, 0);
+        // SAFETY: the shim writes the five ints it is given.
         let status = unsafe {
-            mlx_sys::emlx_cuda_target(&mut major, &mut minor, &mut nv_major, &mut nv_minor)
+            mlx_sys::emlx_cuda_target(
+                &mut major,
+                &mut minor,
+                &mut sms,
+                &mut nv_major,
+                &mut nv_minor,
+            )
         };
         if status != 0 {
             return Err("no CUDA device or NVRTC in this process".to_string());
         }
-        Ok((
-            format!("sm_{major}{minor}"),
-            format!("nvrtc{nv_major}.{nv_minor}"),
-        ))
+        Ok(Target {
+            arch: format!("sm_{major}{minor}"),
+            nvrtc: format!("nvrtc{nv_major}.{nv_minor}"),
+            multiprocessors: sms,
+        })
     });
     t.as_ref().map_err(|e| Error::Unsupported(e.clone()))
+}
+
+/// The device's multiprocessors (streaming multiprocessors), for grids
+/// sized to the device; `None` without a CUDA device.
+pub(crate) fn multiprocessors() -> Option<i32> {
+    target().ok().map(|t| t.multiprocessors).filter(|&n| n > 0)
 }
 
 /// 64-bit FNV-1a: a cached binary's name (stable across builds, unlike
@@ -398,7 +467,7 @@ fn cache_dir() -> PathBuf {
 /// whole under another name first, so that a reader never sees half of one;
 /// a cache that cannot be written only costs time).
 fn binary(name: &str, source: &str) -> Result<(Vec<u8>, String)> {
-    let (arch, nvrtc) = target()?;
+    let Target { arch, nvrtc, .. } = target()?;
     let hash = fnv1a(&[source.as_bytes(), arch.as_bytes(), nvrtc.as_bytes()]);
     let id = format!("{arch}-{nvrtc}-{:x}-{hash:016x}", source.len());
     let dir = cache_dir();
@@ -577,7 +646,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("emlx-ptx-{}", std::process::id()));
         std::env::set_var("MLX_PTX_CACHE_DIR", &dir);
         let binary = b"not a real cubin, only staged";
-        drop(Compiled::new("emlx_stage_test", "emlx:test", binary).unwrap());
+        drop(Compiled::new("emlx_stage_test", "emlx:test", binary.to_vec()).unwrap());
         let files: Vec<_> = std::fs::read_dir(&dir)
             .unwrap()
             .map(|e| e.unwrap().path())

@@ -25,7 +25,7 @@ pub struct MemoryInfo {
 type Getter = unsafe extern "C" fn(*mut usize) -> std::os::raw::c_int;
 
 fn read(getter: Getter, what: &str) -> Result<usize> {
-    crate::device::install_error_handler();
+    crate::device::prepare_mlx();
     let mut value = 0usize;
     // SAFETY: the MLX-C getters only write the one usize they are given.
     match unsafe { getter(&mut value) } {
@@ -51,7 +51,7 @@ fn status(code: std::os::raw::c_int, what: &str) -> Result<()> {
 }
 
 pub fn reset_peak() -> Result<()> {
-    crate::device::install_error_handler();
+    crate::device::prepare_mlx();
     // SAFETY: a plain MLX-C call without arguments.
     status(
         unsafe { mlx_sys::mlx_reset_peak_memory() },
@@ -61,7 +61,7 @@ pub fn reset_peak() -> Result<()> {
 
 /// Returns the buffers MLX keeps for reuse to the system.
 pub fn clear_cache() -> Result<()> {
-    crate::device::install_error_handler();
+    crate::device::prepare_mlx();
     // SAFETY: a plain MLX-C call without arguments.
     status(
         unsafe { mlx_sys::mlx_clear_cache() },
@@ -72,7 +72,7 @@ pub fn clear_cache() -> Result<()> {
 /// Sets MLX's memory limit, which `ensure_fits` holds work to; returns the
 /// previous one.
 pub fn set_limit(bytes: usize) -> Result<usize> {
-    crate::device::install_error_handler();
+    crate::device::prepare_mlx();
     let mut previous = 0usize;
     // SAFETY: MLX-C writes the previous limit into `previous`.
     status(

@@ -16,6 +16,10 @@ use crate::layers::{Embedding, Linear, LinearGroup, LoadPlan, Member, RmsNorm, W
 use crate::rope::Rope;
 use crate::weights::{Join, Weights};
 
+/// Layers of a multi-token forward per commit on a CUDA GPU: about 80 of
+/// MLX's nodes, close to the size MLX itself would launch graphs at.
+const COMMIT_LAYERS: usize = 4;
+
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
     /// Compute dtype; default float32 on CPU (MLX's CPU bf16 is ~10x slower),
@@ -328,7 +332,6 @@ impl Model {
         cpu_ops: bool,
     ) -> Result<Array> {
         let c = &self.config;
-        let mut h = self.embed.forward(ids)?;
         // One-token steps: a node per layer on a CPU stream, eight on a
         // CUDA GPU, where the kernels take the model.
         let step_rows = match mask {
@@ -341,11 +344,17 @@ impl Model {
         };
         if let (Some(rows), false) = (&step_rows, cpu_ops) {
             let stack = crate::gpu_layer::Stack {
+                embed: self.embed.quantized(),
                 blocks: &self.blocks,
                 final_norm: &self.norm,
                 head: self.quantized_head(),
             };
-            let out = crate::gpu_layer::forward(c, stack, &h, cache, rows, &self.step_rope)?;
+            let tokens = crate::gpu_layer::Tokens {
+                ids,
+                dtype: self.dtype,
+                embed: &|| self.embed.forward(ids),
+            };
+            let out = crate::gpu_layer::forward(c, stack, &tokens, cache, rows, &self.step_rope)?;
             if let Some(out) = out {
                 cache.advance(1);
                 return match out {
@@ -354,6 +363,7 @@ impl Model {
                 };
             }
         }
+        let mut h = self.embed.forward(ids)?;
         // Every layer rotates the same positions.
         let rope = Rope::new(
             c,
@@ -364,7 +374,16 @@ impl Model {
             &self.rope_probe,
             cpu_ops,
         )?;
+        // A multi-token forward on a GPU is committed every few layers, so
+        // that the device starts on the first layers while the host encodes
+        // the rest (MLX's graphs are sized for whole one-token steps, see
+        // `device::prepare_mlx`).
+        let commit_every =
+            (ids.dim(1) > 1 && !cpu_ops && !cfg!(feature = "metal")).then_some(COMMIT_LAYERS);
         for (i, block) in self.blocks.iter().enumerate() {
+            if commit_every.is_some_and(|n| i > 0 && i % n == 0) {
+                mlx_rs::transforms::async_eval([&h])?;
+            }
             if let (Some(rows), true) = (&step_rows, cpu_ops) {
                 if let Some(next) =
                     crate::decode_layer::forward(c, block, &h, cache, i, &rope, rows)?

@@ -339,7 +339,7 @@ fn copy_share(
     map: &memmap2::Mmap,
     path: &Path,
 ) -> Result<Vec<(String, Array)>> {
-    crate::device::install_error_handler();
+    crate::device::prepare_mlx();
     let mut arrays = Vec::with_capacity(share.len());
     for copy in share {
         let array = copy_tensor(&copy).ok_or_else(|| {

@@ -154,11 +154,13 @@ std::string staged_source(
 
 } // namespace
 
-// The device's compute capability (device 0, the one MLX uses) and NVRTC's
-// version; nonzero where this process has no CUDA driver or NVRTC.
+// The device's compute capability and multiprocessor count (device 0, the
+// one MLX uses) and NVRTC's version; nonzero where this process has no CUDA
+// driver or NVRTC.
 extern "C" int emlx_cuda_target(
     int* cc_major,
     int* cc_minor,
+    int* multiprocessors,
     int* nvrtc_major,
     int* nvrtc_minor) {
   Nvrtc nvrtc;
@@ -169,10 +171,12 @@ extern "C" int emlx_cuda_target(
     return 1;
   }
   int device = 0;
-  // 75 and 76: CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR / _MINOR.
+  // 75 and 76: CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR / _MINOR; 16:
+  // CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT.
   if (init(0) != 0 || get(&device, 0) != 0 ||
       attribute(cc_major, 75, device) != 0 ||
       attribute(cc_minor, 76, device) != 0 ||
+      attribute(multiprocessors, 16, device) != 0 ||
       nvrtc.version(nvrtc_major, nvrtc_minor) != 0) {
     return 2;
   }
@@ -201,8 +205,14 @@ extern "C" int emlx_cuda_compile(
     return 1;
   }
   std::string arch_flag = std::string("--gpu-architecture=") + arch;
-  const char* options[] = {arch_flag.c_str(), "--std=c++17"};
-  int status = nvrtc.compile(program, 2, options);
+  // Lambdas in the kernels (generic ones too) are device code: NVRTC 13.0
+  // takes a generic lambda's call operator for a host function otherwise
+  // (13.5 does not).
+  const char* options[] = {
+      arch_flag.c_str(),
+      "--std=c++17",
+      "--device-as-default-execution-space"};
+  int status = nvrtc.compile(program, 3, options);
   if (status != 0) {
     size_t n = 0;
     nvrtc.log_size(program, &n);
@@ -225,6 +235,65 @@ extern "C" int emlx_cuda_compile(
 
 extern "C" void emlx_cuda_free(char* p) {
   std::free(p);
+}
+
+// How many blocks of `threads` threads of kernel `name` in the cubin
+// `binary` one multiprocessor of device 0 holds at once (registers, shared
+// memory and warps allowed), through the driver's occupancy query on a
+// module loaded for the purpose in the device's primary context, the one
+// MLX's runtime calls use. Nonzero where it cannot be told.
+extern "C" int emlx_cuda_occupancy(
+    const char* binary,
+    const char* name,
+    int threads,
+    int* blocks) {
+  using Context = void*;
+  using Module = void*;
+  using Function = void*;
+  auto retain = symbol<int (*)(Context*, int)>("cuDevicePrimaryCtxRetain");
+  auto release = symbol<int (*)(int)>("cuDevicePrimaryCtxRelease_v2");
+  auto push = symbol<int (*)(Context)>("cuCtxPushCurrent_v2");
+  auto pop = symbol<int (*)(Context*)>("cuCtxPopCurrent_v2");
+  auto load = symbol<int (*)(Module*, const void*)>("cuModuleLoadData");
+  auto unload = symbol<int (*)(Module)>("cuModuleUnload");
+  auto function =
+      symbol<int (*)(Function*, Module, const char*)>("cuModuleGetFunction");
+  auto occupancy = symbol<int (*)(int*, Function, int, size_t)>(
+      "cuOccupancyMaxActiveBlocksPerMultiprocessor");
+  auto get = symbol<int (*)(int*, int)>("cuDeviceGet");
+  auto capture_mode =
+      symbol<int (*)(int*)>("cuThreadExchangeStreamCaptureMode");
+  if (!retain || !release || !push || !pop || !load || !unload ||
+      !function || !occupancy || !get || !capture_mode) {
+    return 1;
+  }
+  // Relaxed for this thread (2: CU_STREAM_CAPTURE_MODE_RELAXED): loading a
+  // module must not invalidate a graph another thread is capturing.
+  int mode = 2;
+  capture_mode(&mode);
+  int device = 0;
+  Context context = nullptr;
+  if (get(&device, 0) != 0 || retain(&context, device) != 0) {
+    capture_mode(&mode);
+    return 2;
+  }
+  int status = 3;
+  if (push(context) == 0) {
+    Module module = nullptr;
+    Function f = nullptr;
+    if (load(&module, binary) == 0) {
+      if (function(&f, module, name) == 0 &&
+          occupancy(blocks, f, threads, 0) == 0) {
+        status = 0;
+      }
+      unload(module);
+    }
+    Context popped = nullptr;
+    pop(&popped);
+  }
+  release(device);
+  capture_mode(&mode);
+  return status;
 }
 
 // A compiled kernel held for launches (MLX copies its source into each

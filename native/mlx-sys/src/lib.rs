@@ -47,6 +47,7 @@ extern "C" {
     pub fn emlx_cuda_target(
         cc_major: *mut ::std::os::raw::c_int,
         cc_minor: *mut ::std::os::raw::c_int,
+        multiprocessors: *mut ::std::os::raw::c_int,
         nvrtc_major: *mut ::std::os::raw::c_int,
         nvrtc_minor: *mut ::std::os::raw::c_int,
     ) -> ::std::os::raw::c_int;
@@ -65,6 +66,12 @@ extern "C" {
         size: usize,
     ) -> *mut ::std::os::raw::c_void;
     pub fn emlx_cuda_kernel_free(kernel: *mut ::std::os::raw::c_void);
+    pub fn emlx_cuda_occupancy(
+        binary: *const ::std::os::raw::c_char,
+        name: *const ::std::os::raw::c_char,
+        threads: ::std::os::raw::c_int,
+        blocks: *mut ::std::os::raw::c_int,
+    ) -> ::std::os::raw::c_int;
     pub fn emlx_cuda_kernel_apply(
         res: *mut mlx_vector_array,
         kernel: *const ::std::os::raw::c_void,
@@ -97,6 +104,7 @@ mod no_cuda {
         _: *mut c_int,
         _: *mut c_int,
         _: *mut c_int,
+        _: *mut c_int,
     ) -> c_int {
         1
     }
@@ -121,6 +129,14 @@ mod no_cuda {
         std::ptr::null_mut()
     }
     pub unsafe fn emlx_cuda_kernel_free(_: *mut c_void) {}
+    pub unsafe fn emlx_cuda_occupancy(
+        _: *const c_char,
+        _: *const c_char,
+        _: c_int,
+        _: *mut c_int,
+    ) -> c_int {
+        1
+    }
     pub unsafe fn emlx_cuda_kernel_apply(
         _: *mut mlx_vector_array,
         _: *const c_void,

@@ -19,7 +19,7 @@ mod tokenizer;
 /// Installs MLX's error handler before any NIF can make an MLX call, so
 /// that a failing call returns an error instead of exiting the VM.
 fn load(_env: rustler::Env, _info: rustler::Term) -> bool {
-    emlx_axon_engine::device::install_error_handler();
+    emlx_axon_engine::device::prepare_mlx();
     true
 }
 

@@ -4,6 +4,7 @@
 //! sums are taken in float32.
 
 use mlx_rs::{Array, Dtype};
+use once_cell::sync::Lazy;
 
 use emlx_axon_kernels::QuantWeight;
 
@@ -59,6 +60,25 @@ const QKV_ATTEND_PROLOGUE: &str = r#"
   constexpr bool FIRST_LOADED = true;
   const int j00 = first + w * U;
   if (j00 <= last) load(j00, kf0, vf0);
+  // The warp's later trips (a few) asked of L2 now, so that they wait on
+  // L2 rather than on memory: a lane a 128-byte line of a key or value.
+  {
+    constexpr int LPR = (D * (int)sizeof(T) + 127) / 128;
+    constexpr int TRIP_LINES = U * 2 * LPR;
+#pragma unroll
+    for (int m = 1; m <= 4; m++) {
+      for (int idx = lane; idx < TRIP_LINES; idx += 32) {
+        const int j = j00 + m * WARPS * U + idx / (2 * LPR);
+        const int r = idx % (2 * LPR);
+        if (j <= last && j != pos) {
+          const T* base = r < LPR ? keys + row * keys_strides[0] + kv * keys_strides[1] + (long)j * keys_strides[2]
+                                  : values + row * values_strides[0] + kv * values_strides[1] +
+                                        (long)j * values_strides[2];
+          asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(base) + (r % LPR) * 128));
+        }
+      }
+    }
+  }
 
   const int role = t / D;
   const bool mine = role < 2;
@@ -145,6 +165,72 @@ const ADD_NORM: &str = r#"
   }
 "#;
 
+/// A step's embeddings and the first layer's RMSNorm of them, one block a
+/// row: the row's token's row of a quantized embedding table (MLX's affine
+/// layout, as the products read it) dequantized as MLX's `dequantize`
+/// computes it (the product and the sum each rounded to the compute dtype,
+/// one rounding in float32), then normalized with weight `nw`. Token ids
+/// below zero count from the end, as MLX's `take`; ids past the table are
+/// clamped to it.
+const EMBED_NORM: &str = r#"
+  constexpr int PER_WORD = 32 / BITS;
+  constexpr int WORDS = D / PER_WORD;
+  constexpr int WPT = (WORDS + BLOCK - 1) / BLOCK;
+  constexpr unsigned MASK = (1u << BITS) - 1u;
+  const int V = wq_shape[0];
+  const int row = blockIdx.y;
+  const int t = threadIdx.x;
+  long long tok = static_cast<long long>(ids[row * ids_strides[0]]);
+  if (tok < 0) tok += V;
+  tok = tok < 0 ? 0 : (tok >= V ? V - 1 : tok);
+  const uint32_t* wr = wq + (size_t)tok * WORDS;
+  const size_t g0 = (size_t)tok * (D / GS);
+  __shared__ float partial[BLOCK / 32];
+  float v[WPT][PER_WORD];
+  float ss = 0.f;
+#pragma unroll
+  for (int c = 0; c < WPT; c++) {
+    const int i = t + c * BLOCK;
+    if (i < WORDS) {
+      const uint32_t word = wr[i];
+      const size_t g = g0 + i * PER_WORD / GS;
+      const float sc = static_cast<float>(static_cast<T>(static_cast<float>(scales[g])));
+      const float bi = static_cast<float>(static_cast<T>(static_cast<float>(biases[g])));
+#pragma unroll
+      for (int j = 0; j < PER_WORD; j++) {
+        const float q = static_cast<float>((word >> (BITS * j)) & MASK);
+        T e;
+        if constexpr (sizeof(T) == 4) {
+          e = static_cast<T>(fmaf(sc, q, bi));
+        } else {
+          e = static_cast<T>(static_cast<float>(static_cast<T>(sc * q)) + bi);
+        }
+        h[(size_t)row * D + i * PER_WORD + j] = e;
+        v[c][j] = static_cast<float>(e);
+        ss += v[c][j] * v[c][j];
+      }
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+  if ((t & 31) == 0) partial[t >> 5] = ss;
+  __syncthreads();
+  float total = 0.f;
+  for (int i = 0; i < BLOCK / 32; i++) total += partial[i];
+  const float n = rsqrtf(total / D + __int_as_float(EPS_BITS));
+#pragma unroll
+  for (int c = 0; c < WPT; c++) {
+    const int i = t + c * BLOCK;
+    if (i < WORDS) {
+#pragma unroll
+      for (int j = 0; j < PER_WORD; j++) {
+        const int k = i * PER_WORD + j;
+        normed[(size_t)row * D + k] =
+            static_cast<T>(static_cast<float>(nw[k]) * static_cast<float>(static_cast<T>(v[c][j] * n)));
+      }
+    }
+  }
+"#;
+
 /// `silu(g) * u` of values in the compute dtype, rounded where MLX's
 /// `sigmoid`, `multiply` and `multiply` round.
 const SWIGLU_OF: &str = r#"
@@ -222,7 +308,8 @@ const ARGMAX: &str = r#"
 /// prologues below has put the tile's inputs into shared memory. Each warp
 /// takes `R` outputs, each from `PER_OUT` weight rows (two for SwiGLU: the
 /// gate row and the up row `OUTS` further on), all fetched before the
-/// prologue (`GEMV_START`) so that their trips to memory overlap its. A
+/// prologue (`GEMV_START`) so that their trips to memory overlap its
+/// (with `LOOP`, further outputs a grid apart, see `LOOP_OUTPUTS`). A
 /// lane takes chunks of four words (16 bytes, in one group), and every
 /// weight value `scale * q + bias` (float32) is used for all rows of the
 /// tile. A lane reads its chunk's inputs with 16-byte loads, and the
@@ -266,28 +353,74 @@ const GEMV_BODY: &str = r#"
       for (int o = 16; o > 0; o >>= 1) acc[b] += __shfl_xor_sync(0xffffffff, acc[b], o);
     }
   };
+  // With LOOP, a warp takes outputs a grid's width apart until they run
+  // out, fetching the next rows while it works on these, and asking L2 for
+  // the rows AHEAD rounds further on: a register holds one round's rows in
+  // flight, and L2 holds the ones after, so that a fetch waits on L2 rather
+  // than on memory.
+  const int stride = gridDim.x * WARPS * R;
+  constexpr int AHEAD = 3;
+  constexpr int LINES = (WORDS * 4 + 127) / 128;
+  auto ask_l2 = [&](int base) {
 #pragma unroll
-  for (int rr = 0; rr < R; rr++) {
-    const int n = n0 + rr;
-    if (n >= OUTS) break;
-    float acc[BT];
-    dot(rows[rr][0], acc);
-    if constexpr (PER_OUT == 1) {
+    for (int rr = 0; rr < R; rr++) {
 #pragma unroll
-      for (int b = 0; b < BT; b++) {
-        if (lane == 0 && b < nb) y[(size_t)(b0 + b) * OUTS + n] = static_cast<T>(acc[b]);
-      }
-    } else {
-      // `silu(gate) * up` of the products rounded as MLX's product rounds.
-      float up[BT];
-      dot(rows[rr][1], up);
-#pragma unroll
-      for (int b = 0; b < BT; b++) {
-        if (lane == 0 && b < nb) {
-          y[(size_t)(b0 + b) * OUTS + n] = swiglu(static_cast<float>(static_cast<T>(acc[b])),
-                                                  static_cast<float>(static_cast<T>(up[b])));
+      for (int p = 0; p < PER_OUT; p++) {
+        const int n = base + rr + p * OUTS;
+        if (base + rr < OUTS) {
+          const void* at = nullptr;
+          if (lane < LINES) {
+            at = reinterpret_cast<const char*>(wq + (size_t)n * WORDS) + lane * 128;
+          } else if (lane == 30) {
+            at = scales + (size_t)n * GROUPS;
+          } else if (lane == 31) {
+            at = biases + (size_t)n * GROUPS;
+          }
+          if (at != nullptr) asm volatile("prefetch.global.L2 [%0];" ::"l"(at));
         }
       }
+    }
+  };
+  if (LOOP) {
+#pragma unroll
+    for (int m = 2; m <= AHEAD + 1; m++) ask_l2(n0 + m * stride);
+  }
+  for (int base = n0;; base += stride) {
+    Row next[R][PER_OUT];
+    const bool more = LOOP && base + stride < OUTS;
+    if (more) {
+      fetch(next, base + stride);
+      ask_l2(base + (AHEAD + 2) * stride);
+    }
+#pragma unroll
+    for (int rr = 0; rr < R; rr++) {
+      const int n = base + rr;
+      if (n >= OUTS) break;
+      float acc[BT];
+      dot(rows[rr][0], acc);
+      if constexpr (PER_OUT == 1) {
+#pragma unroll
+        for (int b = 0; b < BT; b++) {
+          if (lane == 0 && b < nb) y[(size_t)(b0 + b) * OUTS + n] = static_cast<T>(acc[b]);
+        }
+      } else {
+        // `silu(gate) * up` of the products rounded as MLX's product rounds.
+        float up[BT];
+        dot(rows[rr][1], up);
+#pragma unroll
+        for (int b = 0; b < BT; b++) {
+          if (lane == 0 && b < nb) {
+            y[(size_t)(b0 + b) * OUTS + n] = swiglu(static_cast<float>(static_cast<T>(acc[b])),
+                                                    static_cast<float>(static_cast<T>(up[b])));
+          }
+        }
+      }
+    }
+    if (!more) break;
+#pragma unroll
+    for (int rr = 0; rr < R; rr++) {
+#pragma unroll
+      for (int p = 0; p < PER_OUT; p++) rows[rr][p] = next[rr][p];
     }
   }
 "#;
@@ -361,25 +494,29 @@ const GEMV_START: &str = r#"
     float sc[ITERS];
     float bi[ITERS];
   };
-  Row rows[R][PER_OUT];
+  // The weight rows of outputs base..base + R (and their up rows).
+  auto fetch = [&](Row (&rs)[R][PER_OUT], int base) {
 #pragma unroll
-  for (int rr = 0; rr < R; rr++) {
+    for (int rr = 0; rr < R; rr++) {
 #pragma unroll
-    for (int p = 0; p < PER_OUT; p++) {
-      const int n = n0 + rr + p * OUTS;
-      const uint4* wr = reinterpret_cast<const uint4*>(wq + (size_t)n * WORDS);
+      for (int p = 0; p < PER_OUT; p++) {
+        const int n = base + rr + p * OUTS;
+        const uint4* wr = reinterpret_cast<const uint4*>(wq + (size_t)n * WORDS);
 #pragma unroll
-      for (int it = 0; it < ITERS; it++) {
-        const int i = it * 32 + lane;
-        if (n0 + rr < OUTS && i < CHUNKS) {
-          rows[rr][p].words[it] = wr[i];
-          const size_t g = (size_t)n * GROUPS + i * CH / GS;
-          rows[rr][p].sc[it] = static_cast<float>(scales[g]);
-          rows[rr][p].bi[it] = static_cast<float>(biases[g]);
+        for (int it = 0; it < ITERS; it++) {
+          const int i = it * 32 + lane;
+          if (base + rr < OUTS && i < CHUNKS) {
+            rs[rr][p].words[it] = wr[i];
+            const size_t g = (size_t)n * GROUPS + i * CH / GS;
+            rs[rr][p].sc[it] = static_cast<float>(scales[g]);
+            rs[rr][p].bi[it] = static_cast<float>(biases[g]);
+          }
         }
       }
     }
-  }
+  };
+  Row rows[R][PER_OUT];
+  fetch(rows, n0);
 "#;
 
 /// Plain input `x` `[ROWS, 1, K]`, contiguous. The prologues' loops have
@@ -552,6 +689,7 @@ pub(crate) struct Kernels {
     /// halves): `products[input][output]`.
     products: [[CudaKernel; 2]; 2],
     argmax: CudaKernel,
+    embed_norm: CudaKernel,
 }
 
 /// How a product's input tile is made.
@@ -643,7 +781,43 @@ impl Kernels {
                 [product_kernel(true, 1)?, product_kernel(true, 2)?],
             ],
             argmax: CudaKernel::new("emlx_axon_argmax", &["x"], &["out"], ARGMAX)?,
+            embed_norm: CudaKernel::new(
+                "emlx_axon_embed_norm",
+                &["ids", "wq", "scales", "biases", "nw"],
+                &["h", "normed"],
+                EMBED_NORM,
+            )?,
         })
+    }
+
+    /// `(h, rms_norm(h) * w)` for `h` the rows of the quantized table
+    /// `table` at `ids` (`[rows, 1]`, any integer type), `[rows, 1, hidden]`
+    /// in `dtype`, as MLX's `take`, `dequantize` and `rms_norm` compute them.
+    pub(crate) fn embed_norm(
+        &self,
+        ids: &Array,
+        table: &QuantWeight,
+        w: &Array,
+        eps: f32,
+        dtype: Dtype,
+    ) -> Result<(Array, Array)> {
+        let (rows, d) = (ids.dim(0), w.dim(-1));
+        let shape = [rows, 1, d];
+        let out = self.embed_norm.apply(
+            &[ids, table.w, table.scales, table.biases, w],
+            &[(&shape, dtype), (&shape, dtype)],
+            (BLOCK, rows, 1),
+            (BLOCK, 1, 1),
+            &[
+                ("T", Template::Dtype(dtype)),
+                ("D", Template::Int(d)),
+                ("BITS", Template::Int(table.bits)),
+                ("GS", Template::Int(table.group_size)),
+                ("BLOCK", Template::Int(BLOCK)),
+                ("EPS_BITS", eps_bits(eps)),
+            ],
+        )?;
+        Ok(pair(out))
     }
 
     /// Attention's output `[rows, 1, heads * head_dim]`; the new keys and
@@ -777,8 +951,8 @@ impl Kernels {
         };
         let outs = wt.w.dim(0) / per_out;
         let (bt, xt) = tile(rows, k_dim, wt.bits, dtype);
-        let r = outputs_per_warp(outs);
-        let blocks = (outs + 8 * r - 1) / (8 * r);
+        let looping = outs >= LOOP_OUTPUTS && *LOOP;
+        let r = if looping { 1 } else { outputs_per_warp(outs) };
         let mut templates = vec![
             ("T", Template::Dtype(dtype)),
             ("K", Template::Int(k_dim)),
@@ -788,10 +962,10 @@ impl Kernels {
             ("XT", Template::Dtype(xt)),
             ("R", Template::Int(r)),
             ("BLOCK", Template::Int(BLOCK)),
+            ("LOOP", Template::Bool(looping)),
         ];
         let params = [wt.w, wt.scales, wt.biases];
         let out = [rows, 1, outs];
-        let grid = (blocks * BLOCK, (rows + bt - 1) / bt, 1);
         let sum_shape = [rows, 1, k_dim];
         let (inputs, outputs, add_norm): (Vec<&Array>, Vec<(&[i32], Dtype)>, _) = match input {
             GemvInput::Plain(x) => (vec![*x], vec![(&out, dtype)], false),
@@ -801,13 +975,19 @@ impl Kernels {
                 (vec![*h, *r, *weight], outputs, true)
             }
         };
-        self.products[add_norm as usize][per_out as usize - 1].apply(
-            &[&inputs[..], &params].concat(),
-            &outputs,
-            grid,
-            (BLOCK, 1, 1),
-            &templates,
-        )
+        let kernel = &self.products[add_norm as usize][per_out as usize - 1];
+        let inputs = [&inputs[..], &params].concat();
+        let tiles = (rows + bt - 1) / bt;
+        let mut blocks = (outs + 8 * r - 1) / (8 * r);
+        if looping {
+            // One wave: as many blocks as the device holds at once.
+            let per_sm = kernel.resident_blocks(&inputs, &outputs, &templates, BLOCK)?;
+            if let (Some(sms), Some(per_sm)) = (crate::cuda_kernel::multiprocessors(), per_sm) {
+                blocks = blocks.min((sms * per_sm / tiles).max(1));
+            }
+        }
+        let grid = (blocks * BLOCK, tiles, 1);
+        kernel.apply(&inputs, &outputs, grid, (BLOCK, 1, 1), &templates)
     }
 }
 
@@ -822,6 +1002,17 @@ fn outputs_per_warp(outs: i32) -> i32 {
         _ => 1,
     }
 }
+
+/// Products at least this wide (an output head: 18,992 warps' worth of
+/// outputs for Qwen3's 151,936) loop: one wave of blocks, each warp taking
+/// outputs a grid apart with the next weight row always in flight, so that
+/// each block's prologue (the add + norm of all its rows) is done a few
+/// hundred times rather than thousands.
+const LOOP_OUTPUTS: i32 = 32768;
+
+/// Whether wide products loop (`EMLX_AXON_GEMV_LOOP=0`: a block per 32
+/// outputs, as before, for comparison).
+static LOOP: Lazy<bool> = Lazy::new(|| !crate::switch::off("EMLX_AXON_GEMV_LOOP"));
 
 /// The product kernel for an input (plain, or add + norm) and an output
 /// (each of `per_out` weight rows: 1 a product, 2 SwiGLU of gate and up).
@@ -863,6 +1054,18 @@ fn product_kernel(add_norm: bool, per_out: i32) -> Result<CudaKernel> {
 pub(crate) fn pair(mut outputs: Vec<Array>) -> (Array, Array) {
     let second = outputs.pop().expect("two outputs");
     (outputs.pop().expect("two outputs"), second)
+}
+
+/// Whether [`Kernels::embed_norm`] takes this table for a hidden size of
+/// `dim`: values that never straddle a word, whole groups and words a row.
+pub(crate) fn embeds(table: &QuantWeight, dim: i32) -> bool {
+    matches!(table.bits, 2 | 4 | 8)
+        && table.group_size > 0
+        && dim % table.group_size == 0
+        && dim % (32 / table.bits) == 0
+        && table.w.ndim() == 2
+        && table.w.dim(1) == dim * table.bits / 32
+        && table.scales.dim(-1) == dim / table.group_size
 }
 
 /// Dtypes the kernels compute in.

@@ -5,7 +5,10 @@
 //! By default the products are ours too, each reading the add + norm before
 //! it, the gate/up product giving SwiGLU of its halves: five nodes a layer,
 //! the output head reads the final norm, and greedy tokens come from our
-//! argmax (`EMLX_AXON_GPU_GEMV=0` keeps MLX's products).
+//! argmax (`EMLX_AXON_GPU_GEMV=0` keeps MLX's products). A quantized
+//! embedding table is read by a kernel that also gives the first layer's
+//! norm: one node where MLX's `take`, `dequantize` and `rms_norm` made
+//! about eight.
 //!
 //! MLX's CUDA backend spends about 6 µs of host time on every node it
 //! evaluates (an NVIDIA H200, chains of small ops), views and reshapes
@@ -69,6 +72,10 @@ static KERNELS: OnceCell<Option<Kernels>> = OnceCell::new();
 /// are checked.
 static CHECKED: Lazy<Mutex<Vec<(Dtype, bool)>>> = Lazy::new(|| Mutex::new(Vec::new()));
 
+/// The embedding kernel's, likewise: checked on its own, so that where it
+/// fails the layers' kernels still run (on MLX's embeddings).
+static EMBED_CHECKED: Lazy<Mutex<Vec<(Dtype, bool)>>> = Lazy::new(|| Mutex::new(Vec::new()));
+
 /// Whether one-token steps on a GPU stream may take this path (asked for,
 /// and a CUDA GPU; built and checked on first use).
 pub(crate) fn wanted() -> bool {
@@ -95,18 +102,28 @@ fn kernels(dtype: Dtype) -> Option<&'static Kernels> {
     let k = KERNELS
         .get_or_init(|| Kernels::new().map_or_else(fail, Some))
         .as_ref()?;
-    let mut checked = CHECKED.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some((_, ok)) = checked.iter().find(|(d, _)| *d == dtype) {
-        return ok.then_some(k);
+    passes(&CHECKED, dtype, || check(k, dtype)).then_some(k)
+}
+
+/// Whether `check` passed in `dtype`, run on first ask per dtype (its result
+/// kept in `results`).
+fn passes(
+    results: &Mutex<Vec<(Dtype, bool)>>,
+    dtype: Dtype,
+    check: impl FnOnce() -> Result<()>,
+) -> bool {
+    let mut results = results.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, ok)) = results.iter().find(|(d, _)| *d == dtype) {
+        return *ok;
     }
     // On a stream of its own: a kernel MLX fails to launch leaves its
     // stream's command graph failing later work.
     let ok = crate::device::MlxStream::new(crate::device::DeviceKind::Gpu)
-        .and_then(|s| s.run(|| check(k, dtype)))
+        .and_then(|s| s.run(check))
         .map_or_else(fail, Some)
         .is_some();
-    checked.push((dtype, ok));
-    ok.then_some(k)
+    results.push((dtype, ok));
+    ok
 }
 
 /// Each row's greedy token (uint32) from `logits` (`[..., vocab]`) with our
@@ -134,27 +151,39 @@ pub(crate) enum Output {
 
 /// The parts of a model a step runs here.
 pub(crate) struct Stack<'a> {
+    /// The embedding table, when quantized.
+    pub embed: Option<QuantWeight<'a>>,
     pub blocks: &'a [Block],
     pub final_norm: &'a RmsNorm,
     /// The output head's weight, when quantized and without bias.
     pub head: Option<QuantWeight<'a>>,
 }
 
-/// Every layer of a one-token step over `h` (`[rows, 1, hidden]`, the
-/// embeddings), then the final norm, and with our products the output
-/// head too. `None`, before anything is written to the cache, where the
-/// kernels do not take this model or step.
+/// What a step starts from.
+pub(crate) struct Tokens<'a> {
+    /// `[rows, 1]` token ids.
+    pub ids: &'a Array,
+    /// The compute dtype.
+    pub dtype: Dtype,
+    /// The ids' embeddings `[rows, 1, hidden]` from MLX's ops, where the
+    /// embedding kernel does not take the table.
+    pub embed: &'a dyn Fn() -> Result<Array>,
+}
+
+/// Every layer of a one-token step over `tokens`, then the final norm, and
+/// with our products the output head too. `None`, before anything is
+/// written to the cache, where the kernels do not take this model or step.
 pub(crate) fn forward<C: KvStore>(
     c: &ModelConfig,
     stack: Stack,
-    h: &Array,
+    tokens: &Tokens,
     cache: &C,
     rows: &StepRows,
     rope: &PositionTable,
 ) -> Result<Option<Output>> {
     let (blocks, final_norm) = (stack.blocks, stack.final_norm);
-    let n = h.dim(0);
-    let (hd, dtype) = (c.head_dim, h.dtype());
+    let n = tokens.ids.dim(0);
+    let (hd, dtype) = (c.head_dim, tokens.dtype);
     let takes = kernels::takes_dtype(dtype)
         && hd % 32 == 0
         // Heads of at most 128: the attention kernel's blocks have 2 * hd
@@ -179,7 +208,19 @@ pub(crate) fn forward<C: KvStore>(
     let last = rows.positions.iter().copied().max().unwrap_or(0);
     let (cos, signed_sin) = rope.rows(c, last)?;
     let first = &blocks[0].input_norm;
-    let mut x = rms_norm(h, Some(first.weight()), first.eps())?;
+    let table = stack.embed.filter(|t| {
+        kernels::embeds(t, c.hidden_size)
+            && tokens.ids.ndim() == 2
+            && passes(&EMBED_CHECKED, dtype, || check_embed(k, dtype))
+    });
+    let (h, mut x) = match &table {
+        Some(table) => k.embed_norm(tokens.ids, table, first.weight(), first.eps(), dtype)?,
+        None => {
+            let h = (tokens.embed)()?;
+            let x = rms_norm(&h, Some(first.weight()), first.eps())?;
+            (h, x)
+        }
+    };
     let attend = |qkv: &Array, block: &Block, i: usize| -> Result<Array> {
         let (keys, values) = cache.buffers(i);
         k.qkv_attend(&QkvAttend {
@@ -202,10 +243,10 @@ pub(crate) fn forward<C: KvStore>(
             ..stack
         };
         return Ok(Some(with_our_products(
-            k, &stack, &weights, h, &x, &attend,
+            k, &stack, &weights, &h, &x, &attend,
         )?));
     }
-    let mut h = h.clone();
+    let mut h = h;
     for (i, block) in blocks.iter().enumerate() {
         let (attn, mlp) = (&block.attn, &block.mlp);
         let qkv = attn.qkv.forward(&x, &[])?;
@@ -391,6 +432,55 @@ fn check(k: &Kernels, dtype: Dtype) -> Result<()> {
     check_qkv_attend(k, dtype, &normal)?;
     if *GEMV {
         check_gemv(k, dtype, &normal)?;
+    }
+    Ok(())
+}
+
+/// The embedding kernel against MLX's `take`, `dequantize` and `rms_norm`
+/// (as [`crate::layers::Embedding`] and the first layer's norm compute
+/// them): 4- and 8-bit tables, ids of two integer types including the
+/// table's first and last rows.
+fn check_embed(k: &Kernels, dtype: Dtype) -> Result<()> {
+    let (vocab, d, eps) = (1000, 256, 1e-6);
+    let key = mlx_rs::random::key(21)?;
+    let table = mlx_rs::random::normal::<f32>(&[vocab, d], None, None, &key)?;
+    let key = mlx_rs::random::key(22)?;
+    let nw = mlx_rs::random::normal::<f32>(&[d], None, None, &key)?.as_dtype(dtype)?;
+    let at = [0, vocab - 1, 517];
+    for (bits, gs) in [(4, 64), (8, 32)] {
+        let (w, scales, biases) = mlx_rs::ops::quantize(&table, gs, bits)?;
+        let wt = QuantWeight {
+            w: &w,
+            scales: &scales,
+            biases: &biases,
+            bits,
+            group_size: gs,
+        };
+        for ids in [
+            Array::from_slice(&at.map(|i| i as u32), &[3, 1]),
+            Array::from_slice(&at, &[3, 1]),
+        ] {
+            let want = mlx_rs::ops::dequantize(
+                w.take_axis(&ids, 0)?,
+                scales.take_axis(&ids, 0)?.as_dtype(dtype)?,
+                &biases.take_axis(&ids, 0)?.as_dtype(dtype)?,
+                gs,
+                bits,
+            )?
+            .as_dtype(dtype)?;
+            let (h, normed) = k.embed_norm(&ids, &wt, &nw, eps, dtype)?;
+            let what = format!("{bits}-bit embedding");
+            if h.shape() != want.shape() {
+                return Err(Error::Mlx(format!("the {what} kernel gives another shape")));
+            }
+            close(&what, dtype, &h, &want)?;
+            close(
+                &format!("{what} RMSNorm"),
+                dtype,
+                &normed,
+                &rms_norm(&want, Some(&nw), eps)?,
+            )?;
+        }
     }
     Ok(())
 }
