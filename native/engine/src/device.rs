@@ -37,11 +37,14 @@ pub fn prepare_mlx() {
 
 /// Nodes MLX's CUDA backend puts in one command graph before launching it
 /// (`MLX_MAX_OPS_PER_BUFFER`; MLX's own default on an H100 or H200 is 100).
-/// A one-token step of the fused layers is about 150 nodes (five a layer):
+/// A one-token step of the fused layers is about 145 nodes (five a layer):
 /// as one graph rather than two, MLX queued a step of Qwen3-0.6B's shape in
-/// 0.59-0.62 ms instead of 0.79-0.85 on an NVIDIA H200, and a step's pace
-/// there is set by the host. Multi-token forwards commit every few layers
-/// themselves (see [`crate::model`]), so their graphs stay small.
+/// 0.59-0.62 ms instead of 0.79-0.87 on an NVIDIA H200, where a step's pace
+/// is set by the host (bench/RESULTS-gpu.md; whole decodes did not separate
+/// the two settings, their trials swinging more). Multi-token forwards
+/// commit every few layers themselves (see [`crate::model`]), so their
+/// graphs stay small. The variable is set from the process's first thread
+/// to prepare MLX, before MLX reads it.
 const OPS_PER_GRAPH: &str = "300";
 
 /// Sets MLX's graph size for CUDA unless the user chose one. MLX reads it

@@ -17,10 +17,12 @@
 //! where MLX's ops would (see [`kernels`]). Keys and values are written into
 //! the cache buffers in place, so the cache's own update goes too. With
 //! five nodes a layer, timed kernel by kernel on an H200 (Qwen3-0.6B shape,
-//! 4-bit, bfloat16), a batch-1 step's kernels take about 0.9 ms of its
-//! 1.1-1.3 ms, each bound by its chain of trips to memory rather than by
-//! bandwidth (the products 4-6 µs for 1-3 MB of weights, attention 9 µs),
-//! and the host's time for the step's ~150 nodes is close behind.
+//! 4-bit, bfloat16), a batch-1 step's kernels take about 0.85 ms, each
+//! bound by its chain of trips to memory rather than by bandwidth (the
+//! products 4-6 µs for 1-3 MB of weights, attention 8.6 µs, the output head
+//! 57 µs), and the host takes as long to build and queue the step's ~145
+//! nodes (0.27 ms to build, 0.6 ms for MLX to queue them as one graph): the
+//! device waits on the host.
 //!
 //! On by default on CUDA (`EMLX_AXON_GPU_LAYER=0` keeps MLX's ops). The
 //! kernels are compiled once per machine and kept on disk
@@ -28,8 +30,8 @@
 //! use per dtype, and where they cannot be built or differ, layers are
 //! built from MLX's ops. Measured on an NVIDIA H200 (bfloat16, Qwen3-0.6B
 //! shape, 4-bit, 5 fresh processes each; bench/RESULTS-gpu.md): batch-1
-//! decode 790 tok/s (MLX's products in the fused layers: 653), batch 4
-//! 2,417 (1,584), batch 8 3,384 (1,799). Metal keeps MLX's ops (MLX's
+//! decode 833 tok/s (MLX's products in the fused layers: 602), batch 4
+//! 2,714 (1,624), batch 8 3,986 (1,833). Metal keeps MLX's ops (MLX's
 //! Metal build has no CUDA kernels; ports of these sources to
 //! `metal_kernel` are not written).
 
