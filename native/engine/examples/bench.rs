@@ -491,14 +491,24 @@ impl Bench {
             .run(|| self.profile_kernels(self.prompts().decode.len() + self.args.tokens / 2))
     }
 
+    /// A cache for the decode prompt and `tokens` more, the prompt through
+    /// the model, and its last logits `[1, vocab]`.
+    fn prefilled(&self, workers: &[Lease]) -> AnyResult<(KvCache, Array)> {
+        let prompt = &self.prompts().decode;
+        let rows = (prompt.len() + self.args.tokens + 1) as i32;
+        let mut cache = KvCache::new(&self.model, 1, rows)?;
+        let ids = Array::from_slice(prompt, &[1, prompt.len() as i32]);
+        let logits = self
+            .model
+            .forward(&ids, &mut cache, &AttentionMask::Causal, true, workers)?;
+        Ok((cache, logits.reshape(&[1, -1])?))
+    }
+
     fn profile_steps(&self, workers: &[Lease]) -> AnyResult<()> {
         let model = &self.model;
-        let prompt = self.prompts().decode.clone();
         let n = self.args.tokens;
-        let mut cache = KvCache::new(model, 1, (prompt.len() + n + 1) as i32)?;
-        let ids = Array::from_slice(&prompt, &[1, prompt.len() as i32]);
-        let logits = model.forward(&ids, &mut cache, &AttentionMask::Causal, true, workers)?;
-        let mut token = argmax_axis(logits.reshape(&[1, -1])?, -1, false)?;
+        let (mut cache, logits) = self.prefilled(workers)?;
+        let mut token = argmax_axis(&logits, -1, false)?;
         token.eval()?;
         let (mut build, mut eval, mut sample) = (vec![], vec![], vec![]);
         for _ in 0..n {
@@ -547,12 +557,9 @@ impl Bench {
     /// the pace.
     fn profile_queued(&self, workers: &[Lease]) -> AnyResult<()> {
         let model = &self.model;
-        let prompt = self.prompts().decode.clone();
         let n = self.args.tokens;
-        let mut cache = KvCache::new(model, 1, (prompt.len() + n + 1) as i32)?;
-        let ids = Array::from_slice(&prompt, &[1, prompt.len() as i32]);
-        let logits = model.forward(&ids, &mut cache, &AttentionMask::Causal, true, workers)?;
-        let mut pending = greedy(&logits.reshape(&[1, -1])?)?;
+        let (mut cache, logits) = self.prefilled(workers)?;
+        let mut pending = greedy(&logits)?;
         transforms::async_eval([&pending])?;
         let (mut build, mut queue, mut wait) = (vec![], vec![], vec![]);
         let started = Instant::now();

@@ -111,7 +111,19 @@ const QKV_ATTEND_PROLOGUE: &str = r#"
   for (int e = 0; e < E; e++) qv[e] = static_cast<float>(qk[0][lane * E + e]) * scale;
 "#;
 
-/// The residual add and the RMSNorm after it: `h + r`, and its norm.
+/// A block's RMSNorm factor `n` over `D` values, from each thread's sum of
+/// squares `ss` (threads `t`, a `partial` slot per warp).
+const BLOCK_NORM: &str = r#"
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+  if ((t & 31) == 0) partial[t >> 5] = ss;
+  __syncthreads();
+  float total = 0.f;
+  for (int i = 0; i < BLOCK / 32; i++) total += partial[i];
+  const float n = rsqrtf(total / D + __int_as_float(EPS_BITS));
+"#;
+
+/// The residual add and the RMSNorm after it: `h + r`, then (with
+/// [`BLOCK_NORM`] and [`ADD_NORM_OUT`]) its norm.
 const ADD_NORM: &str = r#"
   constexpr int PER = (D + BLOCK - 1) / BLOCK;
   const int t = threadIdx.x;
@@ -131,12 +143,10 @@ const ADD_NORM: &str = r#"
       ss += v[k] * v[k];
     }
   }
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
-  if ((t & 31) == 0) partial[t >> 5] = ss;
-  __syncthreads();
-  float total = 0.f;
-  for (int i = 0; i < BLOCK / 32; i++) total += partial[i];
-  const float n = rsqrtf(total / D + __int_as_float(EPS_BITS));
+"#;
+
+/// The rest of [`ADD_NORM`]: the normalized sum.
+const ADD_NORM_OUT: &str = r#"
   for (int k = 0; k < PER; k++) {
     const int i = t + k * BLOCK;
     if (i < D) {
@@ -153,7 +163,8 @@ const ADD_NORM: &str = r#"
 /// NVIDIA H200 every value of MLX's bfloat16, float16 and float32 results
 /// matched this and about half differed from rounding the product first),
 /// then normalized with weight `nw`. Token ids below zero count from the
-/// end, as MLX's `take`; ids past the table are clamped to it.
+/// end, as MLX's `take`; ids past the table are clamped to it. Followed by
+/// [`BLOCK_NORM`] and [`EMBED_NORM_OUT`].
 const EMBED_NORM: &str = r#"
   constexpr int PER_WORD = 32 / BITS;
   constexpr int WORDS = D / PER_WORD;
@@ -188,12 +199,10 @@ const EMBED_NORM: &str = r#"
       }
     }
   }
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
-  if ((t & 31) == 0) partial[t >> 5] = ss;
-  __syncthreads();
-  float total = 0.f;
-  for (int i = 0; i < BLOCK / 32; i++) total += partial[i];
-  const float n = rsqrtf(total / D + __int_as_float(EPS_BITS));
+"#;
+
+/// The rest of [`EMBED_NORM`]: the normalized embeddings.
+const EMBED_NORM_OUT: &str = r#"
 #pragma unroll
   for (int c = 0; c < WPT; c++) {
     const int i = t + c * BLOCK;
@@ -713,7 +722,7 @@ impl Kernels {
                 "emlx_axon_add_norm",
                 &["h", "r", "w"],
                 &["sum", "normed"],
-                ADD_NORM,
+                &[ADD_NORM, BLOCK_NORM, ADD_NORM_OUT].concat(),
             )?,
             swiglu: CudaKernel::new(
                 "emlx_axon_swiglu",
@@ -730,7 +739,7 @@ impl Kernels {
                 "emlx_axon_embed_norm",
                 &["ids", "wq", "scales", "biases", "nw"],
                 &["h", "normed"],
-                EMBED_NORM,
+                &[EMBED_NORM, BLOCK_NORM, EMBED_NORM_OUT].concat(),
             )?,
         })
     }
