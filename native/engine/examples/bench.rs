@@ -751,12 +751,12 @@ fn median(values: &[f64]) -> f64 {
 }
 
 fn run(args: Args) -> AnyResult<()> {
+    // Before MLX's first call: the engine sizes MLX's command graphs.
+    emlx_axon_engine::device::prepare_mlx();
     // mlx-lm's load timer starts after `import mlx.core`, which has set up
     // the device (on CUDA, 200-400 ms of context and library start-up): one
     // tiny evaluation first puts the engine's load on the same footing, and
     // the set-up is reported on its own.
-    // Before MLX's first call: the engine sizes MLX's command graphs.
-    emlx_axon_engine::device::prepare_mlx();
     let device_started = Instant::now();
     Array::from_f32(1.0).add(Array::from_f32(1.0))?.eval()?;
     let device_setup_ms = ms(device_started);

@@ -4,9 +4,10 @@
 //! and template arguments, the whole kernel is written out (a signature of
 //! `const T* name` per input and `T* __restrict__ name` per output;
 //! `name_shape` and `name_strides` arrays where the body mentions them;
-//! template arguments as constants), compiled with NVRTC to a binary for this device and kept
-//! on disk, then launched through MLX's `precompiled_cuda_kernel`, inside
-//! MLX's command graph like its own kernels. MLX's own `cuda_kernel` would
+//! template arguments as constants), compiled with NVRTC to a binary for
+//! this device and kept on disk, then launched through MLX's
+//! `precompiled_cuda_kernel`, inside MLX's command graph like its own
+//! kernels. MLX's own `cuda_kernel` would
 //! recompile every variant in every process (about a second each: MLX skips
 //! its disk cache for custom kernels and prepends its device headers), so
 //! the source here includes nothing and says its half types itself.

@@ -715,7 +715,8 @@ impl Embedding {
         self.projection.weight.is_quantized()
     }
 
-    /// The quantized weight as the tied output projection reads it.
+    /// The quantized table, as the GPU embedding kernel and the tied output
+    /// projection read it.
     pub fn quantized(&self) -> Option<emlx_axon_kernels::QuantWeight<'_>> {
         self.projection.weight.quantized()
     }

@@ -83,8 +83,7 @@ pub struct Model {
     lm_head: Option<Linear>,
     /// What RoPE on a CPU stream turns into its cosines and sines.
     rope_probe: Array,
-    /// The same in float32: the GPU layer kernels' RoPE table.
-    /// One-token GPU steps' rotations.
+    /// One-token GPU steps' rotations, read by the layer kernels.
     step_rope: crate::rope::PositionTable,
     /// Compiled decode steps by stream index, made on first use (see
     /// [`crate::decode_step::for_stream`]); their traces die with the model.
@@ -332,8 +331,8 @@ impl Model {
         cpu_ops: bool,
     ) -> Result<Array> {
         let c = &self.config;
-        // One-token steps: a node per layer on a CPU stream, eight on a
-        // CUDA GPU, where the kernels take the model.
+        // One-token steps: a node per layer on a CPU stream, five on a CUDA
+        // GPU (eight with MLX's products), where the kernels take the model.
         let step_rows = match mask {
             AttentionMask::None | AttentionMask::Ranges { .. }
                 if ids.dim(1) == 1 && (cpu_ops || crate::gpu_layer::wanted()) =>
@@ -645,8 +644,8 @@ mod tests {
 
     /// On a CUDA GPU (unless `EMLX_AXON_GPU_LAYER=0`; with our products or,
     /// `EMLX_AXON_GPU_GEMV=0`, MLX's), one-token steps run each layer from
-    /// our kernels (`crate::gpu_layer`): the same logits as MLX's separate ops, to
-    /// float32 summation order, and close in bfloat16 (whose roundings the
+    /// our kernels (`crate::gpu_layer`): the same logits as MLX's separate
+    /// ops, to float32 summation order, and close in bfloat16 (whose roundings the
     /// kernels repeat, but whose norms and products sum in another order).
     /// Elsewhere the kernels are not used and this test has nothing to run.
     #[test]

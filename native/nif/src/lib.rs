@@ -16,8 +16,9 @@ mod slot;
 mod stream;
 mod tokenizer;
 
-/// Installs MLX's error handler before any NIF can make an MLX call, so
-/// that a failing call returns an error instead of exiting the VM.
+/// Prepares MLX before any NIF can make an MLX call: its error handler, so
+/// that a failing call returns an error instead of exiting the VM, and its
+/// CUDA command-graph size (`device::prepare_mlx`).
 fn load(_env: rustler::Env, _info: rustler::Term) -> bool {
     emlx_axon_engine::device::prepare_mlx();
     true

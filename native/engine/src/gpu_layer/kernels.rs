@@ -945,13 +945,15 @@ impl Kernels {
     }
 }
 
-/// Outputs a warp computes: one (a block per 8, every block's prologue on
-/// the same inputs) up to a few thousand; more for wider products, where the
-/// repeated prologues would cost more than the products (all a warp's weight
-/// rows are fetched at once, so they cost registers, not trips).
+/// Outputs a warp computes where it does not loop: one (a block per 8,
+/// every block's prologue on the same inputs) up to a few thousand; more for
+/// wider products, where the repeated prologues would cost more than the
+/// products (all a warp's weight rows are fetched at once, so they cost
+/// registers, not trips). Products of `LOOP_OUTPUTS` or more take four only
+/// with `EMLX_AXON_GEMV_LOOP=0`.
 fn outputs_per_warp(outs: i32) -> i32 {
     match outs {
-        32768.. => 4,
+        LOOP_OUTPUTS.. => 4,
         4096.. => 2,
         _ => 1,
     }
