@@ -44,7 +44,7 @@ defmodule EMLXAxon.MemoryTest do
         "MLX active #{active_before} -> #{active_after} bytes"
     )
 
-    assert active_after == active_before
+    assert active_after <= active_before
     assert growth < 5.0
   end
 
@@ -86,7 +86,7 @@ defmodule EMLXAxon.MemoryTest do
       assert weight_bytes > 10_000_000
       active = await_active(active_before)
 
-      assert active == active_before,
+      assert active <= active_before,
              "after load #{i}: MLX active memory #{active - active_before} bytes over the " <>
                "first (the weights are #{weight_bytes} bytes)"
     end
@@ -160,7 +160,7 @@ defmodule EMLXAxon.MemoryTest do
     # and then, as timing allows; on the CPU never.
     allowed = if TestFixtures.gpu?(), do: 6, else: 0
     assert copies <= allowed, "#{copies} of 60 tokens copied the KV cache"
-    assert after_free == before
+    assert after_free <= before
   end
 
   test "an emit_fun that raises, a timeout and an error free the KV cache at once", %{
@@ -171,7 +171,7 @@ defmodule EMLXAxon.MemoryTest do
     long = [max_new_tokens: 5000, max_len: 6000, ignore_eos: true, chunk_size: 2]
     # Freed by the generation itself, not by a later garbage collection:
     # within a second (the step queued ahead finishes first), with no GC.
-    freed? = fn -> await_active(before, 1_000, collect: false) == before end
+    freed? = fn -> await_active(before, 1_000, collect: false) <= before end
 
     assert_raise RuntimeError, "boom", fn ->
       TextGeneration.stream(tokenizer, state, "Hello", fn _ -> raise "boom" end, long)
@@ -218,7 +218,7 @@ defmodule EMLXAxon.MemoryTest do
              Generate.generate(state, [1, 2, 3], max_new_tokens: 2 ** 32 + 4, max_len: 2 ** 32 + 9)
 
     assert message =~ "more positions than a KV cache can hold"
-    assert active() == before
+    assert active() <= before
   end
 
   test "a checkpoint larger than the memory limit is refused before it is copied" do

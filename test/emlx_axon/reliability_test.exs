@@ -190,7 +190,7 @@ defmodule EMLXAxon.ReliabilityTest do
       assert_receive {:DOWN, ^ref, :process, ^pid, :killed}
 
       {microseconds, now} = :timer.tc(fn -> await_active(before, 10_000) end)
-      assert now == before, "a killed generation kept #{now - before} bytes"
+      assert now <= before, "a killed generation kept #{now - before} bytes"
 
       IO.puts(
         "\nkilled with chunk_size #{chunk_size}: cache freed in #{div(microseconds, 1000)} ms"

@@ -25,6 +25,9 @@ defmodule EMLXAxon.TestMemory do
   MLX's active memory once it stops changing. A generation that finishes
   (or is freed) may still have its next step queued on its stream, as
   decoding runs a step ahead; that step's buffers go when it completes.
+  MLX's stream thread also releases a step's small temporaries after its
+  results are read, so a reading can include a few bytes that go later:
+  leak checks compare with `<=` (no growth), not equality.
   """
   def settled_active do
     collect_all()
@@ -43,19 +46,17 @@ defmodule EMLXAxon.TestMemory do
   end
 
   @doc """
-  Waits up to `ms` for MLX's active memory to come back to `expected`,
-  collecting every process meanwhile unless `collect: false`; returns the
-  last figure read.
+  Waits up to `ms` for MLX's active memory to come back to `expected` or
+  below, collecting every process meanwhile unless `collect: false`;
+  returns the last figure read.
   """
   def await_active(expected, ms \\ 5_000, opts \\ []) do
     deadline = System.monotonic_time(:millisecond) + ms
     await_active(expected, deadline, Keyword.get(opts, :collect, true), active())
   end
 
-  defp await_active(expected, _deadline, _collect?, expected), do: expected
-
   defp await_active(expected, deadline, collect?, current) do
-    if System.monotonic_time(:millisecond) > deadline do
+    if current <= expected or System.monotonic_time(:millisecond) > deadline do
       current
     else
       Process.sleep(10)

@@ -273,26 +273,24 @@ fn cancelling_mid_prefill_and_mid_decode_frees_the_slot_and_memory() {
     assert_eq!(c.ids[&b], solo(&model, &p[0], greedy(12)));
     assert_eq!(c.ids[&d], solo(&model, &p[2], greedy(10)));
 
+    // A leaked cache holds at least one token's keys of one layer, so the
+    // check is for growth of that size. MLX's stream thread releases a
+    // step's temporaries after its results have been read (on the CPU as on
+    // a GPU), so either reading may still include a few of them: the
+    // baseline can read higher, and the end a few scalars higher.
     let after = settled_active_memory();
-    if emlx_axon_engine::device::gpu_available() {
-        // MLX's GPU backend releases a step's temporaries on its own
-        // completion thread, after the results have been read; the polling
-        // in `settled_active_memory` cannot prove that thread is done, so on
-        // a GPU the check is for growth (a leaked row's cache) only.
-        assert!(
-            after <= baseline,
-            "MLX active memory grew from {baseline} to {after} bytes"
-        );
-    } else {
-        assert_eq!(after, baseline, "MLX active memory back to its baseline");
-    }
+    let c = &model.config;
+    let key_row = (c.num_kv_heads * c.head_dim) as usize * std::mem::size_of::<f32>();
+    assert!(
+        after < baseline + key_row,
+        "MLX active memory grew from {baseline} to {after} bytes"
+    );
     drop(s);
 }
 
-/// MLX's active memory once nothing is being freed any more: the reuse
-/// cache cleared and two readings a few milliseconds apart equal. On the
-/// CPU the first two agree; on a GPU, buffers of finished work may still be
-/// on their way back when the results are read.
+/// MLX's active memory once nothing is being freed any more, as far as
+/// polling can tell: the reuse cache cleared and two readings a few
+/// milliseconds apart equal.
 fn settled_active_memory() -> usize {
     let read = || {
         emlx_axon_engine::memory::clear_cache().unwrap();
