@@ -43,6 +43,7 @@ fn main() {
     // Apple's libmlx is a Metal build: no CUDA kernels to launch there.
     if env::var("CARGO_CFG_TARGET_OS").as_deref() != Ok("macos") {
         build_shim(&mlx_c, &prefix, &compat, "cuda_kernel_shim");
+        build_shim(&mlx_c, &prefix, &compat, "cuda_step_shim");
     }
     link_mlx(&prefix);
     generate_bindings(&mlx_c, &out_dir);
@@ -215,7 +216,7 @@ fn link_mlx(prefix: &Path) {
         println!("cargo:rustc-link-lib=dylib=c++");
     } else {
         println!("cargo:rustc-link-lib=dylib=stdc++");
-        // compat/cuda_kernel_shim.cpp finds NVRTC with dlsym.
+        // compat/cuda_*_shim.cpp find NVRTC and the CUDA driver with dlsym.
         println!("cargo:rustc-link-lib=dylib=dl");
     }
     // Link args of a dependency never reach the final binary; dependents read

@@ -267,6 +267,7 @@ struct Timed {
     engine_prefill_ms: f64,
     engine_decode_tok_s: f64,
     compiled_decode: bool,
+    step_replay: bool,
 }
 
 impl Bench {
@@ -305,6 +306,7 @@ impl Bench {
         let last = Instant::now();
         let stats = generation.stats();
         let compiled_decode = generation.runs_compiled();
+        let step_replay = generation.replays_steps();
         let rows = generation.generated();
         let generated: Vec<usize> = rows.iter().map(Vec::len).collect();
         if generated.iter().any(|&n| n != tokens) {
@@ -318,6 +320,7 @@ impl Bench {
             engine_prefill_ms: stats.prefill_ms,
             engine_decode_tok_s: stats.decode_tokens_per_s,
             compiled_decode,
+            step_replay,
         })
     }
 
@@ -397,6 +400,7 @@ impl Bench {
         fields.insert("kv_bytes".into(), json!(self.kv_bytes(1, prompt.len() + n)));
         fields.insert("ids".into(), json!(t.ids));
         fields.insert("compiled_decode".into(), json!(t.compiled_decode));
+        fields.insert("step_replay".into(), json!(t.step_replay));
         fields.insert(
             "decode_attention_kernel".into(),
             json!(emlx_axon_engine::decode_attention::checked()),
@@ -453,6 +457,7 @@ impl Bench {
             json!(self.kv_bytes(batch, prompts[0].len() + n)),
         );
         fields.insert("compiled_decode".into(), json!(t.compiled_decode));
+        fields.insert("step_replay".into(), json!(t.step_replay));
         Memory::record(&mut fields);
         self.emit("batch", Some(run), Value::Object(fields));
         Ok(())

@@ -46,8 +46,9 @@ pub struct CudaKernel {
 
 /// A compiled variant: as MLX launches it (the binary and its symbol), the
 /// binary, and its blocks per multiprocessor by block size, once asked.
-struct Compiled {
+pub(crate) struct Compiled {
     handle: *mut c_void,
+    name: String,
     binary: Vec<u8>,
     resident: Mutex<Vec<(i32, Option<i32>)>>,
 }
@@ -76,9 +77,20 @@ impl Compiled {
         }
         Ok(Compiled {
             handle,
+            name: name.to_string_lossy().into_owned(),
             binary,
             resident: Mutex::new(Vec::new()),
         })
+    }
+
+    /// The kernel's symbol.
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The cubin.
+    pub(crate) fn binary(&self) -> &[u8] {
+        &self.binary
     }
 
     /// Blocks of `threads` threads that one multiprocessor holds at once,
@@ -304,7 +316,9 @@ impl CudaKernel {
                 }
             }
         }
-        launch(&kernel, inputs, outputs, &scalars, grid, threads)
+        let out = launch(&kernel, inputs, outputs, &scalars, grid, threads)?;
+        crate::step_replay::note_launch(&kernel, inputs, &out, &scalars, grid, threads);
+        Ok(out)
     }
 }
 
@@ -467,7 +481,7 @@ fn cache_dir() -> PathBuf {
 /// every other: from the cache, or compiled now and stored there (written
 /// whole under another name first, so that a reader never sees half of one;
 /// a cache that cannot be written only costs time).
-fn binary(name: &str, source: &str) -> Result<(Vec<u8>, String)> {
+pub(crate) fn binary(name: &str, source: &str) -> Result<(Vec<u8>, String)> {
     let Target { arch, nvrtc, .. } = target()?;
     let hash = fnv1a(&[source.as_bytes(), arch.as_bytes(), nvrtc.as_bytes()]);
     let id = format!("{arch}-{nvrtc}-{:x}-{hash:016x}", source.len());

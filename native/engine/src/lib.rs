@@ -22,6 +22,7 @@ pub mod model;
 mod rope;
 pub mod sampler;
 pub mod scheduler;
+mod step_replay;
 mod switch;
 pub mod tokenizer;
 pub mod weights;

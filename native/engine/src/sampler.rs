@@ -149,6 +149,11 @@ impl Sampler {
         Ok(Sampler { config, rngs })
     }
 
+    /// Whether every row takes the most likely token.
+    pub fn is_greedy(&self) -> bool {
+        self.config.is_greedy()
+    }
+
     /// Whether `sample_device` applies; otherwise use `sample_host`.
     pub fn on_device(&self) -> bool {
         self.config.is_greedy() || self.config.kind != SamplerKind::TopPCpu

@@ -92,6 +92,53 @@ extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 
+// compat/cuda_step_shim.cpp: a step's kernels replayed as one CUDA graph on
+// a stream of our own, outside MLX's graph.
+#[cfg(not(target_os = "macos"))]
+extern "C" {
+    pub fn emlx_array_scheduled(a: mlx_array) -> ::std::os::raw::c_int;
+    pub fn emlx_array_device_ptr(
+        a: mlx_array,
+        ptr: *mut u64,
+        bytes: *mut usize,
+    ) -> ::std::os::raw::c_int;
+    pub fn emlx_cuda_step_new(
+        rows: ::std::os::raw::c_int,
+        slots: ::std::os::raw::c_int,
+        ring_device: *mut u64,
+        error: *mut *mut ::std::os::raw::c_char,
+    ) -> *mut ::std::os::raw::c_void;
+    pub fn emlx_cuda_step_add(
+        step: *mut ::std::os::raw::c_void,
+        binary: *const ::std::os::raw::c_char,
+        name: *const ::std::os::raw::c_char,
+        grid: *const u32,
+        block: *const u32,
+        values: *const u64,
+        n: usize,
+        error: *mut *mut ::std::os::raw::c_char,
+    ) -> ::std::os::raw::c_int;
+    pub fn emlx_cuda_step_capture(
+        step: *mut ::std::os::raw::c_void,
+        error: *mut *mut ::std::os::raw::c_char,
+    ) -> ::std::os::raw::c_int;
+    pub fn emlx_cuda_step_launch(
+        step: *mut ::std::os::raw::c_void,
+        error: *mut *mut ::std::os::raw::c_char,
+    ) -> ::std::os::raw::c_int;
+    pub fn emlx_cuda_step_wait(
+        step: *mut ::std::os::raw::c_void,
+        n: u64,
+        tokens: *mut u32,
+        error: *mut *mut ::std::os::raw::c_char,
+    ) -> ::std::os::raw::c_int;
+    pub fn emlx_cuda_step_sync(
+        step: *mut ::std::os::raw::c_void,
+        error: *mut *mut ::std::os::raw::c_char,
+    ) -> ::std::os::raw::c_int;
+    pub fn emlx_cuda_step_free(step: *mut ::std::os::raw::c_void);
+}
+
 /// Apple's libmlx is a Metal build and the shim above is not built there:
 /// the same functions, each saying there is no CUDA.
 #[cfg(target_os = "macos")]
@@ -157,6 +204,56 @@ mod no_cuda {
     ) -> c_int {
         1
     }
+    pub unsafe fn emlx_array_scheduled(_: super::mlx_array) -> c_int {
+        0
+    }
+    pub unsafe fn emlx_array_device_ptr(_: super::mlx_array, _: *mut u64, _: *mut usize) -> c_int {
+        1
+    }
+    pub unsafe fn emlx_cuda_step_new(
+        _: c_int,
+        _: c_int,
+        _: *mut u64,
+        error: *mut *mut c_char,
+    ) -> *mut c_void {
+        *error = std::ptr::null_mut();
+        std::ptr::null_mut()
+    }
+    pub unsafe fn emlx_cuda_step_add(
+        _: *mut c_void,
+        _: *const c_char,
+        _: *const c_char,
+        _: *const u32,
+        _: *const u32,
+        _: *const u64,
+        _: usize,
+        error: *mut *mut c_char,
+    ) -> c_int {
+        *error = std::ptr::null_mut();
+        1
+    }
+    pub unsafe fn emlx_cuda_step_capture(_: *mut c_void, error: *mut *mut c_char) -> c_int {
+        *error = std::ptr::null_mut();
+        1
+    }
+    pub unsafe fn emlx_cuda_step_launch(_: *mut c_void, error: *mut *mut c_char) -> c_int {
+        *error = std::ptr::null_mut();
+        1
+    }
+    pub unsafe fn emlx_cuda_step_wait(
+        _: *mut c_void,
+        _: u64,
+        _: *mut u32,
+        error: *mut *mut c_char,
+    ) -> c_int {
+        *error = std::ptr::null_mut();
+        1
+    }
+    pub unsafe fn emlx_cuda_step_sync(_: *mut c_void, error: *mut *mut c_char) -> c_int {
+        *error = std::ptr::null_mut();
+        1
+    }
+    pub unsafe fn emlx_cuda_step_free(_: *mut c_void) {}
 }
 #[cfg(target_os = "macos")]
 pub use no_cuda::*;

@@ -72,6 +72,11 @@ impl Constraints {
         })
     }
 
+    /// Whether no row is constrained.
+    pub fn none(&self) -> bool {
+        self.rows.iter().all(Option::is_none)
+    }
+
     /// Whether one row, constrained, runs ahead through its forced tokens.
     pub fn runs_ahead(&self) -> bool {
         self.fast_forward && self.rows.len() == 1 && self.rows[0].is_some()

@@ -20,6 +20,9 @@ use crate::error::Result;
 use crate::model::{AttentionMask, Model};
 use crate::sampler::Sampler;
 use crate::tokenizer::Tokenizer;
+use replay::{Pending, Replay};
+
+mod replay;
 
 pub struct Generation {
     model: Arc<Model>,
@@ -46,8 +49,9 @@ pub struct Generation {
     /// Left padding of each row, when rows differ in length.
     padding: Option<Vec<i32>>,
     eos: Vec<u32>,
-    /// The next tokens `[B]`, possibly still being computed.
-    pending: Option<Array>,
+    /// The next tokens, possibly still being computed.
+    pending: Option<Pending>,
+    replay: Replay,
     started: Instant,
     first_token_at: Option<Instant>,
     last_token_at: Option<Instant>,
@@ -130,6 +134,7 @@ impl Generation {
             padding,
             eos,
             pending: None,
+            replay: Replay::Untried,
             started: Instant::now(),
             first_token_at: None,
             last_token_at: None,
@@ -183,7 +188,7 @@ impl Generation {
             let last = end == longest as i32;
             let logits = self.forward(&part, last)?;
             if last {
-                self.pending = Some(self.sample(&logits)?);
+                self.pending = Some(Pending::Array(self.sample(&logits)?));
                 break;
             }
             // Bound the graph: materialize the cache before the next chunk.
@@ -191,7 +196,7 @@ impl Generation {
             start = end;
         }
         if self.options.profile_timing {
-            transforms::eval(self.pending.iter())?;
+            transforms::eval(self.pending.iter().filter_map(Pending::array))?;
             self.prefill_ms = self.started.elapsed().as_secs_f64() * 1e3;
         }
         Ok(())
@@ -265,7 +270,8 @@ impl Generation {
     /// MLX cannot schedule an array of another thread's stream.
     fn settle_if_thread_bound(&self) -> Result<()> {
         if self.stream.is_none() {
-            transforms::eval(self.pending.iter().chain(self.cache.arrays()))?;
+            let pending = self.pending.iter().filter_map(Pending::array);
+            transforms::eval(pending.chain(self.cache.arrays()))?;
         }
         Ok(())
     }
@@ -290,22 +296,22 @@ impl Generation {
             let constrained = self.constraints.active(&self.rows);
             let mut queued_logits = None;
             if more && self.sampler.on_device() && !runs_ahead {
-                if constrained {
-                    let logits = self.forward_step(&current)?;
-                    transforms::async_eval([&logits])?;
-                    queued_logits = Some(logits);
-                } else {
-                    self.pending = Some(self.step(&current)?);
+                match (&current, constrained) {
+                    (Pending::Array(ids), true) => {
+                        let logits = self.forward_step(ids)?;
+                        transforms::async_eval([&logits])?;
+                        queued_logits = Some(logits);
+                    }
+                    _ => self.pending = Some(self.queue_step(&current)?),
                 }
             }
-            current.eval()?;
+            let tokens = self.read(&current)?;
             if self.options.profile_timing {
                 let now = Instant::now();
                 self.first_token_at.get_or_insert(now);
                 self.last_token_at = Some(now);
             }
             self.steps += 1;
-            let tokens: Vec<u32> = current.as_slice::<u32>().to_vec();
             let rules = Rules {
                 options: &self.options,
                 eos: &self.eos,
@@ -329,15 +335,16 @@ impl Generation {
                 break;
             }
             if let Some(logits) = queued_logits {
-                self.pending = Some(self.sample(&logits)?);
+                self.pending = Some(Pending::Array(self.sample(&logits)?));
             } else if runs_ahead {
                 self.sampler.skip_draws(0, ahead.len());
                 let ids = [tokens.as_slice(), &ahead].concat();
                 let ids = Array::from_slice(&ids, &[1, ids.len() as i32]);
                 let logits = self.forward(&ids, true)?;
-                self.pending = Some(self.sample(&logits)?);
+                self.pending = Some(Pending::Array(self.sample(&logits)?));
             } else if more && !self.sampler.on_device() {
-                self.pending = Some(self.step(&current)?);
+                let ids = Array::from_slice(&tokens, &[tokens.len() as i32]);
+                self.pending = Some(Pending::Array(self.step(&ids)?));
             }
         }
         Ok(deltas)
@@ -445,6 +452,12 @@ impl Generation {
     /// Whether one-token decode steps run compiled (see [`crate::decode_step`]).
     pub fn runs_compiled(&self) -> bool {
         self.compiled.is_some()
+    }
+
+    /// Whether decode steps are replayed as one CUDA graph
+    /// (`EMLX_AXON_STEP_REPLAY=1`; `step_replay.rs`).
+    pub fn replays_steps(&self) -> bool {
+        matches!(self.replay, Replay::On(_))
     }
 
     /// Every row's generated ids so far.

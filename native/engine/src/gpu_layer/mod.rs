@@ -207,7 +207,12 @@ pub(crate) fn forward<C: KvStore>(
     };
     let positions = Array::from_slice(&rows.positions, &[n]);
     let starts = Array::from_slice(&rows.starts, &[n]);
-    let last = rows.positions.iter().copied().max().unwrap_or(0);
+    let mut last = rows.positions.iter().copied().max().unwrap_or(0);
+    if crate::step_replay::recording() {
+        crate::step_replay::mark(crate::step_replay::Role::Positions, &positions);
+        // A replayed step reads RoPE rows up to the cache's last position.
+        last = last.max(cache.buffers(0).0.dim(2) - 1);
+    }
     let (cos, signed_sin) = rope.rows(c, last)?;
     let first = &blocks[0].input_norm;
     let table = stack.embed.filter(|t| {

@@ -1,0 +1,135 @@
+//! Decode steps as replays of one recorded step ([`crate::step_replay`]):
+//! greedy rows without constraints on a CUDA GPU, where every node of a
+//! step is a kernel of ours. Opt-in (`EMLX_AXON_STEP_REPLAY=1`) until it has
+//! been measured against MLX's graph.
+
+use mlx_rs::ops::indexing::{IndexMutOp, IndexOp};
+use mlx_rs::{transforms, Array};
+use once_cell::sync::Lazy;
+
+use super::Generation;
+use crate::cache::KvStore;
+use crate::error::{Error, Result};
+use crate::step_replay::{self, Role, StepReplay};
+
+static WANTED: Lazy<bool> = Lazy::new(|| {
+    std::env::var("EMLX_AXON_STEP_REPLAY").is_ok_and(|v| v == "1") && crate::gpu_layer::wanted()
+});
+
+/// A queued step's tokens.
+pub(super) enum Pending {
+    /// As an MLX array `[B]` (uint32), possibly still being computed.
+    Array(Array),
+    /// The replay's step of this number.
+    Replayed(u64),
+}
+
+impl Pending {
+    pub(super) fn array(&self) -> Option<&Array> {
+        match self {
+            Pending::Array(a) => Some(a),
+            Pending::Replayed(_) => None,
+        }
+    }
+}
+
+/// Whether steps are replayed.
+pub(super) enum Replay {
+    /// Not tried yet: the next step is recorded if the generation allows.
+    Untried,
+    Off,
+    On(StepReplay),
+}
+
+impl Generation {
+    /// Queues the step after `current`: a replay, the recorded step that
+    /// starts them, or MLX's graph.
+    pub(super) fn queue_step(&mut self, current: &Pending) -> Result<Pending> {
+        if let Replay::On(replay) = &mut self.replay {
+            // The replay feeds each step's tokens to the next itself.
+            let n = replay.launch()?;
+            self.cache.advance(1);
+            self.forward_passes += 1;
+            return Ok(Pending::Replayed(n));
+        }
+        let Pending::Array(current) = current else {
+            return Err(Error::Mlx("a replayed step without its replay".into()));
+        };
+        if matches!(self.replay, Replay::Untried) {
+            if self.replays() {
+                return self.record_step(current);
+            }
+            self.replay = Replay::Off;
+        }
+        Ok(Pending::Array(self.step(current)?))
+    }
+
+    /// `current`'s tokens, one a row, once they are known.
+    pub(super) fn read(&mut self, current: &Pending) -> Result<Vec<u32>> {
+        match (current, &mut self.replay) {
+            (Pending::Array(a), _) => {
+                a.eval()?;
+                Ok(a.as_slice::<u32>().to_vec())
+            }
+            (Pending::Replayed(n), Replay::On(replay)) => replay.tokens(*n),
+            (Pending::Replayed(_), _) => {
+                Err(Error::Mlx("a replayed step without its replay".into()))
+            }
+        }
+    }
+
+    /// Whether this generation's steps can be replayed: asked for, greedy,
+    /// unconstrained, on a GPU stream, through the model's own layers.
+    fn replays(&self) -> bool {
+        *WANTED
+            && self.sampler.is_greedy()
+            && self.constraints.none()
+            && self.compiled.is_none()
+            && self.workers.is_empty()
+            && !crate::rope::on_cpu_stream()
+    }
+
+    /// Runs the step after `current` through MLX while recording it, then
+    /// builds its replay. Where the replay cannot be built or differs from
+    /// MLX's run, the recorded step stands and MLX runs the rest.
+    fn record_step(&mut self, current: &Array) -> Result<Pending> {
+        self.replay = Replay::Off;
+        let at = self.cache.offset();
+        transforms::eval(self.cache.arrays().chain([current]))?;
+        let (next, recording) = step_replay::record(|| {
+            let ids = current.reshape(&[current.dim(0), 1])?;
+            step_replay::mark(Role::Ids, &ids);
+            let logits = self.forward(&ids, false)?;
+            self.sample(&logits)
+        })?;
+        // The keys and values the step wrote, for putting back if the
+        // replay's check wrote others.
+        let written = self
+            .cache
+            .arrays()
+            .map(|a| a.index((.., .., at..at + 1, ..)).contiguous())
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        transforms::eval(written.iter().chain([&next]))?;
+        match StepReplay::build(recording, &next) {
+            Ok((replay, tokens)) => {
+                self.replay = Replay::On(replay);
+                Ok(Pending::Array(tokens))
+            }
+            // Refused before anything ran.
+            Err(Error::Unsupported(_)) => Ok(Pending::Array(next)),
+            Err(e) => {
+                eprintln!("emlx_axon: decode steps stay in MLX's graph ({e})");
+                let mut written = written.into_iter();
+                for (k, v) in self.cache.layers_mut() {
+                    for (a, row) in [(k, written.next()), (v, written.next())] {
+                        if let Some(row) = row {
+                            a.index_mut((.., .., at..at + 1, ..), row);
+                        }
+                    }
+                }
+                transforms::eval(self.cache.arrays())?;
+                Ok(Pending::Array(next))
+            }
+        }
+    }
+}

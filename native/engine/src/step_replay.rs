@@ -1,0 +1,520 @@
+//! A one-token decode step replayed as one CUDA graph, outside MLX's graph.
+//!
+//! On a CUDA GPU a small model's step is bound by the host: MLX builds and
+//! queues about 145 nodes a step (about 0.9 ms on an NVIDIA H200, as long as
+//! the kernels take). When every node of a step is one of our kernels
+//! ([`crate::cuda_kernel`]), the step can run without MLX: one step is run
+//! through MLX as usual while its launches are recorded (each kernel's
+//! binary, grid, scalars, and the arrays it reads and writes), then those
+//! launches, with the same buffers, are captured as one CUDA graph on a
+//! stream of our own, followed by a small kernel that feeds each step's
+//! tokens to the next (`ids`), moves the positions on, and writes the tokens
+//! into pinned host memory. A step is then one graph launch, and the host
+//! only reads tokens back.
+//!
+//! Every array the launches touch is held for the replay's life, so MLX
+//! neither frees nor reuses their buffers, and none is read on the host
+//! (that would move it). Before the first replay, the recorded step is
+//! replayed once on its own inputs and every output compared with MLX's
+//! run of it, bit for bit (the kernels are deterministic, and the cache
+//! write puts the same keys and values at the same place): a replay that
+//! differs is not used.
+
+use std::cell::RefCell;
+use std::ffi::{c_char, c_void, CStr};
+use std::sync::Arc;
+
+use mlx_rs::{Array, Dtype, Stream};
+use once_cell::sync::OnceCell;
+
+use crate::cuda_kernel::Compiled;
+use crate::error::{Error, Result};
+
+/// Step inputs that change from step to step: the replay writes its own
+/// buffers in their place.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Role {
+    /// The step's token ids (uint32, one a row).
+    Ids,
+    /// Each row's position (int32), where its key and value are written.
+    Positions,
+}
+
+/// A kernel launch as MLX ran it.
+struct Launch {
+    kernel: Arc<Compiled>,
+    /// Each input, and whether it existed before the step (scheduled or
+    /// computed when the launch was recorded).
+    inputs: Vec<(Array, bool)>,
+    outputs: Vec<Array>,
+    scalars: Vec<i32>,
+    /// In threads, as [`crate::cuda_kernel::CudaKernel::apply`] takes it.
+    grid: (i32, i32, i32),
+    threads: (i32, i32, i32),
+}
+
+/// The launches of one step on one stream.
+pub(crate) struct Recording {
+    stream: Stream,
+    launches: Vec<Launch>,
+    marks: Vec<(Role, Array)>,
+}
+
+thread_local! {
+    static RECORDING: RefCell<Option<Recording>> = const { RefCell::new(None) };
+}
+
+/// Whether this thread is recording a step.
+pub(crate) fn recording() -> bool {
+    RECORDING.with(|r| r.borrow().is_some())
+}
+
+/// Names an input that changes from step to step, while recording.
+pub(crate) fn mark(role: Role, a: &Array) {
+    RECORDING.with(|r| {
+        if let Some(rec) = r.borrow_mut().as_mut() {
+            rec.marks.push((role, a.clone()));
+        }
+    });
+}
+
+/// Keeps a launch of our kernels while recording on the recording's stream
+/// (kernel checks run on streams of their own and are left out).
+pub(crate) fn note_launch(
+    kernel: &Arc<Compiled>,
+    inputs: &[&Array],
+    outputs: &[Array],
+    scalars: &[i32],
+    grid: (i32, i32, i32),
+    threads: (i32, i32, i32),
+) {
+    RECORDING.with(|r| {
+        let mut r = r.borrow_mut();
+        let Some(rec) = r.as_mut() else {
+            return;
+        };
+        if Stream::thread_local_or_default() != rec.stream {
+            return;
+        }
+        rec.launches.push(Launch {
+            kernel: kernel.clone(),
+            inputs: inputs
+                .iter()
+                .map(|a| ((*a).clone(), scheduled(a)))
+                .collect(),
+            outputs: outputs.to_vec(),
+            scalars: scalars.to_vec(),
+            grid,
+            threads,
+        });
+    });
+}
+
+/// Runs `f` (one step, on the current stream) recording its launches.
+pub(crate) fn record<T>(f: impl FnOnce() -> Result<T>) -> Result<(T, Recording)> {
+    let start = Recording {
+        stream: Stream::thread_local_or_default(),
+        launches: Vec::new(),
+        marks: Vec::new(),
+    };
+    let started = RECORDING.with(|r| {
+        let mut r = r.borrow_mut();
+        r.is_none().then(|| *r = Some(start)).is_some()
+    });
+    if !started {
+        return Err(Error::invalid("a step is already being recorded"));
+    }
+    let result = f();
+    let recording = RECORDING
+        .with(|r| r.borrow_mut().take())
+        .expect("set above");
+    Ok((result?, recording))
+}
+
+/// `a`'s bits as unsigned integers of its width.
+fn bits(a: &Array) -> Result<Array> {
+    Ok(match a.item_size() {
+        1 => a.view_dtype(Dtype::Uint8)?,
+        2 => a.view_dtype(Dtype::Uint16)?,
+        4 => a.view_dtype(Dtype::Uint32)?,
+        _ => a.view_dtype(Dtype::Uint64)?,
+    })
+}
+
+fn scheduled(a: &Array) -> bool {
+    // SAFETY: reads the status of a live array.
+    unsafe { mlx_sys::emlx_array_scheduled(a.as_ptr()) != 0 }
+}
+
+/// The device address and size of an evaluated array.
+fn device_ptr(a: &Array) -> Result<(u64, usize)> {
+    let (mut ptr, mut bytes) = (0u64, 0usize);
+    // SAFETY: the shim writes the two values for a live array.
+    let status = unsafe { mlx_sys::emlx_array_device_ptr(a.as_ptr(), &mut ptr, &mut bytes) };
+    if status != 0 {
+        return Err(Error::Mlx("a replayed step's array holds no data".into()));
+    }
+    Ok((ptr, bytes))
+}
+
+/// The message the shim left in `error` (malloc'd), freed.
+fn take_error(error: *mut c_char, what: &str) -> Error {
+    let message = if error.is_null() {
+        String::from("unknown failure")
+    } else {
+        // SAFETY: a NUL-terminated string from the shim, freed once here.
+        unsafe {
+            let m = CStr::from_ptr(error).to_string_lossy().into_owned();
+            mlx_sys::emlx_cuda_free(error);
+            m
+        }
+    };
+    Error::Mlx(format!("{what}: {message}"))
+}
+
+/// Feeds a step's tokens to the next: the ids, each row's position one on,
+/// and the tokens into the host ring's next slot.
+const ADVANCE: &str = r#"
+extern "C" __global__ void emlx_axon_advance(
+    const unsigned* tokens, unsigned* ids, int* positions, unsigned* ring,
+    unsigned* counter, int rows, int slots) {
+  const unsigned slot = *counter % (unsigned)slots;
+  for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+    const unsigned t = tokens[r];
+    ids[r] = t;
+    positions[r] += 1;
+    ring[slot * rows + r] = t;
+  }
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) *counter = *counter + 1;
+}
+"#;
+
+/// Steps in flight at most (ring slots and events).
+const SLOTS: i32 = 4;
+
+/// The advance kernel's cubin, for the life of the process (the shim keeps
+/// a module per binary).
+fn advance_binary() -> Result<&'static [u8]> {
+    static BINARY: OnceCell<Vec<u8>> = OnceCell::new();
+    Ok(BINARY
+        .get_or_try_init(|| {
+            Ok::<_, Error>(crate::cuda_kernel::binary("emlx_axon_advance", ADVANCE)?.0)
+        })?
+        .as_slice())
+}
+
+/// Appends a launch of kernel `name` of the cubin `binary` to the step
+/// `handle`: `blocks` of `block` threads, parameters `values`.
+fn add(
+    handle: *mut c_void,
+    binary: &[u8],
+    name: &str,
+    blocks: [i32; 3],
+    block: [i32; 3],
+    values: &[u64],
+) -> Result<()> {
+    let name = std::ffi::CString::new(name)
+        .map_err(|_| Error::invalid("a kernel name holds a NUL byte"))?;
+    let (blocks, block) = (blocks.map(|b| b as u32), block.map(|b| b as u32));
+    let mut error: *mut c_char = std::ptr::null_mut();
+    // SAFETY: the shim copies the values and loads the binary (held by the
+    // replay for its life).
+    let status = unsafe {
+        mlx_sys::emlx_cuda_step_add(
+            handle,
+            binary.as_ptr().cast(),
+            name.as_ptr(),
+            blocks.as_ptr(),
+            block.as_ptr(),
+            values.as_ptr(),
+            values.len(),
+            &mut error,
+        )
+    };
+    if status != 0 {
+        return Err(take_error(error, "adding a kernel to the step"));
+    }
+    Ok(())
+}
+
+/// A recorded step, ready to replay.
+pub(crate) struct StepReplay {
+    handle: *mut c_void,
+    rows: usize,
+    /// Launches queued so far (the check's included).
+    launched: u64,
+    /// Every array the launches read or write, and the binaries.
+    _held: Vec<Array>,
+    _kernels: Vec<Arc<Compiled>>,
+}
+
+// SAFETY: the handle is used by one owner at a time; the shim makes the
+// device's context current around every driver call.
+unsafe impl Send for StepReplay {}
+
+impl Drop for StepReplay {
+    fn drop(&mut self) {
+        // SAFETY: made by `emlx_cuda_step_new`, freed once; waits for the
+        // stream before the held arrays go.
+        unsafe { mlx_sys::emlx_cuda_step_free(self.handle) };
+    }
+}
+
+/// What a launch's input is in the replay.
+fn resolve(
+    input: &Array,
+    existed: bool,
+    slots: &[(u64, u64)],
+    earlier: &[(u64, u64)],
+) -> Result<Option<u64>> {
+    let (ptr, _) = device_ptr(input)?;
+    if let Some((_, own)) = slots.iter().find(|(from, _)| *from == ptr) {
+        return Ok(Some(*own));
+    }
+    let made_before = earlier.iter().any(|&(lo, hi)| lo <= ptr && ptr < hi);
+    Ok((made_before || existed).then_some(ptr))
+}
+
+impl StepReplay {
+    /// Builds the replay of a recorded step whose tokens (`[rows]` uint32)
+    /// are `next`, and checks it: returns the replay with its first step
+    /// (the check) done, and a copy of `next` for the host to read. The
+    /// recording must have marked the ids and positions, and every kernel
+    /// input must exist before the step or come from an earlier launch.
+    pub(crate) fn build(rec: Recording, next: &Array) -> Result<(StepReplay, Array)> {
+        let refuse = |why: &str| Err(Error::Unsupported(format!("no step replay: {why}")));
+        let (Some(last), true) = (rec.launches.last(), next.dtype() == Dtype::Uint32) else {
+            return refuse("the step's tokens are not our argmax's");
+        };
+        let rows = next.size();
+        let find = |role: Role| rec.marks.iter().find(|(r, _)| *r == role).map(|(_, a)| a);
+        let (Some(ids), Some(positions)) = (find(Role::Ids), find(Role::Positions)) else {
+            return refuse("the step's ids or positions were not marked");
+        };
+        if ids.dtype() != Dtype::Uint32
+            || ids.size() != rows
+            || positions.dtype() != Dtype::Int32
+            || positions.size() != rows
+        {
+            return refuse("ids or positions of another type or size");
+        }
+        // Buffers of our own for the changing inputs, and the step counter.
+        let ids_slot = ids
+            .reshape(&[rows as i32])?
+            .add(Array::from_slice(&[0u32], &[1]))?;
+        let positions_slot = positions.add(Array::from_int(0))?;
+        let counter = Array::from_slice(&[0u32], &[1]).add(Array::from_slice(&[0u32], &[1]))?;
+        let outputs: Vec<&Array> = rec.launches.iter().flat_map(|l| &l.outputs).collect();
+        // What the check compares the replay with, bit for bit.
+        let copies = outputs
+            .iter()
+            .map(|a| {
+                let b = bits(a)?;
+                Ok(b.add(Array::from_int(0).as_dtype(b.dtype())?)?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let next_copy = next.add(Array::from_slice(&[0u32], &[1]))?;
+        mlx_rs::transforms::eval(
+            [&ids_slot, &positions_slot, &counter, &next_copy]
+                .into_iter()
+                .chain(&copies)
+                .chain(outputs.iter().copied()),
+        )?;
+        if device_ptr(&last.outputs[0])?.0 != device_ptr(next)?.0 {
+            return refuse("the step's tokens are not our argmax's");
+        }
+        let slots = [
+            (device_ptr(ids)?.0, device_ptr(&ids_slot)?.0),
+            (device_ptr(positions)?.0, device_ptr(&positions_slot)?.0),
+        ];
+
+        let mut ring = 0u64;
+        let mut error: *mut c_char = std::ptr::null_mut();
+        // SAFETY: the shim writes the ring's address and an error string.
+        let handle =
+            unsafe { mlx_sys::emlx_cuda_step_new(rows as i32, SLOTS, &mut ring, &mut error) };
+        if handle.is_null() {
+            return Err(take_error(error, "a CUDA stream for the step"));
+        }
+        let mut replay = StepReplay {
+            handle,
+            rows,
+            launched: 0,
+            _held: Vec::new(),
+            _kernels: Vec::new(),
+        };
+        let mut earlier: Vec<(u64, u64)> = Vec::new();
+        for l in &rec.launches {
+            let mut values = Vec::new();
+            for (input, existed) in &l.inputs {
+                match resolve(input, *existed, &slots, &earlier)? {
+                    Some(ptr) => values.push(ptr),
+                    None => {
+                        return refuse(&format!(
+                            "an input of {} comes from an MLX op, not a kernel of ours",
+                            l.kernel.name()
+                        ))
+                    }
+                }
+            }
+            for out in &l.outputs {
+                let (ptr, bytes) = device_ptr(out)?;
+                values.push(ptr);
+                earlier.push((ptr, ptr + bytes as u64));
+            }
+            values.extend(l.scalars.iter().map(|&s| u64::from(s as u32)));
+            // As MLX's custom kernels launch: the grid in threads.
+            let (g, t) = (l.grid, l.threads);
+            let block = [t.0.min(g.0), t.1.min(g.1), t.2.min(g.2)];
+            let blocks = [
+                (g.0 + t.0 - 1) / t.0,
+                (g.1 + t.1 - 1) / t.1,
+                (g.2 + t.2 - 1) / t.2,
+            ];
+            add(
+                replay.handle,
+                l.kernel.binary(),
+                l.kernel.name(),
+                blocks,
+                block,
+                &values,
+            )?;
+        }
+        let advance_params = [
+            device_ptr(next)?.0,
+            slots[0].1,
+            slots[1].1,
+            ring,
+            device_ptr(&counter)?.0,
+            rows as u64,
+            SLOTS as u64,
+        ];
+        let threads = ((rows as i32).clamp(1, 1024) + 31) / 32 * 32;
+        add(
+            replay.handle,
+            advance_binary()?,
+            "emlx_axon_advance",
+            [1, 1, 1],
+            [threads, 1, 1],
+            &advance_params,
+        )?;
+        let mut error: *mut c_char = std::ptr::null_mut();
+        // SAFETY: a live handle; the shim sets the error string on failure.
+        if unsafe { mlx_sys::emlx_cuda_step_capture(replay.handle, &mut error) } != 0 {
+            // Kernel by kernel still skips MLX's graph.
+            eprintln!(
+                "emlx_axon: {}; the replayed step launches kernel by kernel",
+                take_error(error, "capturing the step as a CUDA graph")
+            );
+        }
+
+        // The check: the recorded step again, on its own inputs.
+        let first = replay.launch()?;
+        let tokens = replay.tokens(first)?;
+        let flags = outputs
+            .iter()
+            .zip(&copies)
+            .map(|(a, c)| Ok(bits(a)?.ne(c)?.any(None)?))
+            .collect::<Result<Vec<_>>>()?;
+        mlx_rs::transforms::eval(&flags)?;
+        let differing = flags.iter().filter(|f| f.as_slice::<bool>()[0]).count();
+        let want: Vec<u32> = next_copy.as_slice::<u32>().to_vec();
+        if differing > 0 || tokens != want {
+            return Err(Error::Mlx(format!(
+                "the replayed step differs from MLX's run of it ({differing} of {} outputs)",
+                outputs.len()
+            )));
+        }
+        replay._held = rec
+            .launches
+            .iter()
+            .flat_map(|l| l.inputs.iter().map(|(a, _)| a).chain(&l.outputs))
+            .cloned()
+            .chain([ids_slot, positions_slot, counter, next.clone()])
+            .collect();
+        replay._kernels = rec.launches.iter().map(|l| l.kernel.clone()).collect();
+        Ok((replay, next_copy))
+    }
+
+    /// Queues the next step; its number, for [`tokens`](Self::tokens).
+    pub(crate) fn launch(&mut self) -> Result<u64> {
+        let mut error: *mut c_char = std::ptr::null_mut();
+        // SAFETY: a live handle.
+        if unsafe { mlx_sys::emlx_cuda_step_launch(self.handle, &mut error) } != 0 {
+            return Err(take_error(error, "launching a replayed step"));
+        }
+        self.launched += 1;
+        Ok(self.launched - 1)
+    }
+
+    /// Step `n`'s tokens, one a row, once it is done.
+    pub(crate) fn tokens(&mut self, n: u64) -> Result<Vec<u32>> {
+        let mut tokens = vec![0u32; self.rows];
+        let mut error: *mut c_char = std::ptr::null_mut();
+        // SAFETY: a live handle; `tokens` holds a value per row.
+        let status = unsafe {
+            mlx_sys::emlx_cuda_step_wait(self.handle, n, tokens.as_mut_ptr(), &mut error)
+        };
+        if status != 0 {
+            return Err(take_error(error, "waiting for a replayed step"));
+        }
+        Ok(tokens)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Recording is per call: marks are kept inside it only, a recording
+    /// cannot nest, and it ends with the call, failed or not.
+    #[test]
+    fn recording_keeps_marks_within_one_call() {
+        let a = Array::from_slice(&[1u32], &[1]);
+        mark(Role::Ids, &a);
+        let ((), rec) = record(|| {
+            assert!(recording());
+            mark(Role::Positions, &a);
+            assert!(record(|| Ok(())).is_err(), "nested");
+            Ok(())
+        })
+        .unwrap();
+        assert!(!recording());
+        assert_eq!(
+            rec.marks.iter().map(|(r, _)| *r).collect::<Vec<_>>(),
+            [Role::Positions]
+        );
+        let failed = record(|| -> Result<()> { Err(Error::invalid("boom")) });
+        assert!(failed.is_err() && !recording());
+    }
+
+    /// Without a CUDA driver in the process, making a step is an error
+    /// that says so, and what was made is freed.
+    #[test]
+    fn without_a_cuda_driver_no_step_is_made() {
+        if crate::device::gpu_available() {
+            return;
+        }
+        let (mut ring, mut error) = (0u64, std::ptr::null_mut());
+        // SAFETY: the shim writes the two out values.
+        let handle = unsafe { mlx_sys::emlx_cuda_step_new(1, SLOTS, &mut ring, &mut error) };
+        assert!(handle.is_null());
+        let e = take_error(error, "a CUDA stream for the step").to_string();
+        assert!(e.contains("driver"), "{e}");
+    }
+
+    /// A step with none of our kernels (as on a CPU) is refused before
+    /// anything is launched.
+    #[test]
+    fn a_step_without_our_kernels_is_refused() {
+        let next = Array::from_slice(&[3u32], &[1]);
+        let (_, rec) = record(|| Ok(())).unwrap();
+        match StepReplay::build(rec, &next) {
+            Err(Error::Unsupported(why)) => assert!(why.contains("argmax"), "{why}"),
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("built"),
+        }
+    }
+}

@@ -1,0 +1,526 @@
+// A decode step's kernels launched outside MLX's graph, on a CUDA stream of
+// our own, as one captured CUDA graph.
+//
+// MLX spends host time on every node it evaluates; a small model's step of
+// about 120 kernels is bound by that. Here the same kernels (the binaries the
+// engine compiled, with the buffers of a step MLX ran once) are captured once
+// and replayed with one launch a step. Each step's tokens land in pinned
+// host memory that the device writes directly (a ring, one slot a step), and
+// an event a slot says when a step is done. The driver API is found at run
+// time, as the kernel glue does, so that CPU builds link too.
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "mlx/array.h"
+#include "mlx/c/error.h"
+#include "mlx/c/private/array.h"
+
+namespace {
+
+using CUresult = int;
+using CUdevice = int;
+using CUcontext = void*;
+using CUmodule = void*;
+using CUfunction = void*;
+using CUstream = void*;
+using CUevent = void*;
+using CUgraph = void*;
+using CUgraphExec = void*;
+using CUdeviceptr = unsigned long long;
+
+template <typename F>
+F symbol(const char* name) {
+  return reinterpret_cast<F>(dlsym(RTLD_DEFAULT, name));
+}
+
+// The driver entry points, by the names CUDA 12 and 13's cuda.h map them to.
+struct Driver {
+  CUresult (*device_get)(CUdevice*, int);
+  CUresult (*retain)(CUcontext*, CUdevice);
+  CUresult (*release)(CUdevice);
+  CUresult (*push)(CUcontext);
+  CUresult (*pop)(CUcontext*);
+  CUresult (*module_load)(CUmodule*, const void*);
+  CUresult (*module_function)(CUfunction*, CUmodule, const char*);
+  CUresult (*module_unload)(CUmodule);
+  CUresult (*stream_create)(CUstream*, unsigned);
+  CUresult (*stream_destroy)(CUstream);
+  CUresult (*stream_sync)(CUstream);
+  CUresult (*event_create)(CUevent*, unsigned);
+  CUresult (*event_record)(CUevent, CUstream);
+  CUresult (*event_sync)(CUevent);
+  CUresult (*event_destroy)(CUevent);
+  CUresult (*launch)(
+      CUfunction,
+      unsigned,
+      unsigned,
+      unsigned,
+      unsigned,
+      unsigned,
+      unsigned,
+      unsigned,
+      CUstream,
+      void**,
+      void**);
+  CUresult (*begin_capture)(CUstream, int);
+  CUresult (*end_capture)(CUstream, CUgraph*);
+  CUresult (*instantiate)(CUgraphExec*, CUgraph, unsigned long long);
+  CUresult (*graph_launch)(CUgraphExec, CUstream);
+  CUresult (*exec_destroy)(CUgraphExec);
+  CUresult (*graph_destroy)(CUgraph);
+  CUresult (*host_alloc)(void**, size_t, unsigned);
+  CUresult (*host_device_pointer)(CUdeviceptr*, void*, unsigned);
+  CUresult (*host_free)(void*);
+  CUresult (*error_name)(CUresult, const char**);
+  CUresult (*capture_mode)(int*);
+
+  bool load() {
+    device_get = symbol<decltype(device_get)>("cuDeviceGet");
+    retain = symbol<decltype(retain)>("cuDevicePrimaryCtxRetain");
+    release = symbol<decltype(release)>("cuDevicePrimaryCtxRelease_v2");
+    push = symbol<decltype(push)>("cuCtxPushCurrent_v2");
+    pop = symbol<decltype(pop)>("cuCtxPopCurrent_v2");
+    module_load = symbol<decltype(module_load)>("cuModuleLoadData");
+    module_function =
+        symbol<decltype(module_function)>("cuModuleGetFunction");
+    module_unload = symbol<decltype(module_unload)>("cuModuleUnload");
+    stream_create = symbol<decltype(stream_create)>("cuStreamCreate");
+    stream_destroy = symbol<decltype(stream_destroy)>("cuStreamDestroy_v2");
+    stream_sync = symbol<decltype(stream_sync)>("cuStreamSynchronize");
+    event_create = symbol<decltype(event_create)>("cuEventCreate");
+    event_record = symbol<decltype(event_record)>("cuEventRecord");
+    event_sync = symbol<decltype(event_sync)>("cuEventSynchronize");
+    event_destroy = symbol<decltype(event_destroy)>("cuEventDestroy_v2");
+    launch = symbol<decltype(launch)>("cuLaunchKernel");
+    begin_capture = symbol<decltype(begin_capture)>("cuStreamBeginCapture_v2");
+    end_capture = symbol<decltype(end_capture)>("cuStreamEndCapture");
+    instantiate = symbol<decltype(instantiate)>("cuGraphInstantiateWithFlags");
+    graph_launch = symbol<decltype(graph_launch)>("cuGraphLaunch");
+    exec_destroy = symbol<decltype(exec_destroy)>("cuGraphExecDestroy");
+    graph_destroy = symbol<decltype(graph_destroy)>("cuGraphDestroy");
+    host_alloc = symbol<decltype(host_alloc)>("cuMemHostAlloc");
+    host_device_pointer =
+        symbol<decltype(host_device_pointer)>("cuMemHostGetDevicePointer_v2");
+    host_free = symbol<decltype(host_free)>("cuMemFreeHost");
+    error_name = symbol<decltype(error_name)>("cuGetErrorName");
+    capture_mode =
+        symbol<decltype(capture_mode)>("cuThreadExchangeStreamCaptureMode");
+    return capture_mode && device_get && retain && release && push && pop && module_load &&
+        module_function && module_unload && stream_create && stream_destroy &&
+        stream_sync && event_create && event_record && event_sync &&
+        event_destroy && launch && begin_capture && end_capture &&
+        instantiate && graph_launch && exec_destroy && graph_destroy &&
+        host_alloc && host_device_pointer && host_free && error_name;
+  }
+};
+
+// MLX 0.32's CUDA buffer (backend/cuda/allocator.h, which needs CUDA's
+// headers to include): what an array's buffer points to on a CUDA build.
+struct CudaBuffer {
+  void* data;
+  size_t size;
+  int device;
+};
+
+struct Launch {
+  CUfunction function;
+  unsigned grid[3];
+  unsigned block[3];
+  // Every parameter in 8 bytes; a 4-byte int is read from the low half
+  // (x86-64 and aarch64 are little-endian).
+  std::vector<uint64_t> values;
+  std::vector<void*> params;
+};
+
+struct Step {
+  Driver cu;
+  CUdevice device = 0;
+  CUcontext context = nullptr;
+  CUstream stream = nullptr;
+  std::vector<Launch> launches;
+  CUgraph graph = nullptr;
+  CUgraphExec exec = nullptr;
+  std::vector<CUevent> events;
+  unsigned* ring = nullptr;
+  CUdeviceptr ring_device = 0;
+  int rows = 0;
+  uint64_t launched = 0;
+  std::string error;
+
+  // False, with `error` set, where `status` is a failure.
+  bool ok(CUresult status, const char* what) {
+    if (status == 0) {
+      return true;
+    }
+    const char* name = nullptr;
+    if (cu.error_name(status, &name) != 0 || name == nullptr) {
+      name = "unknown error";
+    }
+    error = std::string(what) + ": " + name + " (" +
+        std::to_string(status) + ")";
+    return false;
+  }
+
+  // Runs `f` with the device's primary context (MLX's) current.
+  template <typename F>
+  bool in_context(F f) {
+    if (!ok(cu.push(context), "making the device's context current")) {
+      return false;
+    }
+    bool result = f();
+    CUcontext popped = nullptr;
+    cu.pop(&popped);
+    return result;
+  }
+
+  void release() {
+    if (context == nullptr) {
+      return;
+    }
+    in_context([&] {
+      if (stream != nullptr) {
+        cu.stream_sync(stream);
+      }
+      if (exec != nullptr) {
+        cu.exec_destroy(exec);
+      }
+      if (graph != nullptr) {
+        cu.graph_destroy(graph);
+      }
+      for (auto e : events) {
+        cu.event_destroy(e);
+      }
+      if (stream != nullptr) {
+        cu.stream_destroy(stream);
+      }
+      if (ring != nullptr) {
+        cu.host_free(ring);
+      }
+      return true;
+    });
+    cu.release(device);
+    context = nullptr;
+  }
+};
+
+// Modules by their cubin, loaded once per process (the binaries live as
+// long as the process; the device's primary context does too).
+std::mutex modules_mutex;
+std::unordered_map<const void*, CUmodule> modules;
+
+char* copy_out(const std::string& s) {
+  char* out = static_cast<char*>(std::malloc(s.size() + 1));
+  if (out != nullptr) {
+    std::memcpy(out, s.data(), s.size());
+    out[s.size()] = '\0';
+  }
+  return out;
+}
+
+} // namespace
+
+// Whether `a` was scheduled or computed (not a lazy node yet to run).
+extern "C" int emlx_array_scheduled(const mlx_array a) {
+  try {
+    return mlx_array_get_(a).status() !=
+        mlx::core::array::Status::unscheduled;
+  } catch (...) {
+    return 0;
+  }
+}
+
+// The device address of an evaluated array's first element on a CUDA build
+// of MLX (as MLX's kernels are given it), and its size in bytes. Nonzero
+// where the array holds no data. Reading the array on the host afterwards
+// may move its buffer (MLX moves device memory to unified memory then).
+extern "C" int emlx_array_device_ptr(
+    const mlx_array a,
+    unsigned long long* ptr,
+    size_t* bytes) {
+  try {
+    auto& arr = mlx_array_get_(a);
+    if (arr.status() == mlx::core::array::Status::unscheduled) {
+      return 1;
+    }
+    auto* buffer = static_cast<CudaBuffer*>(arr.buffer().ptr());
+    if (buffer == nullptr || buffer->data == nullptr) {
+      return 2;
+    }
+    *ptr = reinterpret_cast<unsigned long long>(
+        static_cast<char*>(buffer->data) + arr.offset());
+    *bytes = arr.nbytes();
+    return 0;
+  } catch (...) {
+    return 3;
+  }
+}
+
+// A step of `rows` tokens with `slots` ring slots (steps in flight at most).
+// Null, with `*error` (malloc'd) saying why, where it cannot be made.
+extern "C" void* emlx_cuda_step_new(
+    int rows,
+    int slots,
+    unsigned long long* ring_device,
+    char** error) {
+  *error = nullptr;
+  auto* step = new (std::nothrow) Step();
+  if (step == nullptr) {
+    return nullptr;
+  }
+  auto fail = [&](const std::string& why) -> void* {
+    *error = copy_out(why);
+    step->release();
+    delete step;
+    return nullptr;
+  };
+  if (rows < 1 || slots < 1) {
+    return fail("a step needs rows and ring slots");
+  }
+  if (!step->cu.load()) {
+    return fail("the CUDA driver's entry points are not loaded");
+  }
+  step->rows = rows;
+  if (!step->ok(step->cu.device_get(&step->device, 0), "cuDeviceGet") ||
+      !step->ok(
+          step->cu.retain(&step->context, step->device),
+          "retaining the primary context")) {
+    step->context = nullptr;
+    return fail(step->error);
+  }
+  bool made = step->in_context([&] {
+    // 1: CU_STREAM_NON_BLOCKING; 2: CU_EVENT_DISABLE_TIMING; 1 | 2:
+    // CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP.
+    if (!step->ok(step->cu.stream_create(&step->stream, 1), "cuStreamCreate")) {
+      return false;
+    }
+    for (int i = 0; i < slots; i++) {
+      CUevent e = nullptr;
+      if (!step->ok(step->cu.event_create(&e, 2), "cuEventCreate")) {
+        return false;
+      }
+      step->events.push_back(e);
+    }
+    void* host = nullptr;
+    size_t bytes = sizeof(unsigned) * static_cast<size_t>(rows) * slots;
+    if (!step->ok(step->cu.host_alloc(&host, bytes, 3), "cuMemHostAlloc")) {
+      return false;
+    }
+    step->ring = static_cast<unsigned*>(host);
+    std::memset(host, 0, bytes);
+    return step->ok(
+        step->cu.host_device_pointer(&step->ring_device, host, 0),
+        "cuMemHostGetDevicePointer");
+  });
+  if (!made) {
+    return fail(step->error);
+  }
+  *ring_device = step->ring_device;
+  return step;
+}
+
+// Appends a kernel launch: kernel `name` of the cubin `binary` (loaded once
+// per process and binary, which must live as long as the process), `grid`
+// blocks of `block` threads, parameters `values` (pointers and ints, 8
+// bytes each).
+extern "C" int emlx_cuda_step_add(
+    void* handle,
+    const char* binary,
+    const char* name,
+    const unsigned* grid,
+    const unsigned* block,
+    const unsigned long long* values,
+    size_t n,
+    char** error) {
+  *error = nullptr;
+  auto* step = static_cast<Step*>(handle);
+  try {
+    Launch l;
+    std::memcpy(l.grid, grid, sizeof l.grid);
+    std::memcpy(l.block, block, sizeof l.block);
+    l.values.assign(values, values + n);
+    bool added = step->in_context([&] {
+      std::lock_guard<std::mutex> lock(modules_mutex);
+      auto found = modules.find(binary);
+      CUmodule module = nullptr;
+      if (found != modules.end()) {
+        module = found->second;
+      } else {
+        // Relaxed for this thread (2: CU_STREAM_CAPTURE_MODE_RELAXED):
+        // loading a module must not invalidate a graph another thread is
+        // capturing.
+        int mode = 2;
+        step->cu.capture_mode(&mode);
+        bool loaded =
+            step->ok(step->cu.module_load(&module, binary), "cuModuleLoadData");
+        step->cu.capture_mode(&mode);
+        if (!loaded) {
+          return false;
+        }
+        modules.emplace(binary, module);
+      }
+      return step->ok(
+          step->cu.module_function(&l.function, module, name),
+          "cuModuleGetFunction");
+    });
+    if (!added) {
+      *error = copy_out(step->error);
+      return 1;
+    }
+    step->launches.push_back(std::move(l));
+    auto& last = step->launches.back();
+    for (auto& v : last.values) {
+      last.params.push_back(&v);
+    }
+    return 0;
+  } catch (std::exception& e) {
+    *error = copy_out(e.what());
+    return 1;
+  }
+}
+
+namespace {
+
+bool launch_all(Step& step) {
+  for (auto& l : step.launches) {
+    if (!step.ok(
+            step.cu.launch(
+                l.function,
+                l.grid[0],
+                l.grid[1],
+                l.grid[2],
+                l.block[0],
+                l.block[1],
+                l.block[2],
+                0,
+                step.stream,
+                l.params.data(),
+                nullptr),
+            "cuLaunchKernel")) {
+      return false;
+    }
+  }
+  return true;
+}
+
+} // namespace
+
+// Captures the launches as one CUDA graph. Nonzero, with `*error`, where
+// capture fails; the step then launches kernel by kernel.
+extern "C" int emlx_cuda_step_capture(void* handle, char** error) {
+  *error = nullptr;
+  auto* step = static_cast<Step*>(handle);
+  bool captured = step->in_context([&] {
+    // 1: CU_STREAM_CAPTURE_MODE_THREAD_LOCAL, so that MLX's own threads'
+    // calls meanwhile neither fail nor break the capture.
+    if (!step->ok(step->cu.begin_capture(step->stream, 1), "cuStreamBeginCapture")) {
+      return false;
+    }
+    bool launched = launch_all(*step);
+    CUgraph graph = nullptr;
+    CUresult ended = step->cu.end_capture(step->stream, &graph);
+    if (!launched) {
+      if (graph != nullptr) {
+        step->cu.graph_destroy(graph);
+      }
+      return false;
+    }
+    if (!step->ok(ended, "cuStreamEndCapture")) {
+      return false;
+    }
+    step->graph = graph;
+    return step->ok(
+        step->cu.instantiate(&step->exec, graph, 0), "cuGraphInstantiate");
+  });
+  if (!captured) {
+    if (step->exec != nullptr) {
+      step->cu.exec_destroy(step->exec);
+      step->exec = nullptr;
+    }
+    *error = copy_out(step->error);
+    return 1;
+  }
+  return 0;
+}
+
+// Queues one step (the graph, or each kernel where there is none) and marks
+// its slot's event.
+extern "C" int emlx_cuda_step_launch(void* handle, char** error) {
+  *error = nullptr;
+  auto* step = static_cast<Step*>(handle);
+  bool queued = step->in_context([&] {
+    bool launched = step->exec != nullptr
+        ? step->ok(step->cu.graph_launch(step->exec, step->stream), "cuGraphLaunch")
+        : launch_all(*step);
+    return launched &&
+        step->ok(
+            step->cu.event_record(
+                step->events[step->launched % step->events.size()],
+                step->stream),
+            "cuEventRecord");
+  });
+  if (!queued) {
+    *error = copy_out(step->error);
+    return 1;
+  }
+  step->launched++;
+  return 0;
+}
+
+// Waits for step `n` (counted from 0 in launch order, one of the last
+// `slots` launched) and copies its `rows` tokens to `tokens`.
+extern "C" int emlx_cuda_step_wait(
+    void* handle,
+    unsigned long long n,
+    unsigned* tokens,
+    char** error) {
+  *error = nullptr;
+  auto* step = static_cast<Step*>(handle);
+  size_t slots = step->events.size();
+  // Launch n + slots reuses n's slot and event.
+  if (n >= step->launched || n + slots <= step->launched) {
+    *error = copy_out("that step is not in the ring");
+    return 1;
+  }
+  bool done = step->in_context([&] {
+    return step->ok(step->cu.event_sync(step->events[n % slots]), "cuEventSynchronize");
+  });
+  if (!done) {
+    *error = copy_out(step->error);
+    return 1;
+  }
+  const volatile unsigned* slot = step->ring + (n % slots) * step->rows;
+  for (int r = 0; r < step->rows; r++) {
+    tokens[r] = slot[r];
+  }
+  return 0;
+}
+
+// Waits for everything queued on the step's stream.
+extern "C" int emlx_cuda_step_sync(void* handle, char** error) {
+  *error = nullptr;
+  auto* step = static_cast<Step*>(handle);
+  bool done = step->in_context([&] {
+    return step->ok(step->cu.stream_sync(step->stream), "cuStreamSynchronize");
+  });
+  if (!done) {
+    *error = copy_out(step->error);
+    return 1;
+  }
+  return 0;
+}
+
+// Waits for the stream, then frees everything the step made.
+extern "C" void emlx_cuda_step_free(void* handle) {
+  auto* step = static_cast<Step*>(handle);
+  if (step != nullptr) {
+    step->release();
+    delete step;
+  }
+}
