@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "mlx/c/error.h"
+#include "shim_util.h"
 #include "mlx/c/private/array.h"
 #include "mlx/c/private/enums.h"
 #include "mlx/c/private/stream.h"
@@ -34,19 +35,8 @@ namespace {
 using nvrtc_program = void*;
 using nvrtc_result = int;
 
-template <typename F>
-F symbol(const char* name) {
-  return reinterpret_cast<F>(dlsym(RTLD_DEFAULT, name));
-}
-
-char* copy_out(const std::string& s) {
-  char* out = static_cast<char*>(std::malloc(s.size() + 1));
-  if (out != nullptr) {
-    std::memcpy(out, s.data(), s.size());
-    out[s.size()] = '\0';
-  }
-  return out;
-}
+using emlx::copy_out;
+using emlx::symbol;
 
 struct Nvrtc {
   nvrtc_result (*version)(int*, int*);

@@ -20,6 +20,7 @@
 
 #include "mlx/array.h"
 #include "mlx/c/error.h"
+#include "shim_util.h"
 #include "mlx/c/private/array.h"
 
 namespace {
@@ -35,10 +36,8 @@ using CUgraph = void*;
 using CUgraphExec = void*;
 using CUdeviceptr = unsigned long long;
 
-template <typename F>
-F symbol(const char* name) {
-  return reinterpret_cast<F>(dlsym(RTLD_DEFAULT, name));
-}
+using emlx::copy_out;
+using emlx::symbol;
 
 // The driver entry points, by the names CUDA 12 and 13's cuda.h map them to.
 struct Driver {
@@ -214,15 +213,6 @@ struct Step {
 // long as the process; the device's primary context does too).
 std::mutex modules_mutex;
 std::unordered_map<const void*, CUmodule> modules;
-
-char* copy_out(const std::string& s) {
-  char* out = static_cast<char*>(std::malloc(s.size() + 1));
-  if (out != nullptr) {
-    std::memcpy(out, s.data(), s.size());
-    out[s.size()] = '\0';
-  }
-  return out;
-}
 
 } // namespace
 

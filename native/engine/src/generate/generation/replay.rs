@@ -115,8 +115,11 @@ impl Generation {
                 self.replay = Replay::On(replay);
                 Ok(Pending::Array(tokens))
             }
-            // Refused before anything ran.
-            Err(Error::Unsupported(_)) => Ok(Pending::Array(next)),
+            // Refused before anything ran (said: the replay was asked for).
+            Err(e @ Error::Unsupported(_)) => {
+                eprintln!("emlx_axon: decode steps stay in MLX's graph ({e})");
+                Ok(Pending::Array(next))
+            }
             Err(e) => {
                 eprintln!("emlx_axon: decode steps stay in MLX's graph ({e})");
                 let mut written = written.into_iter();
