@@ -49,6 +49,8 @@ pub struct CudaKernel {
 pub(crate) struct Compiled {
     handle: *mut c_void,
     name: String,
+    /// Names this binary and no other.
+    token: String,
     binary: Vec<u8>,
     resident: Mutex<Vec<(i32, Option<i32>)>>,
 }
@@ -62,6 +64,7 @@ impl Compiled {
     /// The kernel `name` from `binary`; `token` names this binary and no
     /// other (MLX is launched with it where it can, see the glue).
     fn new(name: &str, token: &str, binary: Vec<u8>) -> Result<Self> {
+        let owned_token = token.to_string();
         let (name, token) = (c_string(name)?, c_string(token)?);
         // SAFETY: the shim copies the strings and the binary.
         let handle = unsafe {
@@ -78,6 +81,7 @@ impl Compiled {
         Ok(Compiled {
             handle,
             name: name.to_string_lossy().into_owned(),
+            token: owned_token,
             binary,
             resident: Mutex::new(Vec::new()),
         })
@@ -86,6 +90,11 @@ impl Compiled {
     /// The kernel's symbol.
     pub(crate) fn name(&self) -> &str {
         &self.name
+    }
+
+    /// A name of this binary and no other.
+    pub(crate) fn token(&self) -> &str {
+        &self.token
     }
 
     /// The cubin.

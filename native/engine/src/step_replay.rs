@@ -38,6 +38,9 @@ pub(crate) enum Role {
     Ids,
     /// Each row's position (int32), where its key and value are written.
     Positions,
+    /// Each row's first key (int32): constant, but made each step in memory
+    /// the device reaches over the bus (see [`SLOT_MIN`]).
+    Starts,
 }
 
 /// A kernel launch as MLX ran it.
@@ -124,10 +127,19 @@ pub(crate) fn record<T>(f: impl FnOnce() -> Result<T>) -> Result<(T, Recording)>
     if !started {
         return Err(Error::invalid("a step is already being recorded"));
     }
+    /// Ends the recording however `f` ends, a panic included: a recording
+    /// left on would keep every later launch's arrays.
+    struct End;
+    impl Drop for End {
+        fn drop(&mut self) {
+            RECORDING.with(|r| r.borrow_mut().take());
+        }
+    }
+    let end = End;
     let result = f();
-    let recording = RECORDING
-        .with(|r| r.borrow_mut().take())
-        .expect("set above");
+    let recording = RECORDING.with(|r| r.borrow_mut().take());
+    drop(end);
+    let recording = recording.ok_or_else(|| Error::Mlx("the recording ended early".into()))?;
     Ok((result?, recording))
 }
 
@@ -194,29 +206,55 @@ extern "C" __global__ void emlx_axon_advance(
 /// Steps in flight at most (ring slots and events).
 const SLOTS: i32 = 4;
 
-/// The advance kernel's cubin, for the life of the process (the shim keeps
-/// a module per binary).
-fn advance_binary() -> Result<&'static [u8]> {
-    static BINARY: OnceCell<Vec<u8>> = OnceCell::new();
-    Ok(BINARY
-        .get_or_try_init(|| {
-            Ok::<_, Error>(crate::cuda_kernel::binary("emlx_axon_advance", ADVANCE)?.0)
-        })?
-        .as_slice())
+/// The advance kernel's cubin and a name of it, for the life of the
+/// process (the shim keeps a module per name).
+fn advance_binary() -> Result<&'static (Vec<u8>, String)> {
+    static BINARY: OnceCell<(Vec<u8>, String)> = OnceCell::new();
+    BINARY.get_or_try_init(|| {
+        let (binary, id) = crate::cuda_kernel::binary("emlx_axon_advance", ADVANCE)?;
+        Ok((binary, format!("emlx_axon_advance:{id}")))
+    })
 }
 
-/// Appends a launch of kernel `name` of the cubin `binary` to the step
-/// `handle`: `blocks` of `block` threads, parameters `values`.
+/// Elements of the replay's own small buffers at least: MLX puts arrays of
+/// up to 8 bytes in host-resident managed memory, which every kernel
+/// reading them would reach over the bus.
+const SLOT_MIN: usize = 16;
+
+/// `a` (`[rows]`) followed by zeros up to [`SLOT_MIN`] elements, in a buffer
+/// of its own.
+fn slot(a: &Array, rows: usize) -> Result<Array> {
+    let flat = a.reshape(&[rows as i32])?;
+    let pad = SLOT_MIN.saturating_sub(rows) as i32;
+    if pad == 0 {
+        return Ok(flat.add(Array::from_int(0).as_dtype(a.dtype())?)?);
+    }
+    let zeros = mlx_rs::ops::zeros_dtype(&[pad], a.dtype())?;
+    Ok(mlx_rs::ops::concatenate(&[flat, zeros], 0)?)
+}
+
+fn host_values<T: mlx_rs::ArrayElement + Copy>(a: &Array) -> Result<Vec<T>> {
+    a.try_as_slice::<T>()
+        .map(<[T]>::to_vec)
+        .map_err(|e| Error::Mlx(format!("reading a replay's check: {e}")))
+}
+
+/// Appends a launch of kernel `name` of the cubin `binary` (which `key`
+/// names: the shim loads a module per key) to the step `handle`: `blocks`
+/// of `block` threads, parameters `values`.
 fn add(
     handle: *mut c_void,
+    key: &str,
     binary: &[u8],
     name: &str,
     blocks: [i32; 3],
     block: [i32; 3],
     values: &[u64],
 ) -> Result<()> {
-    let name = std::ffi::CString::new(name)
-        .map_err(|_| Error::invalid("a kernel name holds a NUL byte"))?;
+    let c = |s: &str| {
+        std::ffi::CString::new(s).map_err(|_| Error::invalid("a kernel name holds a NUL byte"))
+    };
+    let (key, name) = (c(key)?, c(name)?);
     let (blocks, block) = (blocks.map(|b| b as u32), block.map(|b| b as u32));
     let mut error: *mut c_char = std::ptr::null_mut();
     // SAFETY: the shim copies the values and loads the binary (held by the
@@ -224,6 +262,7 @@ fn add(
     let status = unsafe {
         mlx_sys::emlx_cuda_step_add(
             handle,
+            key.as_ptr(),
             binary.as_ptr().cast(),
             name.as_ptr(),
             blocks.as_ptr(),
@@ -301,11 +340,11 @@ impl StepReplay {
             return refuse("ids or positions of another type or size");
         }
         // Buffers of our own for the changing inputs, and the step counter.
-        let ids_slot = ids
-            .reshape(&[rows as i32])?
-            .add(Array::from_slice(&[0u32], &[1]))?;
-        let positions_slot = positions.add(Array::from_int(0))?;
-        let counter = Array::from_slice(&[0u32], &[1]).add(Array::from_slice(&[0u32], &[1]))?;
+        let ids_slot = slot(ids, rows)?;
+        let positions_slot = slot(positions, rows)?;
+        let starts = find(Role::Starts).filter(|s| s.size() == rows);
+        let starts_slot = starts.map(|s| slot(s, rows)).transpose()?;
+        let counter = mlx_rs::ops::zeros_dtype(&[SLOT_MIN as i32], Dtype::Uint32)?;
         let outputs: Vec<&Array> = rec.launches.iter().flat_map(|l| &l.outputs).collect();
         // What the check compares the replay with, bit for bit.
         let copies = outputs
@@ -319,16 +358,20 @@ impl StepReplay {
         mlx_rs::transforms::eval(
             [&ids_slot, &positions_slot, &counter, &next_copy]
                 .into_iter()
+                .chain(&starts_slot)
                 .chain(&copies)
                 .chain(outputs.iter().copied()),
         )?;
         if device_ptr(&last.outputs[0])?.0 != device_ptr(next)?.0 {
             return refuse("the step's tokens are not our argmax's");
         }
-        let slots = [
+        let mut slots = vec![
             (device_ptr(ids)?.0, device_ptr(&ids_slot)?.0),
             (device_ptr(positions)?.0, device_ptr(&positions_slot)?.0),
         ];
+        if let (Some(from), Some(own)) = (starts, &starts_slot) {
+            slots.push((device_ptr(from)?.0, device_ptr(own)?.0));
+        }
 
         let mut ring = 0u64;
         let mut error: *mut c_char = std::ptr::null_mut();
@@ -375,6 +418,7 @@ impl StepReplay {
             ];
             add(
                 replay.handle,
+                l.kernel.token(),
                 l.kernel.binary(),
                 l.kernel.name(),
                 blocks,
@@ -392,9 +436,11 @@ impl StepReplay {
             SLOTS as u64,
         ];
         let threads = ((rows as i32).clamp(1, 1024) + 31) / 32 * 32;
+        let (advance, key) = advance_binary()?;
         add(
             replay.handle,
-            advance_binary()?,
+            key,
+            advance,
             "emlx_axon_advance",
             [1, 1, 1],
             [threads, 1, 1],
@@ -419,8 +465,11 @@ impl StepReplay {
             .map(|(a, c)| Ok(bits(a)?.ne(c)?.any(None)?))
             .collect::<Result<Vec<_>>>()?;
         mlx_rs::transforms::eval(&flags)?;
-        let differing = flags.iter().filter(|f| f.as_slice::<bool>()[0]).count();
-        let want: Vec<u32> = next_copy.as_slice::<u32>().to_vec();
+        let mut differing = 0;
+        for f in &flags {
+            differing += usize::from(host_values::<bool>(f)?[0]);
+        }
+        let want: Vec<u32> = host_values(&next_copy)?;
         if differing > 0 || tokens != want {
             return Err(Error::Mlx(format!(
                 "the replayed step differs from MLX's run of it ({differing} of {} outputs)",
@@ -433,6 +482,7 @@ impl StepReplay {
             .flat_map(|l| l.inputs.iter().map(|(a, _)| a).chain(&l.outputs))
             .cloned()
             .chain([ids_slot, positions_slot, counter, next.clone()])
+            .chain(starts_slot)
             .collect();
         replay._kernels = rec.launches.iter().map(|l| l.kernel.clone()).collect();
         Ok((replay, next_copy))
@@ -488,6 +538,8 @@ mod tests {
         );
         let failed = record(|| -> Result<()> { Err(Error::invalid("boom")) });
         assert!(failed.is_err() && !recording());
+        let panicked = std::panic::catch_unwind(|| record(|| -> Result<()> { panic!("boom") }));
+        assert!(panicked.is_err() && !recording(), "a panic ends it too");
     }
 
     /// Without a CUDA driver in the process, making a step is an error

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -167,16 +168,21 @@ struct Step {
     return false;
   }
 
-  // Runs `f` with the device's primary context (MLX's) current.
+  // Runs `f` with the device's primary context (MLX's) current; the
+  // context is popped however `f` ends.
   template <typename F>
   bool in_context(F f) {
     if (!ok(cu.push(context), "making the device's context current")) {
       return false;
     }
-    bool result = f();
-    CUcontext popped = nullptr;
-    cu.pop(&popped);
-    return result;
+    struct Pop {
+      Driver& cu;
+      ~Pop() {
+        CUcontext popped = nullptr;
+        cu.pop(&popped);
+      }
+    } pop{cu};
+    return f();
   }
 
   void release() {
@@ -209,10 +215,25 @@ struct Step {
   }
 };
 
-// Modules by their cubin, loaded once per process (the binaries live as
-// long as the process; the device's primary context does too).
+// Modules by a key naming their cubin, loaded once per process (the
+// device's primary context lives as long).
 std::mutex modules_mutex;
-std::unordered_map<const void*, CUmodule> modules;
+std::unordered_map<std::string, CUmodule> modules;
+
+// Runs an entry point's body, turning a C++ exception into a failure with
+// `*error` set: none may cross into Rust.
+template <typename F>
+int guarded(char** error, F f) {
+  *error = nullptr;
+  try {
+    return f();
+  } catch (std::exception& e) {
+    *error = copy_out(e.what());
+  } catch (...) {
+    *error = copy_out("an unknown C++ exception");
+  }
+  return 1;
+}
 
 } // namespace
 
@@ -234,6 +255,11 @@ extern "C" int emlx_array_device_ptr(
     const mlx_array a,
     unsigned long long* ptr,
     size_t* bytes) {
+  // Only a CUDA build's buffers are `CudaBuffer`s; it loads the driver.
+  static const bool cuda = symbol<void*>("cuDeviceGet") != nullptr;
+  if (!cuda) {
+    return 4;
+  }
   try {
     auto& arr = mlx_array_get_(a);
     if (arr.status() == mlx::core::array::Status::unscheduled) {
@@ -259,68 +285,70 @@ extern "C" void* emlx_cuda_step_new(
     int slots,
     unsigned long long* ring_device,
     char** error) {
-  *error = nullptr;
-  auto* step = new (std::nothrow) Step();
-  if (step == nullptr) {
-    return nullptr;
-  }
-  auto fail = [&](const std::string& why) -> void* {
-    *error = copy_out(why);
-    step->release();
-    delete step;
-    return nullptr;
-  };
-  if (rows < 1 || slots < 1) {
-    return fail("a step needs rows and ring slots");
-  }
-  if (!step->cu.load()) {
-    return fail("the CUDA driver's entry points are not loaded");
-  }
-  step->rows = rows;
-  if (!step->ok(step->cu.device_get(&step->device, 0), "cuDeviceGet") ||
-      !step->ok(
-          step->cu.retain(&step->context, step->device),
-          "retaining the primary context")) {
-    step->context = nullptr;
-    return fail(step->error);
-  }
-  bool made = step->in_context([&] {
-    // 1: CU_STREAM_NON_BLOCKING; 2: CU_EVENT_DISABLE_TIMING; 1 | 2:
-    // CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP.
-    if (!step->ok(step->cu.stream_create(&step->stream, 1), "cuStreamCreate")) {
-      return false;
+  Step* made = nullptr;
+  guarded(error, [&] {
+    auto step = std::make_unique<Step>();
+    auto fail = [&](const std::string& why) {
+      *error = copy_out(why);
+      step->release();
+      return 1;
+    };
+    if (rows < 1 || slots < 1) {
+      return fail("a step needs rows and ring slots");
     }
-    for (int i = 0; i < slots; i++) {
-      CUevent e = nullptr;
-      if (!step->ok(step->cu.event_create(&e, 2), "cuEventCreate")) {
+    if (!step->cu.load()) {
+      return fail("the CUDA driver's entry points are not loaded");
+    }
+    step->rows = rows;
+    if (!step->ok(step->cu.device_get(&step->device, 0), "cuDeviceGet") ||
+        !step->ok(
+            step->cu.retain(&step->context, step->device),
+            "retaining the primary context")) {
+      step->context = nullptr;
+      return fail(step->error);
+    }
+    bool ready = step->in_context([&] {
+      // 1: CU_STREAM_NON_BLOCKING; 1 | 2: CU_EVENT_BLOCKING_SYNC |
+      // CU_EVENT_DISABLE_TIMING (a waiting host thread sleeps: it runs a
+      // step ahead, so waking late does not idle the device); 1 | 2:
+      // CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP.
+      if (!step->ok(step->cu.stream_create(&step->stream, 1), "cuStreamCreate")) {
         return false;
       }
-      step->events.push_back(e);
+      for (int i = 0; i < slots; i++) {
+        CUevent e = nullptr;
+        if (!step->ok(step->cu.event_create(&e, 3), "cuEventCreate")) {
+          return false;
+        }
+        step->events.push_back(e);
+      }
+      void* host = nullptr;
+      size_t bytes = sizeof(unsigned) * static_cast<size_t>(rows) * slots;
+      if (!step->ok(step->cu.host_alloc(&host, bytes, 3), "cuMemHostAlloc")) {
+        return false;
+      }
+      step->ring = static_cast<unsigned*>(host);
+      std::memset(host, 0, bytes);
+      return step->ok(
+          step->cu.host_device_pointer(&step->ring_device, host, 0),
+          "cuMemHostGetDevicePointer");
+    });
+    if (!ready) {
+      return fail(step->error);
     }
-    void* host = nullptr;
-    size_t bytes = sizeof(unsigned) * static_cast<size_t>(rows) * slots;
-    if (!step->ok(step->cu.host_alloc(&host, bytes, 3), "cuMemHostAlloc")) {
-      return false;
-    }
-    step->ring = static_cast<unsigned*>(host);
-    std::memset(host, 0, bytes);
-    return step->ok(
-        step->cu.host_device_pointer(&step->ring_device, host, 0),
-        "cuMemHostGetDevicePointer");
+    *ring_device = step->ring_device;
+    made = step.release();
+    return 0;
   });
-  if (!made) {
-    return fail(step->error);
-  }
-  *ring_device = step->ring_device;
-  return step;
+  return made;
 }
 
-// Appends a kernel launch: kernel `name` of the cubin `binary` (loaded once
-// per process and binary, which must live as long as the process), `grid`
-// blocks of `block` threads, parameters `values` (pointers and ints, 8
-// bytes each).
+// Appends a kernel launch: kernel `name` of the cubin `binary`, which `key`
+// names (its module is loaded once per process and key), `grid` blocks of
+// `block` threads, parameters `values` (pointers and ints, 8 bytes each).
 extern "C" int emlx_cuda_step_add(
     void* handle,
+    const char* key,
     const char* binary,
     const char* name,
     const unsigned* grid,
@@ -328,16 +356,15 @@ extern "C" int emlx_cuda_step_add(
     const unsigned long long* values,
     size_t n,
     char** error) {
-  *error = nullptr;
   auto* step = static_cast<Step*>(handle);
-  try {
+  return guarded(error, [&] {
     Launch l;
     std::memcpy(l.grid, grid, sizeof l.grid);
     std::memcpy(l.block, block, sizeof l.block);
     l.values.assign(values, values + n);
     bool added = step->in_context([&] {
       std::lock_guard<std::mutex> lock(modules_mutex);
-      auto found = modules.find(binary);
+      auto found = modules.find(key);
       CUmodule module = nullptr;
       if (found != modules.end()) {
         module = found->second;
@@ -353,7 +380,7 @@ extern "C" int emlx_cuda_step_add(
         if (!loaded) {
           return false;
         }
-        modules.emplace(binary, module);
+        modules.emplace(key, module);
       }
       return step->ok(
           step->cu.module_function(&l.function, module, name),
@@ -369,10 +396,7 @@ extern "C" int emlx_cuda_step_add(
       last.params.push_back(&v);
     }
     return 0;
-  } catch (std::exception& e) {
-    *error = copy_out(e.what());
-    return 1;
-  }
+  });
 }
 
 namespace {
@@ -404,63 +428,61 @@ bool launch_all(Step& step) {
 // Captures the launches as one CUDA graph. Nonzero, with `*error`, where
 // capture fails; the step then launches kernel by kernel.
 extern "C" int emlx_cuda_step_capture(void* handle, char** error) {
-  *error = nullptr;
   auto* step = static_cast<Step*>(handle);
-  bool captured = step->in_context([&] {
-    // 1: CU_STREAM_CAPTURE_MODE_THREAD_LOCAL, so that MLX's own threads'
-    // calls meanwhile neither fail nor break the capture.
-    if (!step->ok(step->cu.begin_capture(step->stream, 1), "cuStreamBeginCapture")) {
-      return false;
-    }
-    bool launched = launch_all(*step);
-    CUgraph graph = nullptr;
-    CUresult ended = step->cu.end_capture(step->stream, &graph);
-    if (!launched) {
-      if (graph != nullptr) {
-        step->cu.graph_destroy(graph);
+  return guarded(error, [&] {
+    bool captured = step->in_context([&] {
+      // 1: CU_STREAM_CAPTURE_MODE_THREAD_LOCAL, so that MLX's own threads'
+      // calls meanwhile neither fail nor break the capture.
+      if (!step->ok(
+              step->cu.begin_capture(step->stream, 1), "cuStreamBeginCapture")) {
+        return false;
       }
-      return false;
-    }
-    if (!step->ok(ended, "cuStreamEndCapture")) {
-      return false;
-    }
-    step->graph = graph;
-    return step->ok(
-        step->cu.instantiate(&step->exec, graph, 0), "cuGraphInstantiate");
-  });
-  if (!captured) {
-    if (step->exec != nullptr) {
-      step->cu.exec_destroy(step->exec);
+      bool launched = launch_all(*step);
+      CUgraph graph = nullptr;
+      CUresult ended = step->cu.end_capture(step->stream, &graph);
+      if (!launched || !step->ok(ended, "cuStreamEndCapture")) {
+        if (graph != nullptr) {
+          step->cu.graph_destroy(graph);
+        }
+        return false;
+      }
+      step->graph = graph;
+      return step->ok(
+          step->cu.instantiate(&step->exec, graph, 0), "cuGraphInstantiate");
+    });
+    if (!captured) {
       step->exec = nullptr;
+      *error = copy_out(step->error);
+      return 1;
     }
-    *error = copy_out(step->error);
-    return 1;
-  }
-  return 0;
+    return 0;
+  });
 }
 
 // Queues one step (the graph, or each kernel where there is none) and marks
 // its slot's event.
 extern "C" int emlx_cuda_step_launch(void* handle, char** error) {
-  *error = nullptr;
   auto* step = static_cast<Step*>(handle);
-  bool queued = step->in_context([&] {
-    bool launched = step->exec != nullptr
-        ? step->ok(step->cu.graph_launch(step->exec, step->stream), "cuGraphLaunch")
-        : launch_all(*step);
-    return launched &&
-        step->ok(
-            step->cu.event_record(
-                step->events[step->launched % step->events.size()],
-                step->stream),
-            "cuEventRecord");
+  return guarded(error, [&] {
+    bool queued = step->in_context([&] {
+      bool launched = step->exec != nullptr
+          ? step->ok(
+                step->cu.graph_launch(step->exec, step->stream), "cuGraphLaunch")
+          : launch_all(*step);
+      return launched &&
+          step->ok(
+              step->cu.event_record(
+                  step->events[step->launched % step->events.size()],
+                  step->stream),
+              "cuEventRecord");
+    });
+    if (!queued) {
+      *error = copy_out(step->error);
+      return 1;
+    }
+    step->launched++;
+    return 0;
   });
-  if (!queued) {
-    *error = copy_out(step->error);
-    return 1;
-  }
-  step->launched++;
-  return 0;
 }
 
 // Waits for step `n` (counted from 0 in launch order, one of the last
@@ -470,47 +492,39 @@ extern "C" int emlx_cuda_step_wait(
     unsigned long long n,
     unsigned* tokens,
     char** error) {
-  *error = nullptr;
   auto* step = static_cast<Step*>(handle);
-  size_t slots = step->events.size();
-  // Launch n + slots reuses n's slot and event.
-  if (n >= step->launched || n + slots <= step->launched) {
-    *error = copy_out("that step is not in the ring");
-    return 1;
-  }
-  bool done = step->in_context([&] {
-    return step->ok(step->cu.event_sync(step->events[n % slots]), "cuEventSynchronize");
+  return guarded(error, [&] {
+    size_t slots = step->events.size();
+    // Launch n + slots reuses n's slot and event.
+    if (n >= step->launched || n + slots <= step->launched) {
+      *error = copy_out("that step is not in the ring");
+      return 1;
+    }
+    bool done = step->in_context([&] {
+      return step->ok(
+          step->cu.event_sync(step->events[n % slots]), "cuEventSynchronize");
+    });
+    if (!done) {
+      *error = copy_out(step->error);
+      return 1;
+    }
+    const volatile unsigned* slot = step->ring + (n % slots) * step->rows;
+    for (int r = 0; r < step->rows; r++) {
+      tokens[r] = slot[r];
+    }
+    return 0;
   });
-  if (!done) {
-    *error = copy_out(step->error);
-    return 1;
-  }
-  const volatile unsigned* slot = step->ring + (n % slots) * step->rows;
-  for (int r = 0; r < step->rows; r++) {
-    tokens[r] = slot[r];
-  }
-  return 0;
 }
 
-// Waits for everything queued on the step's stream.
-extern "C" int emlx_cuda_step_sync(void* handle, char** error) {
-  *error = nullptr;
-  auto* step = static_cast<Step*>(handle);
-  bool done = step->in_context([&] {
-    return step->ok(step->cu.stream_sync(step->stream), "cuStreamSynchronize");
-  });
-  if (!done) {
-    *error = copy_out(step->error);
-    return 1;
-  }
-  return 0;
-}
-
-// Waits for the stream, then frees everything the step made.
+// Waits for everything queued on the step's stream, then frees everything
+// the step made.
 extern "C" void emlx_cuda_step_free(void* handle) {
   auto* step = static_cast<Step*>(handle);
   if (step != nullptr) {
-    step->release();
+    try {
+      step->release();
+    } catch (...) {
+    }
     delete step;
   }
 }

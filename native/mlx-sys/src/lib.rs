@@ -110,6 +110,7 @@ extern "C" {
     ) -> *mut ::std::os::raw::c_void;
     pub fn emlx_cuda_step_add(
         step: *mut ::std::os::raw::c_void,
+        key: *const ::std::os::raw::c_char,
         binary: *const ::std::os::raw::c_char,
         name: *const ::std::os::raw::c_char,
         grid: *const u32,
@@ -130,10 +131,6 @@ extern "C" {
         step: *mut ::std::os::raw::c_void,
         n: u64,
         tokens: *mut u32,
-        error: *mut *mut ::std::os::raw::c_char,
-    ) -> ::std::os::raw::c_int;
-    pub fn emlx_cuda_step_sync(
-        step: *mut ::std::os::raw::c_void,
         error: *mut *mut ::std::os::raw::c_char,
     ) -> ::std::os::raw::c_int;
     pub fn emlx_cuda_step_free(step: *mut ::std::os::raw::c_void);
@@ -223,6 +220,7 @@ mod no_cuda {
         _: *mut c_void,
         _: *const c_char,
         _: *const c_char,
+        _: *const c_char,
         _: *const u32,
         _: *const u32,
         _: *const u64,
@@ -246,10 +244,6 @@ mod no_cuda {
         _: *mut u32,
         error: *mut *mut c_char,
     ) -> c_int {
-        *error = std::ptr::null_mut();
-        1
-    }
-    pub unsafe fn emlx_cuda_step_sync(_: *mut c_void, error: *mut *mut c_char) -> c_int {
         *error = std::ptr::null_mut();
         1
     }

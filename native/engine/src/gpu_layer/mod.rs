@@ -209,7 +209,9 @@ pub(crate) fn forward<C: KvStore>(
     let starts = Array::from_slice(&rows.starts, &[n]);
     let mut last = rows.positions.iter().copied().max().unwrap_or(0);
     if crate::step_replay::recording() {
-        crate::step_replay::mark(crate::step_replay::Role::Positions, &positions);
+        use crate::step_replay::{mark, Role};
+        mark(Role::Positions, &positions);
+        mark(Role::Starts, &starts);
         // A replayed step reads RoPE rows up to the cache's last position.
         last = last.max(cache.buffers(0).0.dim(2) - 1);
     }

@@ -3,7 +3,7 @@
 //! step is a kernel of ours. Opt-in (`EMLX_AXON_STEP_REPLAY=1`) until it has
 //! been measured against MLX's graph.
 
-use mlx_rs::ops::indexing::{IndexMutOp, IndexOp};
+use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
 use mlx_rs::{transforms, Array};
 use once_cell::sync::Lazy;
 
@@ -84,6 +84,7 @@ impl Generation {
         *WANTED
             && self.sampler.is_greedy()
             && self.constraints.none()
+            && self.padding.is_none()
             && self.compiled.is_none()
             && self.workers.is_empty()
             && !crate::rope::on_cpu_stream()
@@ -109,7 +110,10 @@ impl Generation {
             .arrays()
             .map(|a| a.index((.., .., at..at + 1, ..)).contiguous())
             .collect::<std::result::Result<Vec<_>, _>>()?;
-        transforms::eval(written.iter().chain([&next]))?;
+        // The tokens as MLX computed them: the check's replay writes its own
+        // into `next`'s buffer.
+        let kept = next.add(Array::from_slice(&[0u32], &[1]))?;
+        transforms::eval(written.iter().chain([&next, &kept]))?;
         match StepReplay::build(recording, &next) {
             Ok((replay, tokens)) => {
                 self.replay = Replay::On(replay);
@@ -118,7 +122,7 @@ impl Generation {
             // Refused before anything ran (said: the replay was asked for).
             Err(e @ Error::Unsupported(_)) => {
                 eprintln!("emlx_axon: decode steps stay in MLX's graph ({e})");
-                Ok(Pending::Array(next))
+                Ok(Pending::Array(kept))
             }
             Err(e) => {
                 eprintln!("emlx_axon: decode steps stay in MLX's graph ({e})");
@@ -126,12 +130,12 @@ impl Generation {
                 for (k, v) in self.cache.layers_mut() {
                     for (a, row) in [(k, written.next()), (v, written.next())] {
                         if let Some(row) = row {
-                            a.index_mut((.., .., at..at + 1, ..), row);
+                            a.try_index_mut((.., .., at..at + 1, ..), row)?;
                         }
                     }
                 }
                 transforms::eval(self.cache.arrays())?;
-                Ok(Pending::Array(next))
+                Ok(Pending::Array(kept))
             }
         }
     }
