@@ -153,6 +153,14 @@ fn bits(a: &Array) -> Result<Array> {
     })
 }
 
+/// A copy of `a` in a buffer of its own, bit for bit (an add of zero would
+/// turn -0 into 0; `contiguous` of a contiguous view copies nothing).
+pub(crate) fn exact_copy(a: &Array) -> Result<Array> {
+    let b = bits(a)?;
+    Ok(b.add(Array::from_int(0).as_dtype(b.dtype())?)?
+        .view_dtype(a.dtype())?)
+}
+
 fn scheduled(a: &Array) -> bool {
     // SAFETY: reads the status of a live array.
     unsafe { mlx_sys::emlx_array_scheduled(a.as_ptr()) != 0 }
@@ -349,12 +357,9 @@ impl StepReplay {
         // What the check compares the replay with, bit for bit.
         let copies = outputs
             .iter()
-            .map(|a| {
-                let b = bits(a)?;
-                Ok(b.add(Array::from_int(0).as_dtype(b.dtype())?)?)
-            })
+            .map(|a| bits(&exact_copy(a)?))
             .collect::<Result<Vec<_>>>()?;
-        let next_copy = next.add(Array::from_slice(&[0u32], &[1]))?;
+        let next_copy = exact_copy(next)?;
         mlx_rs::transforms::eval(
             [&ids_slot, &positions_slot, &counter, &next_copy]
                 .into_iter()
@@ -517,6 +522,7 @@ impl StepReplay {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use mlx_rs::ops::indexing::IndexOp;
 
     /// Recording is per call: marks are kept inside it only, a recording
     /// cannot nest, and it ends with the call, failed or not.
@@ -540,6 +546,25 @@ mod tests {
         assert!(failed.is_err() && !recording());
         let panicked = std::panic::catch_unwind(|| record(|| -> Result<()> { panic!("boom") }));
         assert!(panicked.is_err() && !recording(), "a panic ends it too");
+    }
+
+    /// An exact copy keeps -0 and NaN payloads, of strided views too.
+    #[test]
+    fn exact_copies_keep_every_bit() {
+        let raw: Vec<u16> = vec![0x8000, 0x7fc1, 0x3f80, 0xff81, 0x0001, 0xc000];
+        let a = Array::from_slice(&raw, &[2, 3])
+            .view_dtype(Dtype::Bfloat16)
+            .unwrap();
+        let column = a.index((.., 1..2));
+        for x in [&a, &column] {
+            let copy = exact_copy(x).unwrap();
+            assert_eq!(copy.dtype(), Dtype::Bfloat16);
+            let want = bits(x).unwrap().contiguous().unwrap();
+            let got = bits(&copy).unwrap();
+            assert_eq!(got.as_slice::<u16>(), want.as_slice::<u16>());
+        }
+        let column_bits = bits(&exact_copy(&column).unwrap()).unwrap();
+        assert_eq!(column_bits.as_slice::<u16>(), [0x7fc1, 0x0001]);
     }
 
     /// Without a CUDA driver in the process, making a step is an error

@@ -108,11 +108,11 @@ impl Generation {
         let written = self
             .cache
             .arrays()
-            .map(|a| a.index((.., .., at..at + 1, ..)).contiguous())
-            .collect::<std::result::Result<Vec<_>, _>>()?;
+            .map(|a| step_replay::exact_copy(&a.index((.., .., at..at + 1, ..))))
+            .collect::<Result<Vec<_>>>()?;
         // The tokens as MLX computed them: the check's replay writes its own
         // into `next`'s buffer.
-        let kept = next.add(Array::from_slice(&[0u32], &[1]))?;
+        let kept = step_replay::exact_copy(&next)?;
         transforms::eval(written.iter().chain([&next, &kept]))?;
         match StepReplay::build(recording, &next) {
             Ok((replay, tokens)) => {
