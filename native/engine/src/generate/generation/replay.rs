@@ -56,6 +56,11 @@ impl Generation {
             return Err(Error::Mlx("a replayed step without its replay".into()));
         };
         if matches!(self.replay, Replay::Untried) {
+            // Not before the first token is out: recording waits for its
+            // step, and building takes a few milliseconds.
+            if self.steps == 0 {
+                return Ok(Pending::Array(self.step(current)?));
+            }
             if self.replays() {
                 return self.record_step(current);
             }
