@@ -165,7 +165,7 @@ static CHECKED: OnceCell<Option<CudaKernel>> = OnceCell::new();
 /// build's GPU is CUDA (MLX's Metal build has no `cuda_kernel`). Decided
 /// once, as attention asks for every layer of every step.
 static WANTED: Lazy<bool> = Lazy::new(|| {
-    std::env::var("EMLX_AXON_DECODE_ATTENTION").as_deref() == Ok("1")
+    crate::switch::on("EMLX_AXON_DECODE_ATTENTION")
         && !cfg!(feature = "metal")
         && crate::device::gpu_available()
 });

@@ -153,12 +153,17 @@ fn bits(a: &Array) -> Result<Array> {
     })
 }
 
-/// A copy of `a` in a buffer of its own, bit for bit (an add of zero would
-/// turn -0 into 0; `contiguous` of a contiguous view copies nothing).
-pub(crate) fn exact_copy(a: &Array) -> Result<Array> {
+/// `a`'s bits (see [`bits`]) in a buffer of their own: an add of zero to
+/// the bits copies every one (to the values it would turn -0 into 0), and
+/// `contiguous` of a contiguous view copies nothing.
+fn exact_bits(a: &Array) -> Result<Array> {
     let b = bits(a)?;
-    Ok(b.add(Array::from_int(0).as_dtype(b.dtype())?)?
-        .view_dtype(a.dtype())?)
+    Ok(b.add(Array::from_int(0).as_dtype(b.dtype())?)?)
+}
+
+/// A copy of `a` in a buffer of its own, bit for bit.
+pub(crate) fn exact_copy(a: &Array) -> Result<Array> {
+    Ok(exact_bits(a)?.view_dtype(a.dtype())?)
 }
 
 fn scheduled(a: &Array) -> bool {
@@ -235,7 +240,7 @@ fn slot(a: &Array, rows: usize) -> Result<Array> {
     let flat = a.reshape(&[rows as i32])?;
     let pad = SLOT_MIN.saturating_sub(rows) as i32;
     if pad == 0 {
-        return Ok(flat.add(Array::from_int(0).as_dtype(a.dtype())?)?);
+        return exact_copy(&flat);
     }
     let zeros = mlx_rs::ops::zeros_dtype(&[pad], a.dtype())?;
     Ok(mlx_rs::ops::concatenate(&[flat, zeros], 0)?)
@@ -326,11 +331,12 @@ fn resolve(
 
 impl StepReplay {
     /// Builds the replay of a recorded step whose tokens (`[rows]` uint32)
-    /// are `next`, and checks it: returns the replay with its first step
-    /// (the check) done, and a copy of `next` for the host to read. The
+    /// are `next`, and checks it against `want`, an exact copy of `next`
+    /// made before (the check writes its tokens into `next`'s buffer):
+    /// returns the replay with its first step (the check) done. The
     /// recording must have marked the ids and positions, and every kernel
     /// input must exist before the step or come from an earlier launch.
-    pub(crate) fn build(rec: Recording, next: &Array) -> Result<(StepReplay, Array)> {
+    pub(crate) fn build(rec: Recording, next: &Array, want: &Array) -> Result<StepReplay> {
         let refuse = |why: &str| Err(Error::Unsupported(format!("no step replay: {why}")));
         let (Some(last), true) = (rec.launches.last(), next.dtype() == Dtype::Uint32) else {
             return refuse("the step's tokens are not our argmax's");
@@ -357,11 +363,10 @@ impl StepReplay {
         // What the check compares the replay with, bit for bit.
         let copies = outputs
             .iter()
-            .map(|a| bits(&exact_copy(a)?))
+            .map(|a| exact_bits(a))
             .collect::<Result<Vec<_>>>()?;
-        let next_copy = exact_copy(next)?;
         mlx_rs::transforms::eval(
-            [&ids_slot, &positions_slot, &counter, &next_copy]
+            [&ids_slot, &positions_slot, &counter, want]
                 .into_iter()
                 .chain(&starts_slot)
                 .chain(&copies)
@@ -474,8 +479,7 @@ impl StepReplay {
         for f in &flags {
             differing += usize::from(host_values::<bool>(f)?[0]);
         }
-        let want: Vec<u32> = host_values(&next_copy)?;
-        if differing > 0 || tokens != want {
+        if differing > 0 || tokens != host_values::<u32>(want)? {
             return Err(Error::Mlx(format!(
                 "the replayed step differs from MLX's run of it ({differing} of {} outputs)",
                 outputs.len()
@@ -490,7 +494,7 @@ impl StepReplay {
             .chain(starts_slot)
             .collect();
         replay._kernels = rec.launches.iter().map(|l| l.kernel.clone()).collect();
-        Ok((replay, next_copy))
+        Ok(replay)
     }
 
     /// Queues the next step; its number, for [`tokens`](Self::tokens).
@@ -588,7 +592,7 @@ mod tests {
     fn a_step_without_our_kernels_is_refused() {
         let next = Array::from_slice(&[3u32], &[1]);
         let (_, rec) = record(|| Ok(())).unwrap();
-        match StepReplay::build(rec, &next) {
+        match StepReplay::build(rec, &next, &next) {
             Err(Error::Unsupported(why)) => assert!(why.contains("argmax"), "{why}"),
             Err(e) => panic!("{e}"),
             Ok(_) => panic!("built"),

@@ -343,8 +343,7 @@ impl Generation {
                 let logits = self.forward(&ids, true)?;
                 self.pending = Some(Pending::Array(self.sample(&logits)?));
             } else if more && !self.sampler.on_device() {
-                let ids = Array::from_slice(&tokens, &[tokens.len() as i32]);
-                self.pending = Some(Pending::Array(self.step(&ids)?));
+                self.pending = Some(self.queue_step(&current)?);
             }
         }
         Ok(deltas)

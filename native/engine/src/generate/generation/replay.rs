@@ -12,9 +12,8 @@ use crate::cache::KvStore;
 use crate::error::{Error, Result};
 use crate::step_replay::{self, Role, StepReplay};
 
-static WANTED: Lazy<bool> = Lazy::new(|| {
-    std::env::var("EMLX_AXON_STEP_REPLAY").is_ok_and(|v| v == "1") && crate::gpu_layer::wanted()
-});
+static WANTED: Lazy<bool> =
+    Lazy::new(|| crate::switch::on("EMLX_AXON_STEP_REPLAY") && crate::gpu_layer::wanted());
 
 /// A queued step's tokens.
 pub(super) enum Pending {
@@ -31,6 +30,11 @@ impl Pending {
             Pending::Replayed(_) => None,
         }
     }
+}
+
+/// A replayed step's tokens asked for where there is no replay.
+fn orphan() -> Error {
+    Error::Mlx("a replayed step without its replay".into())
 }
 
 /// Whether steps are replayed.
@@ -53,14 +57,11 @@ impl Generation {
             return Ok(Pending::Replayed(n));
         }
         let Pending::Array(current) = current else {
-            return Err(Error::Mlx("a replayed step without its replay".into()));
+            return Err(orphan());
         };
-        if matches!(self.replay, Replay::Untried) {
-            // Not before the first token is out: recording waits for its
-            // step, and building takes a few milliseconds.
-            if self.steps == 0 {
-                return Ok(Pending::Array(self.step(current)?));
-            }
+        // Not before the first token is out: recording waits for its step,
+        // and building takes a few milliseconds.
+        if matches!(self.replay, Replay::Untried) && self.steps > 0 {
             if self.replays() {
                 return self.record_step(current);
             }
@@ -77,9 +78,7 @@ impl Generation {
                 Ok(a.as_slice::<u32>().to_vec())
             }
             (Pending::Replayed(n), Replay::On(replay)) => replay.tokens(*n),
-            (Pending::Replayed(_), _) => {
-                Err(Error::Mlx("a replayed step without its replay".into()))
-            }
+            (Pending::Replayed(_), _) => Err(orphan()),
         }
     }
 
@@ -119,10 +118,10 @@ impl Generation {
         // into `next`'s buffer.
         let kept = step_replay::exact_copy(&next)?;
         transforms::eval(written.iter().chain([&next, &kept]))?;
-        match StepReplay::build(recording, &next) {
-            Ok((replay, tokens)) => {
+        match StepReplay::build(recording, &next, &kept) {
+            Ok(replay) => {
                 self.replay = Replay::On(replay);
-                Ok(Pending::Array(tokens))
+                Ok(Pending::Array(kept))
             }
             // Refused before anything ran (said: the replay was asked for).
             Err(e @ Error::Unsupported(_)) => {
