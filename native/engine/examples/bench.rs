@@ -264,6 +264,9 @@ struct Timed {
     generated: Vec<usize>,
     /// The first row's ids, compared across peers by the report.
     ids: Vec<u32>,
+    /// The engine's own split of the time to first token.
+    engine_setup_ms: f64,
+    engine_prefill_graph_ms: f64,
     engine_prefill_ms: f64,
     engine_decode_tok_s: f64,
     compiled_decode: bool,
@@ -317,6 +320,8 @@ impl Bench {
             decode_ms: (last - first).as_secs_f64() * 1e3,
             generated,
             ids: rows.into_iter().next().unwrap_or_default(),
+            engine_setup_ms: stats.setup_ms,
+            engine_prefill_graph_ms: stats.prefill_graph_ms,
             engine_prefill_ms: stats.prefill_ms,
             engine_decode_tok_s: stats.decode_tokens_per_s,
             compiled_decode,
@@ -426,10 +431,13 @@ impl Bench {
             json!(round(prompt.len() as f64 / (t.ttft_ms / 1e3), 3)),
         );
         fields.insert("ttft_ms".into(), json!(round(t.ttft_ms, 2)));
-        fields.insert(
-            "engine_prefill_ms".into(),
-            json!(round(t.engine_prefill_ms, 2)),
-        );
+        for (name, ms) in [
+            ("engine_setup_ms", t.engine_setup_ms),
+            ("engine_prefill_graph_ms", t.engine_prefill_graph_ms),
+            ("engine_prefill_ms", t.engine_prefill_ms),
+        ] {
+            fields.insert(name.into(), json!(round(ms, 2)));
+        }
         fields.insert("kv_bytes".into(), json!(self.kv_bytes(1, prompt.len() + 2)));
         Memory::record(&mut fields);
         self.emit("prefill", Some(run), Value::Object(fields));

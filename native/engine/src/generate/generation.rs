@@ -57,7 +57,7 @@ pub struct Generation {
     last_token_at: Option<Instant>,
     /// The longest row's length after the first step.
     first_step_tokens: usize,
-    prefill_ms: f64,
+    timing: Timing,
     steps: usize,
     forward_passes: usize,
 }
@@ -71,6 +71,7 @@ impl Generation {
         prompts: &[Vec<u32>],
         options: GenerateOptions,
     ) -> Result<Self> {
+        let started = Instant::now();
         validate(&model, tokenizer.as_deref(), prompts, &options)?;
         let eos = match &options.eos_token_ids {
             Some(ids) => ids.clone(),
@@ -135,11 +136,11 @@ impl Generation {
             eos,
             pending: None,
             replay: Replay::Untried,
-            started: Instant::now(),
+            started,
             first_token_at: None,
             last_token_at: None,
             first_step_tokens: 0,
-            prefill_ms: 0.0,
+            timing: Timing::default(),
             steps: 0,
             forward_passes: 0,
             options,
@@ -158,6 +159,7 @@ impl Generation {
         generation.sampler.skip_draws(0, lead.len());
         generation.carry = (!lead.is_empty()).then_some(carry);
         let stream = generation.stream.clone();
+        generation.timing.setup_ms = ms_since(started);
         MlxStream::run_on(stream.as_ref(), || {
             if !generation.rows_finished() {
                 if lead.is_empty() {
@@ -173,6 +175,7 @@ impl Generation {
     }
 
     fn prefill(&mut self, prompts: &[Vec<u32>], longest: usize) -> Result<()> {
+        let begun = Instant::now();
         let batch = prompts.len() as i32;
         let mut ids = Vec::with_capacity(prompts.len() * longest);
         for p in prompts {
@@ -189,6 +192,7 @@ impl Generation {
             let logits = self.forward(&part, last)?;
             if last {
                 self.pending = Some(Pending::Array(self.sample(&logits)?));
+                self.timing.prefill_graph_ms = ms_since(begun);
                 break;
             }
             // Bound the graph: materialize the cache before the next chunk.
@@ -197,7 +201,7 @@ impl Generation {
         }
         if self.options.profile_timing {
             transforms::eval(self.pending.iter().filter_map(Pending::array))?;
-            self.prefill_ms = self.started.elapsed().as_secs_f64() * 1e3;
+            self.timing.prefill_ms = ms_since(begun);
         }
         Ok(())
     }
@@ -294,8 +298,12 @@ impl Generation {
             // running ahead feeds its forced tokens with this step's, known
             // only once it is read back.
             let constrained = self.constraints.active(&self.rows);
+            // The first token goes out before the next step is built, so
+            // that building it does not count toward the time to first
+            // token (the prefill has settled, or nearly, by then).
+            let defer = self.steps == 0 && !constrained;
             let mut queued_logits = None;
-            if more && self.sampler.on_device() && !runs_ahead {
+            if more && self.sampler.on_device() && !runs_ahead && !defer {
                 match (&current, constrained) {
                     (Pending::Array(ids), true) => {
                         let logits = self.forward_step(ids)?;
@@ -342,7 +350,7 @@ impl Generation {
                 let ids = Array::from_slice(&ids, &[1, ids.len() as i32]);
                 let logits = self.forward(&ids, true)?;
                 self.pending = Some(Pending::Array(self.sample(&logits)?));
-            } else if more && !self.sampler.on_device() {
+            } else if more && (defer || !self.sampler.on_device()) {
                 self.pending = Some(self.queue_step(&current)?);
             }
         }
@@ -429,7 +437,9 @@ impl Generation {
             generated_tokens: self.rows.iter().map(|r| r.generated.len()).collect(),
             forced_tokens: self.constraints.forced.clone(),
             forward_passes: self.forward_passes,
-            prefill_ms: self.prefill_ms,
+            setup_ms: self.timing.setup_ms,
+            prefill_graph_ms: self.timing.prefill_graph_ms,
+            prefill_ms: self.timing.prefill_ms,
             constraint_ms: self.constraints.ms,
             ..Stats::default()
         };
@@ -453,8 +463,7 @@ impl Generation {
         self.compiled.is_some()
     }
 
-    /// Whether decode steps are replayed as one CUDA graph
-    /// (`EMLX_AXON_STEP_REPLAY=1`; `step_replay.rs`).
+    /// Whether decode steps are replayed as one CUDA graph (`step_replay.rs`).
     pub fn replays_steps(&self) -> bool {
         matches!(self.replay, Replay::On(_))
     }
@@ -463,4 +472,16 @@ impl Generation {
     pub fn generated(&self) -> Vec<Vec<u32>> {
         self.rows.iter().map(|r| r.generated.clone()).collect()
     }
+}
+
+/// Host-side times of a generation's start (with `profile_timing`).
+#[derive(Default)]
+struct Timing {
+    setup_ms: f64,
+    prefill_graph_ms: f64,
+    prefill_ms: f64,
+}
+
+fn ms_since(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
 }

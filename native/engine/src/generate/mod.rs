@@ -64,6 +64,11 @@ pub struct Stats {
     pub forced_tokens: Vec<usize>,
     /// Forward passes through the model, prefill chunks included.
     pub forward_passes: usize,
+    /// From the call to the prefill's start: checks, the KV cache, streams.
+    pub setup_ms: f64,
+    /// Building the prefill's graph on the host (its chunks' evaluations
+    /// between them included).
+    pub prefill_graph_ms: f64,
     pub prefill_ms: f64,
     pub time_to_first_token_ms: f64,
     pub decode_ms: f64,

@@ -29,6 +29,12 @@ pub struct GenerateOptions {
     /// ones the masks would force one step at a time, so the output is the
     /// same either way.
     pub fast_forward: bool,
+    /// Decode steps may run as replays of one recorded step, launched as
+    /// one CUDA graph, where the generation allows it (default true; see
+    /// `step_replay.rs`). Each replay is checked bit for bit against MLX's
+    /// step before it is used. `EMLX_AXON_STEP_REPLAY=0` turns it off for
+    /// the whole process.
+    pub step_replay: bool,
 }
 
 /// Settings of one batch row that override the generation's.
@@ -58,6 +64,7 @@ impl Default for GenerateOptions {
             prefill_chunk: 512,
             rows: vec![],
             fast_forward: true,
+            step_replay: true,
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Decode steps as replays of one recorded step ([`crate::step_replay`]):
 //! greedy rows without constraints on a CUDA GPU, where every node of a
-//! step is a kernel of ours. Opt-in (`EMLX_AXON_STEP_REPLAY=1`) until it has
-//! been measured against MLX's graph.
+//! step is a kernel of ours. On unless the options or
+//! `EMLX_AXON_STEP_REPLAY=0` turn it off.
 
 use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
 use mlx_rs::{transforms, Array};
@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::step_replay::{self, Role, StepReplay};
 
 static WANTED: Lazy<bool> =
-    Lazy::new(|| crate::switch::on("EMLX_AXON_STEP_REPLAY") && crate::gpu_layer::wanted());
+    Lazy::new(|| !crate::switch::off("EMLX_AXON_STEP_REPLAY") && crate::gpu_layer::wanted());
 
 /// A queued step's tokens.
 pub(super) enum Pending {
@@ -82,10 +82,11 @@ impl Generation {
         }
     }
 
-    /// Whether this generation's steps can be replayed: asked for, greedy,
-    /// unconstrained, on a GPU stream, through the model's own layers.
+    /// Whether this generation's steps can be replayed: not turned off,
+    /// greedy, unconstrained, on a GPU stream, through the model's own layers.
     fn replays(&self) -> bool {
         *WANTED
+            && self.options.step_replay
             && self.sampler.is_greedy()
             && self.constraints.none()
             && self.padding.is_none()
@@ -123,11 +124,10 @@ impl Generation {
                 self.replay = Replay::On(replay);
                 Ok(Pending::Array(kept))
             }
-            // Refused before anything ran (said: the replay was asked for).
-            Err(e @ Error::Unsupported(_)) => {
-                eprintln!("emlx_axon: decode steps stay in MLX's graph ({e})");
-                Ok(Pending::Array(kept))
-            }
+            // Refused before anything ran: a step of MLX's own ops, as
+            // expected of models the fused layers do not cover.
+            Err(Error::Unsupported(_)) => Ok(Pending::Array(kept)),
+            // A replay that ran and differed, or a CUDA failure: worth saying.
             Err(e) => {
                 eprintln!("emlx_axon: decode steps stay in MLX's graph ({e})");
                 let mut written = written.into_iter();

@@ -1,0 +1,87 @@
+//! Decode steps replayed as one CUDA graph give MLX's own tokens: greedy
+//! generations with the replay on and off, alone, batched and side by side
+//! on streams of their own. Where there is no CUDA GPU the replay must not
+//! be used at all.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{load, options, reference};
+use emlx_axon_engine::device::{gpu_available, DeviceKind, MlxStream};
+use emlx_axon_engine::{GenerateOptions, Generation, LoadOptions, Model, SamplerConfig};
+
+const FIXTURE: &str = "qwen3-4bit-g64";
+
+/// Whether this machine replays the fixture's steps: a CUDA GPU whose fused
+/// layer kernels passed their check, and the replay not turned off.
+fn replays_here() -> bool {
+    gpu_available()
+        && emlx_axon_engine::gpu_layer::checked() == Some(true)
+        && !matches!(
+            std::env::var("EMLX_AXON_STEP_REPLAY").as_deref(),
+            Ok("0") | Ok("false")
+        )
+}
+
+/// Generated ids, and whether any step was replayed.
+fn run(
+    model: &Arc<Model>,
+    stream: Option<MlxStream>,
+    prompts: &[Vec<u32>],
+    step_replay: bool,
+) -> (Vec<Vec<u32>>, bool) {
+    let opts = GenerateOptions {
+        step_replay,
+        ..options(40, SamplerConfig::default())
+    };
+    let mut g = Generation::start(model.clone(), None, stream, prompts, opts).unwrap();
+    let mut replayed = false;
+    while !g.is_done() {
+        g.next(5).unwrap();
+        replayed |= g.replays_steps();
+    }
+    (g.generated(), replayed)
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    reference(FIXTURE, "").into_iter().map(|r| r.1).collect()
+}
+
+#[test]
+fn replayed_steps_give_the_tokens_of_mlx_steps() {
+    let model = load(FIXTURE, &LoadOptions::default());
+    let prompt = prompts().swap_remove(0);
+    for rows in [vec![prompt.clone()], vec![prompt; 3]] {
+        let (want, off) = run(&model, None, &rows, false);
+        assert!(!off, "replayed although turned off");
+        let (got, on) = run(&model, None, &rows, true);
+        assert_eq!(got, want, "{} rows", rows.len());
+        assert_eq!(on, replays_here(), "{} rows: replayed", rows.len());
+    }
+}
+
+#[test]
+fn replays_side_by_side_on_streams_of_their_own() {
+    let model = load(FIXTURE, &LoadOptions::default());
+    let prompts = prompts();
+    let wants: Vec<_> = prompts
+        .iter()
+        .map(|p| run(&model, None, std::slice::from_ref(p), false).0)
+        .collect();
+    let handles: Vec<_> = (0..4)
+        .map(|i| {
+            let model = model.clone();
+            let prompt = prompts[i % prompts.len()].clone();
+            std::thread::spawn(move || {
+                let stream = MlxStream::new(DeviceKind::default_kind()).unwrap();
+                run(&model, Some(stream), &[prompt], true)
+            })
+        })
+        .collect();
+    for (i, h) in handles.into_iter().enumerate() {
+        let (got, on) = h.join().unwrap();
+        assert_eq!(got, wants[i % prompts.len()], "thread {i}");
+        assert_eq!(on, replays_here(), "thread {i}: replayed");
+    }
+}
