@@ -298,12 +298,8 @@ impl Generation {
             // running ahead feeds its forced tokens with this step's, known
             // only once it is read back.
             let constrained = self.constraints.active(&self.rows);
-            // The first token goes out before the next step is built, so
-            // that building it does not count toward the time to first
-            // token (the prefill has settled, or nearly, by then).
-            let defer = self.steps == 0 && !constrained;
             let mut queued_logits = None;
-            if more && self.sampler.on_device() && !runs_ahead && !defer {
+            if more && self.sampler.on_device() && !runs_ahead {
                 match (&current, constrained) {
                     (Pending::Array(ids), true) => {
                         let logits = self.forward_step(ids)?;
@@ -350,7 +346,7 @@ impl Generation {
                 let ids = Array::from_slice(&ids, &[1, ids.len() as i32]);
                 let logits = self.forward(&ids, true)?;
                 self.pending = Some(Pending::Array(self.sample(&logits)?));
-            } else if more && (defer || !self.sampler.on_device()) {
+            } else if more && !self.sampler.on_device() {
                 self.pending = Some(self.queue_step(&current)?);
             }
         }
