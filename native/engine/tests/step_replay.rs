@@ -31,9 +31,19 @@ fn run(
     prompts: &[Vec<u32>],
     step_replay: bool,
 ) -> (Vec<Vec<u32>>, bool) {
+    run_for(model, stream, prompts, step_replay, 40)
+}
+
+fn run_for(
+    model: &Arc<Model>,
+    stream: Option<MlxStream>,
+    prompts: &[Vec<u32>],
+    step_replay: bool,
+    tokens: usize,
+) -> (Vec<Vec<u32>>, bool) {
     let opts = GenerateOptions {
         step_replay,
-        ..options(40, SamplerConfig::default())
+        ..options(tokens, SamplerConfig::default())
     };
     let mut g = Generation::start(model.clone(), None, stream, prompts, opts).unwrap();
     let mut replayed = false;
@@ -59,6 +69,17 @@ fn replayed_steps_give_the_tokens_of_mlx_steps() {
         assert_eq!(got, want, "{} rows", rows.len());
         assert_eq!(on, replays_here(), "{} rows: replayed", rows.len());
     }
+}
+
+#[test]
+fn short_generations_keep_mlx_steps() {
+    // Too few steps left to repay building a replay.
+    let model = load(FIXTURE, &LoadOptions::default());
+    let rows = vec![prompts().swap_remove(0)];
+    let (want, _) = run_for(&model, None, &rows, false, 20);
+    let (got, on) = run_for(&model, None, &rows, true, 20);
+    assert_eq!(got, want);
+    assert!(!on, "a 20-token generation was replayed");
 }
 
 #[test]

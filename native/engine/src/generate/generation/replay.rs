@@ -12,6 +12,11 @@ use crate::cache::KvStore;
 use crate::error::{Error, Result};
 use crate::step_replay::{self, Role, StepReplay};
 
+/// Steps a generation must have left for its replay to be built: building
+/// one (a recorded step, the capture and a checked replay) took 8-12 ms on
+/// an NVIDIA H200, where a replayed step saves 0.3-1.2 ms against MLX's.
+const MIN_STEPS_LEFT: usize = 32;
+
 static WANTED: Lazy<bool> =
     Lazy::new(|| !crate::switch::off("EMLX_AXON_STEP_REPLAY") && crate::gpu_layer::wanted());
 
@@ -83,10 +88,14 @@ impl Generation {
     }
 
     /// Whether this generation's steps can be replayed: not turned off,
-    /// greedy, unconstrained, on a GPU stream, through the model's own layers.
+    /// long enough to repay the build, greedy, unconstrained, on a GPU
+    /// stream, through the model's own layers.
     fn replays(&self) -> bool {
+        let steps_left = (self.options.max_new_tokens.saturating_sub(self.steps))
+            .min((self.cache.capacity() - self.cache.offset()).max(0) as usize);
         *WANTED
             && self.options.step_replay
+            && steps_left >= MIN_STEPS_LEFT
             && self.sampler.is_greedy()
             && self.constraints.none()
             && self.padding.is_none()
