@@ -51,6 +51,8 @@ pub struct Generation {
     eos: Vec<u32>,
     /// The next tokens, possibly still being computed.
     pending: Option<Pending>,
+    /// Tokens already read whose next step is queued by the next call.
+    held: Option<Pending>,
     replay: Replay,
     started: Instant,
     first_token_at: Option<Instant>,
@@ -135,6 +137,7 @@ impl Generation {
             padding,
             eos,
             pending: None,
+            held: None,
             replay: Replay::Untried,
             started,
             first_token_at: None,
@@ -286,7 +289,10 @@ impl Generation {
             .take()
             .unwrap_or_else(|| vec![RowDelta::default(); self.rows.len()]);
         let runs_ahead = self.constraints.runs_ahead();
-        for _ in 0..max_steps {
+        if let Some(read) = self.held.take() {
+            self.pending = Some(self.queue_step(&read)?);
+        }
+        for i in 0..max_steps {
             let Some(current) = self.pending.take() else {
                 break;
             };
@@ -298,8 +304,16 @@ impl Generation {
             // running ahead feeds its forced tokens with this step's, known
             // only once it is read back.
             let constrained = self.constraints.active(&self.rows);
+            // On a thread's default stream a call ends by evaluating what
+            // it queued, so a step queued behind a call's last token would
+            // run before that token is returned: the next call queues it.
+            let hold = more
+                && i + 1 == max_steps
+                && self.stream.is_none()
+                && self.constraints.none()
+                && !self.replays_steps();
             let mut queued_logits = None;
-            if more && self.sampler.on_device() && !runs_ahead {
+            if more && self.sampler.on_device() && !runs_ahead && !hold {
                 match (&current, constrained) {
                     (Pending::Array(ids), true) => {
                         let logits = self.forward_step(ids)?;
@@ -346,6 +360,8 @@ impl Generation {
                 let ids = Array::from_slice(&ids, &[1, ids.len() as i32]);
                 let logits = self.forward(&ids, true)?;
                 self.pending = Some(Pending::Array(self.sample(&logits)?));
+            } else if hold {
+                self.held = Some(current);
             } else if more && !self.sampler.on_device() {
                 self.pending = Some(self.queue_step(&current)?);
             }
