@@ -751,7 +751,9 @@ def plot(summaries, path):
         if vs_llama[0] is not None:
             title += f"\nengine / llama.cpp: decode {fmt_ratio(vs_llama[0])}, prefill {fmt_ratio(vs_llama[1])}"
         ax.set_title(title, fontsize=10)
-        ax.legend(fontsize=8)
+        # Headroom above the bars for the legend, which would hide them.
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.45)
+        ax.legend(fontsize=8, loc="upper left", ncol=2)
         ax2 = axes[row][1]
         pre = [(p, m.med("prefill", p)) for p in peers if m.med("prefill", p) is not None]
         if pre:
