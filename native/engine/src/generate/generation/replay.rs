@@ -3,6 +3,8 @@
 //! step is a kernel of ours. On unless the options or
 //! `EMLX_AXON_STEP_REPLAY=0` turn it off.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
 use mlx_rs::{transforms, Array};
 use once_cell::sync::Lazy;
@@ -19,6 +21,11 @@ const MIN_STEPS_LEFT: usize = 32;
 
 static WANTED: Lazy<bool> =
     Lazy::new(|| !crate::switch::off("EMLX_AXON_STEP_REPLAY") && crate::gpu_layer::wanted());
+
+/// Set once a replay differed from MLX's step or CUDA failed building it:
+/// such a failure would recur, so later generations keep MLX's steps (and
+/// the log gets one line, not one a generation).
+static FAILED: AtomicBool = AtomicBool::new(false);
 
 /// A queued step's tokens.
 pub(super) enum Pending {
@@ -94,6 +101,7 @@ impl Generation {
         let steps_left = (self.options.max_new_tokens.saturating_sub(self.steps))
             .min((self.cache.capacity() - self.cache.offset()).max(0) as usize);
         *WANTED
+            && !FAILED.load(Ordering::Relaxed)
             && self.options.step_replay
             && steps_left >= MIN_STEPS_LEFT
             && self.sampler.is_greedy()
@@ -136,9 +144,14 @@ impl Generation {
             // Refused before anything ran: a step of MLX's own ops, as
             // expected of models the fused layers do not cover.
             Err(Error::Unsupported(_)) => Ok(Pending::Array(kept)),
-            // A replay that ran and differed, or a CUDA failure: worth saying.
+            // A replay that ran and differed, or a CUDA failure: said once,
+            // and not tried again (see `FAILED`).
             Err(e) => {
-                eprintln!("emlx_axon: decode steps stay in MLX's graph ({e})");
+                if !FAILED.swap(true, Ordering::Relaxed) {
+                    eprintln!(
+                        "emlx_axon: decode steps stay in MLX's graph for the rest of this process ({e})"
+                    );
+                }
                 let mut written = written.into_iter();
                 for (k, v) in self.cache.layers_mut() {
                     for (a, row) in [(k, written.next()), (v, written.next())] {
