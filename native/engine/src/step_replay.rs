@@ -19,6 +19,10 @@
 //! run of it, bit for bit (the kernels are deterministic, and the cache
 //! write puts the same keys and values at the same place): a replay that
 //! differs is not used.
+//!
+//! On an NVIDIA H200 (Qwen3-0.6B shape, 4-bit, bfloat16) a replayed step
+//! took 0.70 ms where MLX's took 1.0-1.9 ms, and building a replay 8-12 ms
+//! (bench/RESULTS-gpu.md).
 
 use std::cell::RefCell;
 use std::ffi::{c_char, c_void, CStr};

@@ -29,8 +29,8 @@
 //! ([`crate::cuda_kernel`]); each is checked against MLX's ops on first
 //! use per dtype, and where they cannot be built or differ, layers are
 //! built from MLX's ops. Measured on an NVIDIA H200 (bfloat16, Qwen3-0.6B
-//! shape, 4-bit, 5 fresh processes each; bench/RESULTS-gpu.md): batch-1
-//! decode 833 tok/s (MLX's products in the fused layers: 602), batch 4
+//! shape, 4-bit, 5 fresh processes each, before steps were replayed;
+//! bench/RESULTS-gpu.md, commit 2bb87fc): batch-1 decode 833 tok/s (MLX's products in the fused layers: 602), batch 4
 //! 2,714 (1,624), batch 8 3,986 (1,833). Metal keeps MLX's ops (MLX's
 //! Metal build has no CUDA kernels; ports of these sources to
 //! `metal_kernel` are not written).
