@@ -88,6 +88,9 @@ pub struct Model {
     /// Compiled decode steps by stream index, made on first use (see
     /// [`crate::decode_step::for_stream`]); their traces die with the model.
     pub(crate) compiled_steps: crate::decode_step::Steps,
+    /// Set once a one-token step of this model was found to hold nodes that
+    /// are not our kernels, so that no later generation records one again.
+    pub(crate) steps_not_replayable: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: after loading, every array of the model is evaluated and only ever
@@ -248,6 +251,7 @@ impl Model {
             rope_probe,
             step_rope,
             compiled_steps: Default::default(),
+            steps_not_replayable: Default::default(),
         };
         // Converting or quantizing the weights allocates their final form
         // while the loaded tensors are still held.

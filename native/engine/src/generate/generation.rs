@@ -486,7 +486,8 @@ impl Generation {
     }
 }
 
-/// Host-side times of a generation's start (with `profile_timing`).
+/// Host-side times of a generation's start; the prefill's only with
+/// `profile_timing` (it waits for the prefill then).
 #[derive(Default)]
 struct Timing {
     setup_ms: f64,

@@ -66,8 +66,9 @@ pub struct Stats {
     pub forward_passes: usize,
     /// From the call to the prefill's start: checks, the KV cache, streams.
     pub setup_ms: f64,
-    /// Building the prefill's graph on the host (its chunks' evaluations
-    /// between them included).
+    /// Building the prefill's graph on the host: its chunks' evaluations
+    /// between them included, and sampling the first token (which with a
+    /// host sampler or a constraint waits for the logits).
     pub prefill_graph_ms: f64,
     pub prefill_ms: f64,
     pub time_to_first_token_ms: f64,

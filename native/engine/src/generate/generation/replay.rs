@@ -12,7 +12,7 @@ use once_cell::sync::Lazy;
 use super::Generation;
 use crate::cache::KvStore;
 use crate::error::{Error, Result};
-use crate::step_replay::{self, Role, StepReplay};
+use crate::step_replay::{self, Built, Role, StepReplay};
 
 /// Steps a generation must have left for its replay to be built: building
 /// one (a recorded step, the capture and a checked replay) took 8-12 ms on
@@ -22,10 +22,14 @@ const MIN_STEPS_LEFT: usize = 32;
 static WANTED: Lazy<bool> =
     Lazy::new(|| !crate::switch::off("EMLX_AXON_STEP_REPLAY") && crate::gpu_layer::wanted());
 
-/// Set once a replay differed from MLX's step or CUDA failed building it:
-/// such a failure would recur, so later generations keep MLX's steps (and
-/// the log gets one line, not one a generation).
-static FAILED: AtomicBool = AtomicBool::new(false);
+/// Set once a replay's check differed from MLX's step: a difference would
+/// recur (a kernel that is not deterministic, or a fault in the recording),
+/// so later generations keep MLX's steps, and the log gets one line.
+static DIFFERED: AtomicBool = AtomicBool::new(false);
+
+/// Set once a replay could not be built for another reason (CUDA, memory),
+/// said once; later generations still try.
+static SAID: AtomicBool = AtomicBool::new(false);
 
 /// A queued step's tokens.
 pub(super) enum Pending {
@@ -98,12 +102,16 @@ impl Generation {
     /// long enough to repay the build, greedy, unconstrained, on a GPU
     /// stream, through the model's own layers.
     fn replays(&self) -> bool {
+        let offset = self.cache.offset().max(0) as usize;
         let steps_left = (self.options.max_new_tokens.saturating_sub(self.steps))
-            .min((self.cache.capacity() - self.cache.offset()).max(0) as usize);
+            .min(self.options.max_len.saturating_sub(offset))
+            .min((self.cache.capacity().max(0) as usize).saturating_sub(offset));
+        // Of those, the recorded step and the one not yet read are no replays.
         *WANTED
-            && !FAILED.load(Ordering::Relaxed)
+            && !DIFFERED.load(Ordering::Relaxed)
+            && !self.model.steps_not_replayable.load(Ordering::Relaxed)
             && self.options.step_replay
-            && steps_left >= MIN_STEPS_LEFT
+            && steps_left.saturating_sub(2) >= MIN_STEPS_LEFT
             && self.sampler.is_greedy()
             && self.constraints.none()
             && self.padding.is_none()
@@ -136,33 +144,37 @@ impl Generation {
         // into `next`'s buffer.
         let kept = step_replay::exact_copy(&next)?;
         transforms::eval(written.iter().chain([&next, &kept]))?;
-        match StepReplay::build(recording, &next, &kept) {
-            Ok(replay) => {
+        let said = match StepReplay::build(recording, &next, &kept) {
+            Ok(Built::Ready(replay)) => {
                 self.replay = Replay::On(replay);
-                Ok(Pending::Array(kept))
+                return Ok(Pending::Array(kept));
             }
             // Refused before anything ran: a step of MLX's own ops, as
-            // expected of models the fused layers do not cover.
-            Err(Error::Unsupported(_)) => Ok(Pending::Array(kept)),
-            // A replay that ran and differed, or a CUDA failure: said once,
-            // and not tried again (see `FAILED`).
-            Err(e) => {
-                if !FAILED.swap(true, Ordering::Relaxed) {
-                    eprintln!(
-                        "emlx_axon: decode steps stay in MLX's graph for the rest of this process ({e})"
-                    );
+            // expected of models the fused layers do not cover, and so for
+            // every later generation of this model.
+            Err(Error::Unsupported(_)) => {
+                self.model
+                    .steps_not_replayable
+                    .store(true, Ordering::Relaxed);
+                return Ok(Pending::Array(kept));
+            }
+            Ok(Built::Differs(why)) => (!DIFFERED.swap(true, Ordering::Relaxed))
+                .then(|| format!("for the rest of this process ({why})")),
+            Err(e) => (!SAID.swap(true, Ordering::Relaxed)).then(|| format!("({e})")),
+        };
+        if let Some(said) = said {
+            eprintln!("emlx_axon: decode steps stay in MLX's graph {said}");
+        }
+        // The check's replay may have written the cache rows: MLX's go back.
+        let mut written = written.into_iter();
+        for (k, v) in self.cache.layers_mut() {
+            for (a, row) in [(k, written.next()), (v, written.next())] {
+                if let Some(row) = row {
+                    a.try_index_mut((.., .., at..at + 1, ..), row)?;
                 }
-                let mut written = written.into_iter();
-                for (k, v) in self.cache.layers_mut() {
-                    for (a, row) in [(k, written.next()), (v, written.next())] {
-                        if let Some(row) = row {
-                            a.try_index_mut((.., .., at..at + 1, ..), row)?;
-                        }
-                    }
-                }
-                transforms::eval(self.cache.arrays())?;
-                Ok(Pending::Array(kept))
             }
         }
+        transforms::eval(self.cache.arrays())?;
+        Ok(Pending::Array(kept))
     }
 }
