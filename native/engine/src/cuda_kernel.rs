@@ -64,13 +64,12 @@ impl Compiled {
     /// The kernel `name` from `binary`; `token` names this binary and no
     /// other (MLX is launched with it where it can, see the glue).
     fn new(name: &str, token: &str, binary: Vec<u8>) -> Result<Self> {
-        let owned_token = token.to_string();
-        let (name, token) = (c_string(name)?, c_string(token)?);
+        let (c_name, c_token) = (c_string(name)?, c_string(token)?);
         // SAFETY: the shim copies the strings and the binary.
         let handle = unsafe {
             mlx_sys::emlx_cuda_kernel_new(
-                name.as_ptr(),
-                token.as_ptr(),
+                c_name.as_ptr(),
+                c_token.as_ptr(),
                 binary.as_ptr().cast(),
                 binary.len(),
             )
@@ -80,8 +79,8 @@ impl Compiled {
         }
         Ok(Compiled {
             handle,
-            name: name.to_string_lossy().into_owned(),
-            token: owned_token,
+            name: name.to_string(),
+            token: token.to_string(),
             binary,
             resident: Mutex::new(Vec::new()),
         })
@@ -104,12 +103,12 @@ impl Compiled {
 
     /// Blocks of `threads` threads that one multiprocessor holds at once,
     /// as the driver tells (`None` where it cannot).
-    fn resident(&self, name: &str, threads: i32) -> Result<Option<i32>> {
+    fn resident(&self, threads: i32) -> Result<Option<i32>> {
         let mut known = self.resident.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((_, blocks)) = known.iter().find(|(t, _)| *t == threads) {
             return Ok(*blocks);
         }
-        let name = c_string(name)?;
+        let name = c_string(&self.name)?;
         let mut blocks = 0;
         // SAFETY: the binary outlives the call; the shim writes one int.
         let status = unsafe {
@@ -286,7 +285,7 @@ impl CudaKernel {
     ) -> Result<Option<i32>> {
         let key = variant(inputs, outputs, templates);
         let kernel = self.compiled(key, || self.source(inputs, outputs, templates))?;
-        kernel.resident(&self.name, threads)
+        kernel.resident(threads)
     }
 
     /// The kernel's node over `inputs` on the current stream, with one

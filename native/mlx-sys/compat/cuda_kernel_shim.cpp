@@ -35,6 +35,7 @@ namespace {
 using nvrtc_program = void*;
 using nvrtc_result = int;
 
+using emlx::bind;
 using emlx::copy_out;
 using emlx::symbol;
 
@@ -54,17 +55,16 @@ struct Nvrtc {
   nvrtc_result (*cubin)(nvrtc_program, char*);
   nvrtc_result (*destroy)(nvrtc_program*);
 
+  // Whether every entry point is here (each set where found).
   bool load() {
-    version = symbol<decltype(version)>("nvrtcVersion");
-    create = symbol<decltype(create)>("nvrtcCreateProgram");
-    compile = symbol<decltype(compile)>("nvrtcCompileProgram");
-    log_size = symbol<decltype(log_size)>("nvrtcGetProgramLogSize");
-    log = symbol<decltype(log)>("nvrtcGetProgramLog");
-    cubin_size = symbol<decltype(cubin_size)>("nvrtcGetCUBINSize");
-    cubin = symbol<decltype(cubin)>("nvrtcGetCUBIN");
-    destroy = symbol<decltype(destroy)>("nvrtcDestroyProgram");
-    return version && create && compile && log_size && log && cubin_size &&
-        cubin && destroy;
+    return bind(version, "nvrtcVersion") &&
+        bind(create, "nvrtcCreateProgram") &&
+        bind(compile, "nvrtcCompileProgram") &&
+        bind(log_size, "nvrtcGetProgramLogSize") &&
+        bind(log, "nvrtcGetProgramLog") &&
+        bind(cubin_size, "nvrtcGetCUBINSize") &&
+        bind(cubin, "nvrtcGetCUBIN") &&
+        bind(destroy, "nvrtcDestroyProgram");
   }
 };
 

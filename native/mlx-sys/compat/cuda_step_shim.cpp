@@ -37,6 +37,7 @@ using CUgraph = void*;
 using CUgraphExec = void*;
 using CUdeviceptr = unsigned long long;
 
+using emlx::bind;
 using emlx::copy_out;
 using emlx::symbol;
 
@@ -81,43 +82,35 @@ struct Driver {
   CUresult (*error_name)(CUresult, const char**);
   CUresult (*capture_mode)(int*);
 
+  // Whether every entry point is here (each set where found).
   bool load() {
-    device_get = symbol<decltype(device_get)>("cuDeviceGet");
-    retain = symbol<decltype(retain)>("cuDevicePrimaryCtxRetain");
-    release = symbol<decltype(release)>("cuDevicePrimaryCtxRelease_v2");
-    push = symbol<decltype(push)>("cuCtxPushCurrent_v2");
-    pop = symbol<decltype(pop)>("cuCtxPopCurrent_v2");
-    module_load = symbol<decltype(module_load)>("cuModuleLoadData");
-    module_function =
-        symbol<decltype(module_function)>("cuModuleGetFunction");
-    module_unload = symbol<decltype(module_unload)>("cuModuleUnload");
-    stream_create = symbol<decltype(stream_create)>("cuStreamCreate");
-    stream_destroy = symbol<decltype(stream_destroy)>("cuStreamDestroy_v2");
-    stream_sync = symbol<decltype(stream_sync)>("cuStreamSynchronize");
-    event_create = symbol<decltype(event_create)>("cuEventCreate");
-    event_record = symbol<decltype(event_record)>("cuEventRecord");
-    event_sync = symbol<decltype(event_sync)>("cuEventSynchronize");
-    event_destroy = symbol<decltype(event_destroy)>("cuEventDestroy_v2");
-    launch = symbol<decltype(launch)>("cuLaunchKernel");
-    begin_capture = symbol<decltype(begin_capture)>("cuStreamBeginCapture_v2");
-    end_capture = symbol<decltype(end_capture)>("cuStreamEndCapture");
-    instantiate = symbol<decltype(instantiate)>("cuGraphInstantiateWithFlags");
-    graph_launch = symbol<decltype(graph_launch)>("cuGraphLaunch");
-    exec_destroy = symbol<decltype(exec_destroy)>("cuGraphExecDestroy");
-    graph_destroy = symbol<decltype(graph_destroy)>("cuGraphDestroy");
-    host_alloc = symbol<decltype(host_alloc)>("cuMemHostAlloc");
-    host_device_pointer =
-        symbol<decltype(host_device_pointer)>("cuMemHostGetDevicePointer_v2");
-    host_free = symbol<decltype(host_free)>("cuMemFreeHost");
-    error_name = symbol<decltype(error_name)>("cuGetErrorName");
-    capture_mode =
-        symbol<decltype(capture_mode)>("cuThreadExchangeStreamCaptureMode");
-    return capture_mode && device_get && retain && release && push && pop && module_load &&
-        module_function && module_unload && stream_create && stream_destroy &&
-        stream_sync && event_create && event_record && event_sync &&
-        event_destroy && launch && begin_capture && end_capture &&
-        instantiate && graph_launch && exec_destroy && graph_destroy &&
-        host_alloc && host_device_pointer && host_free && error_name;
+    return bind(device_get, "cuDeviceGet") &&
+        bind(retain, "cuDevicePrimaryCtxRetain") &&
+        bind(release, "cuDevicePrimaryCtxRelease_v2") &&
+        bind(push, "cuCtxPushCurrent_v2") &&
+        bind(pop, "cuCtxPopCurrent_v2") &&
+        bind(module_load, "cuModuleLoadData") &&
+        bind(module_function, "cuModuleGetFunction") &&
+        bind(module_unload, "cuModuleUnload") &&
+        bind(stream_create, "cuStreamCreate") &&
+        bind(stream_destroy, "cuStreamDestroy_v2") &&
+        bind(stream_sync, "cuStreamSynchronize") &&
+        bind(event_create, "cuEventCreate") &&
+        bind(event_record, "cuEventRecord") &&
+        bind(event_sync, "cuEventSynchronize") &&
+        bind(event_destroy, "cuEventDestroy_v2") &&
+        bind(launch, "cuLaunchKernel") &&
+        bind(begin_capture, "cuStreamBeginCapture_v2") &&
+        bind(end_capture, "cuStreamEndCapture") &&
+        bind(instantiate, "cuGraphInstantiateWithFlags") &&
+        bind(graph_launch, "cuGraphLaunch") &&
+        bind(exec_destroy, "cuGraphExecDestroy") &&
+        bind(graph_destroy, "cuGraphDestroy") &&
+        bind(host_alloc, "cuMemHostAlloc") &&
+        bind(host_device_pointer, "cuMemHostGetDevicePointer_v2") &&
+        bind(host_free, "cuMemFreeHost") &&
+        bind(error_name, "cuGetErrorName") &&
+        bind(capture_mode, "cuThreadExchangeStreamCaptureMode");
   }
 };
 

@@ -16,6 +16,13 @@ F symbol(const char* name) {
   return reinterpret_cast<F>(dlsym(RTLD_DEFAULT, name));
 }
 
+// Sets `f` to `name`'s entry point; whether there is one.
+template <typename F>
+bool bind(F& f, const char* name) {
+  f = symbol<F>(name);
+  return f != nullptr;
+}
+
 // A malloc'd copy of `s`, for Rust to free with `emlx_cuda_free`.
 inline char* copy_out(const std::string& s) {
   char* out = static_cast<char*>(std::malloc(s.size() + 1));
