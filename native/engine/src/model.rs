@@ -66,6 +66,21 @@ enum Take<'a> {
     At(&'a Array),
 }
 
+/// `h`'s positions that the logits are asked for.
+fn take_rows(h: Array, take: Take) -> Result<Array> {
+    Ok(match take {
+        Take::All => h,
+        Take::Last => {
+            let l = h.dim(1);
+            mlx_rs::ops::indexing::IndexOp::index(&h, (.., (l - 1).., ..))
+        }
+        Take::At(at) => {
+            let at = at.reshape(&[at.dim(0), 1, 1])?;
+            h.take_along_axis(&at, 1)?
+        }
+    })
+}
+
 pub struct Model {
     pub config: ModelConfig,
     pub dtype: Dtype,
@@ -383,6 +398,24 @@ impl Model {
         // `device::prepare_mlx`).
         let commit_every =
             (ids.dim(1) > 1 && !cpu_ops && !cfg!(feature = "metal")).then_some(COMMIT_LAYERS);
+        if ids.dim(1) > 1 && !cpu_ops {
+            let normed = {
+                let mut attend = |x: &Array, block: &Block, i: usize| {
+                    block.attn.forward(c, x, cache, i, mask, &rope, workers)
+                };
+                crate::gpu_layer::prefill_layers(
+                    &self.blocks,
+                    &self.norm,
+                    &h,
+                    &mut attend,
+                    commit_every,
+                )?
+            };
+            if let Some(x) = normed {
+                cache.advance(ids.dim(1));
+                return self.head(&take_rows(x, take)?, workers);
+            }
+        }
         for (i, block) in self.blocks.iter().enumerate() {
             if commit_every.is_some_and(|n| i > 0 && i % n == 0) {
                 mlx_rs::transforms::async_eval([&h])?;
@@ -410,18 +443,7 @@ impl Model {
             h = h.add(&block.mlp.down.forward(&act, workers)?)?;
         }
         cache.advance(ids.dim(1));
-        match take {
-            Take::All => {}
-            Take::Last => {
-                let l = h.dim(1);
-                h = mlx_rs::ops::indexing::IndexOp::index(&h, (.., (l - 1).., ..));
-            }
-            Take::At(at) => {
-                let at = at.reshape(&[at.dim(0), 1, 1])?;
-                h = h.take_along_axis(&at, 1)?;
-            }
-        }
-        let h = self.norm.forward(&h, cpu_ops)?;
+        let h = self.norm.forward(&take_rows(h, take)?, cpu_ops)?;
         self.head(&h, workers)
     }
 
