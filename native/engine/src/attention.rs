@@ -250,7 +250,6 @@ impl Attention {
         };
         let v = heads_first(heads.index((.., .., nq + nkv.., ..)))?;
         let (keys, values) = cache.update(layer, &k, &v)?;
-        let scale = (hd as f32).powf(-0.5);
         let q = match rope {
             Rope::Table { .. }
                 if matches!(mask, AttentionMask::None)
@@ -267,28 +266,7 @@ impl Attention {
             Rope::Table { .. } => heads_first(q)?,
             Rope::Fused(_) => q,
         };
-        let out = match mask {
-            AttentionMask::None => {
-                scaled_dot_product_attention(&q, &keys, &values, scale, None, None)?
-            }
-            AttentionMask::Causal => scaled_dot_product_attention(
-                &q,
-                &keys,
-                &values,
-                scale,
-                ScaledDotProductAttentionMask::Causal,
-                None,
-            )?,
-            AttentionMask::Ranges { starts, ends, .. }
-                if l == 1 && crate::decode_attention::available() =>
-            {
-                crate::decode_attention::attend(&q, &keys, &values, starts, ends)?
-            }
-            AttentionMask::Array(m) | AttentionMask::Ranges { mask: m, .. } => {
-                scaled_dot_product_attention(&q, &keys, &values, scale, m, None)?
-            }
-        };
-        let out = out
+        let out = attend(&q, &keys, &values, mask)?
             .transpose_axes(&[0, 2, 1, 3])?
             .reshape(&[b, l, nq * hd])?;
         self.o.forward(&out, workers)
@@ -343,4 +321,34 @@ impl Attention {
                 .reshape(&[b, l, nq * hd])?
         }))
     }
+}
+
+/// Attention of queries `[B, heads, L, head_dim]` over `keys`/`values`
+/// `[B, kv_heads, S, head_dim]` under `mask`: `[B, heads, L, head_dim]`.
+pub(crate) fn attend(
+    q: &Array,
+    keys: &Array,
+    values: &Array,
+    mask: &AttentionMask,
+) -> Result<Array> {
+    let scale = (q.dim(-1) as f32).powf(-0.5);
+    Ok(match mask {
+        AttentionMask::None => scaled_dot_product_attention(q, keys, values, scale, None, None)?,
+        AttentionMask::Causal => scaled_dot_product_attention(
+            q,
+            keys,
+            values,
+            scale,
+            ScaledDotProductAttentionMask::Causal,
+            None,
+        )?,
+        AttentionMask::Ranges { starts, ends, .. }
+            if q.dim(2) == 1 && crate::decode_attention::available() =>
+        {
+            crate::decode_attention::attend(q, keys, values, starts, ends)?
+        }
+        AttentionMask::Array(m) | AttentionMask::Ranges { mask: m, .. } => {
+            scaled_dot_product_attention(q, keys, values, scale, m, None)?
+        }
+    })
 }

@@ -42,6 +42,9 @@ pub trait KvStore {
     /// Layer `layer`'s whole key and value buffers, `[rows, kv_heads,
     /// capacity, head_dim]`, which such a layer reads after `update`.
     fn buffers(&self, layer: usize) -> &(Array, Array);
+    /// Replaces layer `layer`'s buffers with handles on the same memory
+    /// (see [`crate::cuda_kernel::written_by`]).
+    fn set_buffers(&mut self, layer: usize, keys: Array, values: Array);
 }
 
 pub struct KvCache {
@@ -130,6 +133,10 @@ impl KvStore for KvCache {
 
     fn buffers(&self, layer: usize) -> &(Array, Array) {
         &self.layers[layer]
+    }
+
+    fn set_buffers(&mut self, layer: usize, keys: Array, values: Array) {
+        self.layers[layer] = (keys, values);
     }
 
     /// Writes `k`, `v` (`[B, kv_heads, L, head_dim]`) at the offset and returns

@@ -417,6 +417,41 @@ fn launch(
     }
 }
 
+/// `arrays` again, on the same buffers, but evaluated only after `writer`:
+/// a kernel that writes into them in place (MLX sees no dependency in a
+/// write through an input). Later readers of the returned handles, and
+/// evaluating them, then wait for the write.
+pub(crate) fn written_by<const N: usize>(
+    arrays: [&Array; N],
+    writer: &Array,
+) -> Result<[Array; N]> {
+    // SAFETY: FFI on live handles; the result vector is read back before it
+    // is freed and each array handle is taken over by an `Array`.
+    unsafe {
+        let handles: Vec<_> = arrays.iter().map(|a| a.as_ptr()).collect();
+        let ins = mlx_sys::mlx_vector_array_new_data(handles.as_ptr(), handles.len());
+        let deps = mlx_sys::mlx_vector_array_new_value(writer.as_ptr());
+        let mut results = mlx_sys::mlx_vector_array_new();
+        let status = mlx_sys::mlx_depends(&mut results, ins, deps);
+        let mut out = Vec::with_capacity(arrays.len());
+        if status == 0 && mlx_sys::mlx_vector_array_size(results) == arrays.len() {
+            for i in 0..arrays.len() {
+                let mut a = mlx_sys::mlx_array_new();
+                if mlx_sys::mlx_vector_array_get(&mut a, results, i) == 0 {
+                    out.push(Array::from_ptr(a));
+                } else {
+                    mlx_sys::mlx_array_free(a);
+                }
+            }
+        }
+        mlx_sys::mlx_vector_array_free(ins);
+        mlx_sys::mlx_vector_array_free(deps);
+        mlx_sys::mlx_vector_array_free(results);
+        out.try_into()
+            .map_err(|_| Error::Mlx("MLX's depends failed".into()))
+    }
+}
+
 /// What kernels are compiled and sized for.
 struct Target {
     /// The device's architecture, `sm_90`.
@@ -638,6 +673,24 @@ mod tests {
         for (i, other) in others.iter().enumerate() {
             assert_ne!(&base, other, "variant {i}");
         }
+    }
+
+    /// Handles made to wait for a writer hold the same values, and
+    /// evaluating them evaluates the writer.
+    #[test]
+    fn written_by_keeps_values_and_waits_for_the_writer() {
+        let a = Array::from_slice(&[1.0f32, 2.0, 3.0], &[3]);
+        let b = Array::from_slice(&[4i32, 5], &[2]);
+        a.eval().unwrap();
+        let writer = a.multiply(Array::from_f32(2.0)).unwrap();
+        let [a2, b2] = written_by([&a, &b], &writer).unwrap();
+        mlx_rs::transforms::eval([&a2, &b2]).unwrap();
+        assert_eq!(a2.as_slice::<f32>(), &[1.0, 2.0, 3.0]);
+        assert_eq!(b2.as_slice::<i32>(), &[4, 5]);
+        // SAFETY: a status query on a live handle.
+        let mut available = false;
+        let status = unsafe { mlx_sys::_mlx_array_is_available(&mut available, writer.as_ptr()) };
+        assert!(status == 0 && available, "the writer was not evaluated");
     }
 
     /// Where MLX has no CUDA device (the CPU build), a kernel is an error,

@@ -399,19 +399,18 @@ impl Model {
         let commit_every =
             (ids.dim(1) > 1 && !cpu_ops && !cfg!(feature = "metal")).then_some(COMMIT_LAYERS);
         if ids.dim(1) > 1 && !cpu_ops {
-            let normed = {
-                let mut attend = |x: &Array, block: &Block, i: usize| {
-                    block.attn.forward(c, x, cache, i, mask, &rope, workers)
-                };
-                crate::gpu_layer::prefill_layers(
-                    &self.blocks,
-                    &self.norm,
-                    &h,
-                    &mut attend,
-                    commit_every,
-                )?
+            let prompt = crate::gpu_layer::Prompt {
+                config: c,
+                blocks: &self.blocks,
+                final_norm: &self.norm,
+                table: &self.step_rope,
+                mask,
+                commit_every,
             };
-            if let Some(x) = normed {
+            let mut attend = |x: &Array, block: &Block, i: usize, cache: &mut C| {
+                block.attn.forward(c, x, cache, i, mask, &rope, workers)
+            };
+            if let Some(x) = crate::gpu_layer::prefill_layers(&prompt, &h, cache, &mut attend)? {
                 cache.advance(ids.dim(1));
                 return self.head(&take_rows(x, take)?, workers);
             }

@@ -111,6 +111,57 @@ const QKV_ATTEND_PROLOGUE: &str = r#"
   for (int e = 0; e < E; e++) qv[e] = static_cast<float>(qk[0][lane * E + e]) * scale;
 "#;
 
+/// A prompt's q/k norms (Qwen3), RoPE and cache write for all its tokens,
+/// one block of `D` threads per (head, token, row) of the q/k/v product `[B,
+/// L, (NQ + 2 * NKV) * D]`: query heads go to `q` `[B, NQ, L, D]` as
+/// attention reads them, key heads (rotated) and value heads into the cache
+/// buffers in place at `offset + l`. The same arithmetic, rounding for
+/// rounding, as the step kernel's prologue above; it replaces about
+/// fifteen MLX nodes a layer (slices, norms, transposes, rotations, the
+/// cache's update and its reshapes).
+const QK_ROPE_WRITE: &str = r#"
+  const int i = threadIdx.x;
+  const int head = blockIdx.x;
+  const int l = blockIdx.y;
+  const int b = blockIdx.z;
+  const int L = qkv_shape[1];
+  const int pos = offset[0] + l;
+  const T* src = qkv + ((size_t)b * L + l) * (NQ + 2 * NKV) * D;
+  __shared__ float partial[D / 32];
+  __shared__ T normed[D];
+  const bool is_q = head < NQ;
+  const float x = static_cast<float>(src[head * D + i]);
+  float n = 1.f;
+  if (NORM) {
+    float ss = x * x;
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+    if (i % 32 == 0) partial[i / 32] = ss;
+    __syncthreads();
+    float total = 0.f;
+    for (int k = 0; k < D / 32; k++) total += partial[k];
+    n = rsqrtf(total / D + __int_as_float(EPS_BITS));
+  }
+  const float wn = NORM ? static_cast<float>(is_q ? q_norm[i] : k_norm[i]) : 1.f;
+  normed[i] = NORM ? static_cast<T>(wn * static_cast<float>(static_cast<T>(x * n))) : static_cast<T>(x);
+  __syncthreads();
+  const int partner = TRAD ? (i ^ 1) : (i < D / 2 ? i + D / 2 : i - D / 2);
+  const float cs = rope_cos[(size_t)pos * D + i];
+  const float sn = rope_sin[(size_t)pos * D + i];
+  const T y = static_cast<T>(static_cast<float>(normed[i]) * cs +
+                             static_cast<float>(normed[partner]) * sn);
+  if (is_q) {
+    q[(((size_t)b * NQ + head) * L + l) * D + i] = y;
+  } else {
+    const int kv = head - NQ;
+    T* kc = const_cast<T*>(keys) + (size_t)b * keys_strides[0] + (size_t)kv * keys_strides[1] +
+            (size_t)pos * keys_strides[2];
+    T* vc = const_cast<T*>(values) + (size_t)b * values_strides[0] +
+            (size_t)kv * values_strides[1] + (size_t)pos * values_strides[2];
+    kc[i] = y;
+    vc[i] = src[(NQ + NKV + kv) * D + i];
+  }
+"#;
+
 /// A block's RMSNorm factor `n` over `D` values, from each thread's sum of
 /// squares `ss` (threads `t`, a `partial` slot per warp).
 const BLOCK_NORM: &str = r#"
@@ -123,11 +174,16 @@ const BLOCK_NORM: &str = r#"
 "#;
 
 /// The residual add and the RMSNorm after it: `h + r`, then (with
-/// [`BLOCK_NORM`] and [`ADD_NORM_OUT`]) its norm.
+/// [`BLOCK_NORM`] and [`ADD_NORM_OUT`]) its norm; a block per row of `[B,
+/// L, D]` inputs.
 const ADD_NORM: &str = r#"
   constexpr int PER = (D + BLOCK - 1) / BLOCK;
   const int t = threadIdx.x;
   const int row = blockIdx.y;
+  const int b = row / h_shape[1];
+  const int l = row % h_shape[1];
+  const T* hr = h + (size_t)b * h_strides[0] + (size_t)l * h_strides[1];
+  const T* rr = r + (size_t)b * r_strides[0] + (size_t)l * r_strides[1];
   __shared__ float partial[BLOCK / 32];
   float v[PER];
   float ss = 0.f;
@@ -136,8 +192,7 @@ const ADD_NORM: &str = r#"
     v[k] = 0.f;
     if (i < D) {
       const T s = static_cast<T>(
-          static_cast<float>(h[row * h_strides[0] + i * h_strides[2]]) +
-          static_cast<float>(r[row * r_strides[0] + i * r_strides[2]]));
+          static_cast<float>(hr[i * h_strides[2]]) + static_cast<float>(rr[i * r_strides[2]]));
       sum[(size_t)row * D + i] = s;
       v[k] = static_cast<float>(s);
       ss += v[k] * v[k];
@@ -227,7 +282,8 @@ const SWIGLU_OF: &str = r#"
   };
 "#;
 
-/// `silu(gate) * up` from the stacked gate/up product `[rows, 1, 2 * I]`.
+/// `silu(gate) * up` from the stacked gate/up product `[rows, 2 * I]`
+/// (contiguous, any leading shape).
 const SWIGLU: &str = r#"
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   const int row = blockIdx.y;
@@ -639,6 +695,7 @@ pub(crate) struct Kernels {
     qkv_attend: CudaKernel,
     add_norm: CudaKernel,
     swiglu: CudaKernel,
+    qk_rope_write: CudaKernel,
     /// By input (plain, add + norm) and output (product, SwiGLU of its
     /// halves): `products[input][output]`.
     products: [[CudaKernel; 2]; 2],
@@ -688,6 +745,26 @@ pub(crate) struct QkvAttend<'a> {
     pub kv_heads: i32,
 }
 
+/// What [`Kernels::qk_rope_write`] reads.
+pub(crate) struct QkRopeWrite<'a> {
+    /// The q/k/v product `[B, L, (heads + 2 * kv_heads) * head_dim]`,
+    /// contiguous.
+    pub qkv: &'a Array,
+    pub qk_norm: Option<(&'a Array, &'a Array, f32)>,
+    /// A [`crate::rope::PositionTable`]'s rows, past `offset + L`.
+    pub cos: &'a Array,
+    pub signed_sin: &'a Array,
+    pub traditional: bool,
+    /// `[1]` int32: the first token's position.
+    pub offset: &'a Array,
+    /// The cache's buffers `[B, kv_heads, capacity, head_dim]`, written in
+    /// place.
+    pub keys: &'a Array,
+    pub values: &'a Array,
+    pub heads: i32,
+    pub kv_heads: i32,
+}
+
 fn eps_bits(eps: f32) -> Template {
     Template::Int(eps.to_bits() as i32)
 }
@@ -729,6 +806,14 @@ impl Kernels {
                 &["gu"],
                 &["act"],
                 &[SWIGLU_OF, SWIGLU].concat(),
+            )?,
+            qk_rope_write: CudaKernel::new(
+                "emlx_axon_qk_rope_write",
+                &[
+                    "qkv", "q_norm", "k_norm", "rope_cos", "rope_sin", "offset", "keys", "values",
+                ],
+                &["q"],
+                QK_ROPE_WRITE,
             )?,
             products: [
                 [product_kernel(false, 1)?, product_kernel(false, 2)?],
@@ -815,7 +900,45 @@ impl Kernels {
         Ok(out.remove(0))
     }
 
-    /// `(h + r, rms_norm(h + r) * w)` for `[rows, 1, hidden]` arrays.
+    /// A prompt's queries `[B, heads, L, head_dim]`, normalized and
+    /// rotated; its keys and values go into the cache.
+    pub(crate) fn qk_rope_write(&self, p: &QkRopeWrite) -> Result<Array> {
+        let (b, l, hd) = (p.qkv.dim(0), p.qkv.dim(1), p.cos.dim(-1));
+        let dtype = p.qkv.dtype();
+        let (q_norm, k_norm, eps) = match p.qk_norm {
+            Some((q, k, eps)) => (q, k, eps),
+            None => (p.cos, p.cos, 0.0),
+        };
+        let inputs = [
+            p.qkv,
+            q_norm,
+            k_norm,
+            p.cos,
+            p.signed_sin,
+            p.offset,
+            p.keys,
+            p.values,
+        ];
+        let mut out = self.qk_rope_write.apply(
+            &inputs,
+            &[(&[b, p.heads, l, hd], dtype)],
+            ((p.heads + p.kv_heads) * hd, l, b),
+            (hd, 1, 1),
+            &[
+                ("T", Template::Dtype(dtype)),
+                ("D", Template::Int(hd)),
+                ("NQ", Template::Int(p.heads)),
+                ("NKV", Template::Int(p.kv_heads)),
+                ("NORM", Template::Bool(p.qk_norm.is_some())),
+                ("TRAD", Template::Bool(p.traditional)),
+                ("EPS_BITS", eps_bits(eps)),
+            ],
+        )?;
+        Ok(out.remove(0))
+    }
+
+    /// `(h + r, rms_norm(h + r) * w)` for `[B, L, hidden]` arrays (a step's
+    /// `[rows, 1, hidden]`).
     pub(crate) fn add_norm(
         &self,
         h: &Array,
@@ -823,12 +946,12 @@ impl Kernels {
         w: &Array,
         eps: f32,
     ) -> Result<(Array, Array)> {
-        let (rows, d) = (h.dim(0), h.dim(-1));
-        let shape = [rows, 1, d];
+        let shape = h.shape();
+        let (rows, d) = (h.dim(0) * h.dim(1), h.dim(-1));
         let dtype = h.dtype();
         let out = self.add_norm.apply(
             &[h, r, w],
-            &[(&shape, dtype), (&shape, dtype)],
+            &[(shape, dtype), (shape, dtype)],
             (BLOCK, rows, 1),
             (BLOCK, 1, 1),
             &[
@@ -872,12 +995,17 @@ impl Kernels {
         })
     }
 
-    /// `silu(gate) * up` of a stacked gate/up product `[rows, 1, 2 * I]`.
+    /// `silu(gate) * up` of a stacked gate/up product `[..., 2 * I]`.
     pub(crate) fn swiglu(&self, gu: &Array) -> Result<Array> {
-        let (rows, i) = (gu.dim(0), gu.dim(-1) / 2);
+        let i = gu.dim(-1) / 2;
+        let rows = (gu.size() / gu.dim(-1).max(1) as usize) as i32;
+        let mut shape = gu.shape().to_vec();
+        if let Some(last) = shape.last_mut() {
+            *last = i;
+        }
         let mut out = self.swiglu.apply(
             &[gu],
-            &[(&[rows, 1, i], gu.dtype())],
+            &[(&shape, gu.dtype())],
             (i, rows, 1),
             (BLOCK, 1, 1),
             &[("T", Template::Dtype(gu.dtype())), ("I", Template::Int(i))],

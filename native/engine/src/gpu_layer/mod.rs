@@ -36,6 +36,7 @@
 //! `metal_kernel` are not written).
 
 mod kernels;
+mod prefill;
 
 use mlx_rs::fast::rms_norm;
 use mlx_rs::ops::indexing::IndexOp;
@@ -53,6 +54,7 @@ use crate::model::Block;
 use crate::rope::PositionTable;
 use emlx_axon_kernels::QuantWeight;
 use kernels::{pair, GemvInput, GemvOutput, Kernels, QkvAttend};
+pub(crate) use prefill::{layers as prefill_layers, Prompt};
 
 /// On by default where MLX has a CUDA GPU; `EMLX_AXON_GPU_LAYER=0` keeps
 /// MLX's ops.
@@ -66,13 +68,6 @@ static WANTED: Lazy<bool> = Lazy::new(|| {
 /// `EMLX_AXON_GPU_GEMV=0`. They save four nodes a layer; on an NVIDIA H200
 /// they were faster than MLX's at 1 and 8 rows and about as fast at 4.
 static GEMV: Lazy<bool> = Lazy::new(|| !crate::switch::off("EMLX_AXON_GPU_GEMV"));
-
-/// Whether multi-token forwards take the residual add + RMSNorm and SwiGLU
-/// kernels too (`EMLX_AXON_PREFILL_KERNELS=1`; opt-in until measured).
-static PREFILL: Lazy<bool> = Lazy::new(|| crate::switch::on("EMLX_AXON_PREFILL_KERNELS"));
-
-/// The add + RMSNorm kernel's grid has a block row per token row.
-const MAX_GRID_ROWS: i32 = 65_535;
 
 static KERNELS: OnceCell<Option<Kernels>> = OnceCell::new();
 
@@ -276,57 +271,6 @@ pub(crate) fn forward<C: KvStore>(
         (h, x) = k.add_norm(&h1, &d, next.weight(), next.eps())?;
     }
     Ok(Some(Output::Normed(x)))
-}
-
-/// The layers of a multi-token forward (a prefill) over embeddings `h`
-/// `[B, L, hidden]`: `attend` (MLX's attention sublayer, `[B, L, hidden]`
-/// in and out) and MLX's products, with each residual add + RMSNorm pair
-/// and SwiGLU from our kernels, over the B x L token rows: five nodes
-/// fewer a layer than MLX's ops, the prefill being bound by their count.
-/// Returns the final norm's output `[B, L, hidden]`, or `None`, before
-/// anything runs, where the kernels do not take the model.
-pub(crate) fn prefill_layers(
-    blocks: &[Block],
-    final_norm: &RmsNorm,
-    h: &Array,
-    attend: &mut dyn FnMut(&Array, &Block, usize) -> Result<Array>,
-    commit_every: Option<usize>,
-) -> Result<Option<Array>> {
-    let (b, l, d) = (h.dim(0), h.dim(1), h.dim(2));
-    let dtype = h.dtype();
-    let norms = blocks
-        .iter()
-        .flat_map(|b| [&b.input_norm, &b.post_norm])
-        .chain([final_norm]);
-    let takes = *PREFILL
-        && kernels::takes_dtype(dtype)
-        && h.ndim() == 3
-        && b * l <= MAX_GRID_ROWS
-        && !blocks.is_empty()
-        && norms.into_iter().all(|n| n.weight().ndim() == 1)
-        && blocks.iter().all(|b| {
-            b.mlp.gate_up.is_stacked() && matches!(b.mlp.gate_up.sizes(), [g, u] if g == u)
-        });
-    let Some(k) = takes.then(|| kernels(dtype)).flatten() else {
-        return Ok(None);
-    };
-    let rows = [b * l, 1, d];
-    let first = &blocks[0].input_norm;
-    let mut h = h.reshape(&rows)?;
-    let mut x = rms_norm(&h, Some(first.weight()), first.eps())?;
-    for (i, block) in blocks.iter().enumerate() {
-        if commit_every.is_some_and(|n| i > 0 && i % n == 0) {
-            mlx_rs::transforms::async_eval([&h, &x])?;
-        }
-        let r = attend(&x.reshape(&[b, l, d])?, block, i)?.reshape(&rows)?;
-        let post = &block.post_norm;
-        let (h1, x1) = k.add_norm(&h, &r, post.weight(), post.eps())?;
-        let act = k.swiglu(&block.mlp.gate_up.forward(&x1, &[])?)?;
-        let down = block.mlp.down.forward(&act, &[])?;
-        let next = blocks.get(i + 1).map_or(final_norm, |b| &b.input_norm);
-        (h, x) = k.add_norm(&h1, &down, next.weight(), next.eps())?;
-    }
-    Ok(Some(x.reshape(&[b, l, d])?))
 }
 
 /// A layer's quantized weights as our product kernels take them.

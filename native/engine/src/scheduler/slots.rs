@@ -280,6 +280,10 @@ impl KvStore for SlotCache {
     fn buffers(&self, layer: usize) -> &(Array, Array) {
         &self.layers[layer]
     }
+
+    fn set_buffers(&mut self, layer: usize, keys: Array, values: Array) {
+        self.layers[layer] = (keys, values);
+    }
 }
 
 #[cfg(test)]

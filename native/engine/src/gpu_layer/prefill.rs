@@ -1,0 +1,243 @@
+//! A prompt's layers (a multi-token forward) on a CUDA GPU from fewer MLX
+//! nodes. A small model's prefill is bound by the host, not the device:
+//! MLX spends about 6 µs on every node it builds and queues, views
+//! included, and a 512-token prompt through a Qwen3-0.6B-shaped model took
+//! about 30 nodes a layer. Here a layer is 13: MLX's products and
+//! attention, with our kernels for the q/k norms + RoPE + cache write
+//! ([`Kernels::qk_rope_write`]), each residual add + RMSNorm pair and
+//! SwiGLU, over the `B x L` token rows.
+//!
+//! On by default where the step kernels passed their check
+//! (`EMLX_AXON_PREFILL_KERNELS=0` keeps MLX's ops); the q/k kernel has a
+//! check of its own, and where it fails or does not take the cache (the
+//! scheduler's slots, rows at positions of their own) attention is MLX's.
+
+use std::sync::Mutex;
+
+use mlx_rs::fast::rms_norm;
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::{Array, Dtype};
+use once_cell::sync::Lazy;
+
+use super::kernels::{takes_dtype, Kernels, QkRopeWrite};
+use super::{close, kernels, passes};
+use crate::cache::{KvStore, RopeOffset};
+use crate::config::ModelConfig;
+use crate::cuda_kernel::{within, written_by};
+use crate::error::{Error, Result};
+use crate::layers::RmsNorm;
+use crate::model::{AttentionMask, Block};
+use crate::rope::PositionTable;
+
+static WANTED: Lazy<bool> = Lazy::new(|| !crate::switch::off("EMLX_AXON_PREFILL_KERNELS"));
+
+/// The q/k kernel's check result per compute dtype.
+static CHECKED: Lazy<Mutex<Vec<(Dtype, bool)>>> = Lazy::new(|| Mutex::new(Vec::new()));
+
+/// The add + RMSNorm kernel's grid has a block row per token row.
+const MAX_GRID_ROWS: i32 = 65_535;
+
+/// What a prompt's layers read besides its embeddings and the cache.
+pub(crate) struct Prompt<'a> {
+    pub config: &'a ModelConfig,
+    pub blocks: &'a [Block],
+    pub final_norm: &'a RmsNorm,
+    pub table: &'a PositionTable,
+    pub mask: &'a AttentionMask,
+    /// Queue the graph every this many layers (see `model::COMMIT_LAYERS`).
+    pub commit_every: Option<usize>,
+}
+
+/// MLX's attention sublayer: `[B, L, hidden]` normalized input, block,
+/// layer index and cache -> `[B, L, hidden]`.
+pub(crate) type MlxAttend<'a, C> = dyn FnMut(&Array, &Block, usize, &mut C) -> Result<Array> + 'a;
+
+/// Every layer over embeddings `h` `[B, L, hidden]`, then the final norm
+/// (`[B, L, hidden]`), the keys and values written into `cache` (not yet
+/// advanced). `None`, before anything is built, where the kernels do not
+/// take this model.
+pub(crate) fn layers<C: KvStore>(
+    p: &Prompt,
+    h: &Array,
+    cache: &mut C,
+    mlx_attend: &mut MlxAttend<C>,
+) -> Result<Option<Array>> {
+    let (b, l, d) = (h.dim(0), h.dim(1), h.dim(2));
+    let dtype = h.dtype();
+    let norms = p
+        .blocks
+        .iter()
+        .flat_map(|b| [&b.input_norm, &b.post_norm])
+        .chain([p.final_norm]);
+    let takes = *WANTED
+        && takes_dtype(dtype)
+        && h.ndim() == 3
+        && b * l <= MAX_GRID_ROWS
+        && !p.blocks.is_empty()
+        && norms.into_iter().all(|n| n.weight().ndim() == 1)
+        && p.blocks.iter().all(|b| {
+            b.mlp.gate_up.is_stacked() && matches!(b.mlp.gate_up.sizes(), [g, u] if g == u)
+        });
+    let Some(k) = takes.then(|| kernels(dtype)).flatten() else {
+        return Ok(None);
+    };
+    let ours = match cache.rope_offset() {
+        RopeOffset::Scalar(offset) if writes_cache(p.config, cache, b, offset + l, dtype) => {
+            passes(&CHECKED, dtype, || check(k, dtype)).then_some(offset)
+        }
+        _ => None,
+    };
+    let ours = match ours {
+        Some(offset) => {
+            let (cos, signed_sin) = p.table.rows(p.config, offset + l - 1)?;
+            Some((Array::from_slice(&[offset], &[1]), offset, cos, signed_sin))
+        }
+        None => None,
+    };
+    let first = &p.blocks[0].input_norm;
+    let mut h = h.clone();
+    let mut x = rms_norm(&h, Some(first.weight()), first.eps())?;
+    for (i, block) in p.blocks.iter().enumerate() {
+        if p.commit_every.is_some_and(|n| i > 0 && i % n == 0) {
+            mlx_rs::transforms::async_eval([&h, &x])?;
+        }
+        let r = match &ours {
+            Some((at, offset, cos, signed_sin)) => {
+                let (keys, values) = cache.buffers(i);
+                let q = k.qk_rope_write(&QkRopeWrite {
+                    qkv: &block.attn.qkv.forward(&x, &[])?,
+                    qk_norm: block.attn.qk_norms(),
+                    cos,
+                    signed_sin,
+                    traditional: p.config.rope_traditional,
+                    offset: at,
+                    keys,
+                    values,
+                    heads: p.config.num_heads,
+                    kv_heads: p.config.num_kv_heads,
+                })?;
+                // Whatever reads the cache from here on (attention, the
+                // next chunk, a prefix copy) waits for the kernel's write.
+                let [keys, values] = written_by([keys, values], &q)?;
+                let end = offset + l;
+                let out = crate::attention::attend(
+                    &q,
+                    &keys.index((.., .., ..end, ..)),
+                    &values.index((.., .., ..end, ..)),
+                    p.mask,
+                )?
+                .transpose_axes(&[0, 2, 1, 3])?
+                .reshape(&[b, l, d])?;
+                cache.set_buffers(i, keys, values);
+                block.attn.o.forward(&out, &[])?
+            }
+            None => mlx_attend(&x, block, i, cache)?,
+        };
+        let post = &block.post_norm;
+        let (h1, x1) = k.add_norm(&h, &r, post.weight(), post.eps())?;
+        let act = k.swiglu(&block.mlp.gate_up.forward(&x1, &[])?)?;
+        let down = block.mlp.down.forward(&act, &[])?;
+        let next = p.blocks.get(i + 1).map_or(p.final_norm, |b| &b.input_norm);
+        (h, x) = k.add_norm(&h1, &down, next.weight(), next.eps())?;
+    }
+    Ok(Some(x))
+}
+
+/// Whether the q/k kernel can write `rows` rows' keys up to position `end`
+/// into this cache's buffers: `[rows, kv_heads, capacity, head_dim]` in the
+/// compute dtype, heads a block of threads each.
+fn writes_cache<C: KvStore>(c: &ModelConfig, cache: &C, rows: i32, end: i32, dtype: Dtype) -> bool {
+    let hd = c.head_dim;
+    let (keys, values) = cache.buffers(0);
+    hd % 32 == 0
+        && (32..=256).contains(&hd)
+        && c.num_heads + c.num_kv_heads <= 65_535
+        && [keys, values].iter().all(|a| {
+            a.dtype() == dtype
+                && a.ndim() == 4
+                && a.dim(0) == rows
+                && a.dim(1) == c.num_kv_heads
+                && a.dim(2) >= end
+                && a.dim(3) == hd
+        })
+}
+
+/// The q/k kernel against MLX's norm and rotation on a prompt of 5 tokens
+/// in 2 rows at offset 3 of a 16-position cache: the queries, the keys and
+/// values written, and nothing else in the cache touched.
+fn check(k: &Kernels, dtype: Dtype) -> Result<()> {
+    let normal = |shape: &[i32], seed: u64, dtype: Dtype| -> Result<Array> {
+        let key = mlx_rs::random::key(seed)?;
+        Ok(mlx_rs::random::normal::<f32>(shape, None, None, &key)?.as_dtype(dtype)?)
+    };
+    let (rows, l, nq, nkv, hd, cap, offset, eps) = (2, 5, 4, 2, 64, 16, 3, 1e-6);
+    let qkv = normal(&[rows, l, (nq + 2 * nkv) * hd], 31, dtype)?;
+    let (qw, kw) = (normal(&[hd], 32, dtype)?, normal(&[hd], 33, dtype)?);
+    let cos = normal(&[cap, hd], 34, Dtype::Float32)?;
+    let sin = normal(&[cap, hd], 35, Dtype::Float32)?;
+    let shape = [rows, nkv, cap, hd];
+    let (keys, values) = (normal(&shape, 36, dtype)?, normal(&shape, 37, dtype)?);
+    // Copies, in buffers of their own, of what the kernel overwrites.
+    let zero = Array::from_f32(0.0).as_dtype(dtype)?;
+    let (keys_before, values_before) = (keys.add(&zero)?, values.add(&zero)?);
+    mlx_rs::transforms::eval([&keys, &values, &keys_before, &values_before])?;
+    let q = k.qk_rope_write(&QkRopeWrite {
+        qkv: &qkv,
+        qk_norm: Some((&qw, &kw, eps)),
+        cos: &cos,
+        signed_sin: &sin,
+        traditional: false,
+        offset: &Array::from_slice(&[offset], &[1]),
+        keys: &keys,
+        values: &values,
+        heads: nq,
+        kv_heads: nkv,
+    })?;
+    q.eval()?;
+    let heads = qkv.reshape(&[rows, l, nq + 2 * nkv, hd])?;
+    let half = hd / 2;
+    let end = offset + l;
+    // `[rows, L, heads, hd]` rotated at positions offset.., as `[rows, heads, L, hd]`.
+    let rotate = |y: &Array| -> Result<Array> {
+        let swapped = mlx_rs::ops::concatenate(
+            &[y.index((.., .., .., half..)), y.index((.., .., .., ..half))],
+            -1,
+        )?;
+        let f = |a: &Array| a.as_dtype(Dtype::Float32);
+        let at = |t: &Array| t.index(offset..end).reshape(&[1, l, 1, hd]);
+        Ok(f(y)?
+            .multiply(at(&cos)?)?
+            .add(&f(&swapped)?.multiply(at(&sin)?)?)?
+            .as_dtype(dtype)?
+            .transpose_axes(&[0, 2, 1, 3])?)
+    };
+    let want_q = rotate(&rms_norm(heads.index((.., .., ..nq, ..)), Some(&qw), eps)?)?;
+    let want_k = rotate(&rms_norm(
+        heads.index((.., .., nq..nq + nkv, ..)),
+        Some(&kw),
+        eps,
+    )?)?;
+    let want_v = heads
+        .index((.., .., nq + nkv.., ..))
+        .transpose_axes(&[0, 2, 1, 3])?;
+    if q.shape() != want_q.shape() {
+        return Err(Error::Mlx(
+            "the prompt q/k kernel gives another shape".into(),
+        ));
+    }
+    close("prompt queries", dtype, &q, &want_q)?;
+    let written = |a: &Array| a.index((.., .., offset..end, ..));
+    close("prompt key write", dtype, &written(&keys), &want_k)?;
+    close("prompt value write", dtype, &written(&values), &want_v)?;
+    // Nothing else was written.
+    let what = format!("prompt q/k kernel's cache outside its positions ({dtype:?})");
+    for (after, before) in [(&keys, &keys_before), (&values, &values_before)] {
+        let (head, tail) = (
+            |a: &Array| a.index((.., .., ..offset, ..)),
+            |a: &Array| a.index((.., .., end.., ..)),
+        );
+        within(&what, &head(after), &head(before), 0.0)?;
+        within(&what, &tail(after), &tail(before), 0.0)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,67 @@
+//! A prompt's last logits are the same whether it goes through the model at
+//! once (a prefill: on a CUDA GPU, our prompt kernels), in chunks (the
+//! second chunk at an offset into the cache), or one token at a time (the
+//! step path), in float32; for Qwen3 (q/k norms), Qwen2 (q/k/v biases,
+//! no norms), a traditional RoPE and dense weights.
+
+mod common;
+
+use common::*;
+use emlx_axon_engine::cache::KvCache;
+use emlx_axon_engine::model::AttentionMask;
+use emlx_axon_engine::{Dtype, Model};
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::Array;
+
+fn prompt() -> Vec<u32> {
+    (0..40u32).map(|i| (i * 7919 + 13) % 1000).collect()
+}
+
+/// The last position's logits, the prompt given in parts of `chunk` tokens.
+fn logits_in_chunks(model: &Model, prompt: &[u32], chunk: usize) -> Vec<f32> {
+    let mut cache = KvCache::new(model, 1, prompt.len() as i32 + 8).unwrap();
+    let mut last = None;
+    for part in prompt.chunks(chunk) {
+        let ids = Array::from_slice(part, &[1, part.len() as i32]);
+        let mask = if part.len() > 1 {
+            AttentionMask::Causal
+        } else {
+            AttentionMask::None
+        };
+        let logits = model.forward(&ids, &mut cache, &mask, true, &[]).unwrap();
+        mlx_rs::transforms::eval(cache.arrays().chain([&logits])).unwrap();
+        last = Some(logits);
+    }
+    let logits = last
+        .unwrap()
+        .index((0, 0, ..))
+        .as_dtype(Dtype::Float32)
+        .unwrap();
+    logits.as_slice::<f32>().to_vec()
+}
+
+#[test]
+fn a_prompt_at_once_in_chunks_and_token_by_token_gives_the_same_logits() {
+    let prompt = prompt();
+    for name in [
+        "qwen3-4bit-g64",
+        "qwen2-4bit-g64",
+        "qwen2-rope-traditional",
+        "qwen3-bf16",
+    ] {
+        let model = load_f32(name);
+        let at_once = logits_in_chunks(&model, &prompt, prompt.len());
+        let scale = at_once.iter().fold(0f32, |m, x| m.max(x.abs()));
+        for chunk in [16, 1] {
+            let other = logits_in_chunks(&model, &prompt, chunk);
+            let worst = at_once
+                .iter()
+                .zip(&other)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(
+                worst <= 1e-3 * scale,
+                "{name}: the prompt in parts of {chunk} moved the logits by {worst} (of {scale})"
+            );
+        }
+    }
+}
