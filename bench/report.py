@@ -20,11 +20,12 @@ import statistics
 import sys
 from pathlib import Path
 
-PEER_ORDER = ["rust", "rust-mlx-steps", "rust-eager", "rust-compiled", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream",
+PEER_ORDER = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-eager", "rust-compiled", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream",
               "mlx-lm-cli", "llama.cpp"]
 PEER_NAMES = {
     "rust": "Rust engine",
     "rust-mlx-steps": "Rust engine, decode steps in MLX's graph (step replay off)",
+    "rust-mlx-prompt": "Rust engine, prompts through MLX's ops (prompt kernels off)",
     "rust-eager": "Rust engine, compiled decode off",
     "rust-compiled": "Rust engine, compiled decode on (opt-in)",
     "rust-ops": "Rust engine, layers from MLX's ops (fused GPU layer kernels off)",
@@ -38,10 +39,10 @@ PEER_NAMES = {
     "elixir-textgen": "Elixir (TextGeneration.stream)",
     "mlx-lm": "mlx-lm",
 }
-OURS = ["rust", "rust-mlx-steps", "rust-eager", "rust-compiled", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen"]
+OURS = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-eager", "rust-compiled", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen"]
 MLX_LM = ["mlx-lm", "mlx-lm-stream", "mlx-lm-cli"]
 # The engine under its GPU-relevant settings, each set against the mlx-lm paths.
-ENGINE_VARIANTS = ["rust", "rust-mlx-steps", "rust-eager", "rust-ops", "rust-mlx-products"]
+ENGINE_VARIANTS = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-eager", "rust-ops", "rust-mlx-products"]
 BEST_MLX = "best mlx-lm path"
 
 
@@ -323,6 +324,13 @@ def model_section(name, folder, settings):
         lines.append("Fused GPU layer kernels, as the engine reported them: " + "; ".join(
             f"{PEER_NAMES[p]}: {'/'.join(v) or 'not reported'}" for p, v in fused.items() if p in runs)
             + " (none: not used).")
+    # And whether its prompt kernels passed their check (prompts through them).
+    prompt = {p: sorted({str(r["prompt_kernels"]).lower() for reps in runs.get(p, {}).values()
+                         for r in reps if "prompt_kernels" in r}) for p in ("rust", "rust-mlx-prompt")}
+    if any(prompt.values()):
+        lines.append("Prompt kernels, as the engine reported them: " + "; ".join(
+            f"{PEER_NAMES[p]}: {'/'.join(v) or 'not reported'}" for p, v in prompt.items() if p in runs)
+            + " (none: not used).")
     # And whether its decode steps were replayed as one CUDA graph.
     replayed = {p: sorted({str(r["step_replay"]).lower() for reps in runs.get(p, {}).values() for r in reps
                            if "step_replay" in r}) for p in ("rust", "rust-mlx-steps")}
@@ -425,7 +433,7 @@ def model_section(name, folder, settings):
 # ids must equal the engine's. llama.cpp runs a Q4_0 requantization of them,
 # and bf16 rounding may flip a near tie, so there a divergence is reported
 # with its position, not failed.
-SAME_WEIGHTS = ["rust-mlx-steps", "rust-eager", "rust-compiled", "rust-ops", "rust-mlx-products", "rust-1t", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream"]
+SAME_WEIGHTS = ["rust-mlx-steps", "rust-mlx-prompt", "rust-eager", "rust-compiled", "rust-ops", "rust-mlx-products", "rust-1t", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream"]
 
 
 def first_divergence(a, b):
@@ -721,7 +729,7 @@ def plot(summaries, path):
 
     n = len(summaries)
     fig, axes = plt.subplots(n, 2, figsize=(12, 4.2 * n), squeeze=False, gridspec_kw={"width_ratios": [3, 1]})
-    colors = {"rust": "#c0392b", "rust-mlx-steps": "#641e16", "rust-eager": "#922b21", "rust-compiled": "#6e2c00", "rust-ops": "#ec7063", "rust-mlx-products": "#f5b7b1", "mlx-lm-stream": "#5dade2", "mlx-lm-cli": "#1b4f72",
+    colors = {"rust": "#c0392b", "rust-mlx-steps": "#641e16", "rust-mlx-prompt": "#a04000", "rust-eager": "#922b21", "rust-compiled": "#6e2c00", "rust-ops": "#ec7063", "rust-mlx-products": "#f5b7b1", "mlx-lm-stream": "#5dade2", "mlx-lm-cli": "#1b4f72",
               "rust-1t": "#e59866", "rust-int8": "#f1c40f", "elixir": "#8e44ad", "elixir-textgen": "#bb8fce",
               "mlx-lm": "#2e86c1", "llama.cpp": "#229954"}
     for row, s in enumerate(summaries):

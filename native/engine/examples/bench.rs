@@ -438,6 +438,10 @@ impl Bench {
         ] {
             fields.insert(name.into(), json!(round(ms, 2)));
         }
+        fields.insert(
+            "prompt_kernels".into(),
+            json!(emlx_axon_engine::gpu_layer::prompt_checked()),
+        );
         fields.insert("kv_bytes".into(), json!(self.kv_bytes(1, prompt.len() + 2)));
         Memory::record(&mut fields);
         self.emit("prefill", Some(run), Value::Object(fields));

@@ -54,6 +54,7 @@ use crate::model::Block;
 use crate::rope::PositionTable;
 use emlx_axon_kernels::QuantWeight;
 use kernels::{pair, GemvInput, GemvOutput, Kernels, QkvAttend};
+pub use prefill::checked as prompt_checked;
 pub(crate) use prefill::{layers as prefill_layers, Prompt};
 
 /// On by default where MLX has a CUDA GPU; `EMLX_AXON_GPU_LAYER=0` keeps

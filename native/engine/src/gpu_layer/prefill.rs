@@ -34,6 +34,13 @@ static WANTED: Lazy<bool> = Lazy::new(|| !crate::switch::off("EMLX_AXON_PREFILL_
 /// The q/k kernel's check result per compute dtype.
 static CHECKED: Lazy<Mutex<Vec<(Dtype, bool)>>> = Lazy::new(|| Mutex::new(Vec::new()));
 
+/// Whether the prompt q/k kernel passed its check in every dtype checked so
+/// far (`None`: not checked, so not used).
+pub fn checked() -> Option<bool> {
+    let checked = CHECKED.lock().unwrap_or_else(|p| p.into_inner());
+    (!checked.is_empty()).then(|| checked.iter().all(|(_, ok)| *ok))
+}
+
 /// The add + RMSNorm kernel's grid has a block row per token row.
 const MAX_GRID_ROWS: i32 = 65_535;
 
