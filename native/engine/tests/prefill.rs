@@ -2,7 +2,8 @@
 //! once (a prefill: on a CUDA GPU, our prompt kernels), in chunks (the
 //! second chunk at an offset into the cache), or one token at a time (the
 //! step path), in float32; for Qwen3 (q/k norms), Qwen2 (q/k/v biases,
-//! no norms), a traditional RoPE and dense weights.
+//! no norms), a traditional RoPE, dense weights and heads wider than the
+//! hidden size.
 
 mod common;
 
@@ -48,6 +49,7 @@ fn a_prompt_at_once_in_chunks_and_token_by_token_gives_the_same_logits() {
         "qwen2-4bit-g64",
         "qwen2-rope-traditional",
         "qwen3-bf16",
+        "qwen3-wide",
     ] {
         let model = load_f32(name);
         let at_once = logits_in_chunks(&model, &prompt, prompt.len());

@@ -134,7 +134,7 @@ pub(crate) fn layers<C: KvStore>(
                     p.mask,
                 )?
                 .transpose_axes(&[0, 2, 1, 3])?
-                .reshape(&[b, l, d])?;
+                .reshape(&[b, l, p.config.num_heads * p.config.head_dim])?;
                 cache.set_buffers(i, keys, values);
                 block.attn.o.forward(&out, &[])?
             }
