@@ -395,17 +395,11 @@ fn launch(
             threads.2,
             stream.as_ptr(),
         );
-        let mut out = Vec::with_capacity(outputs.len());
-        if status == 0 && mlx_sys::mlx_vector_array_size(results) == outputs.len() {
-            for i in 0..outputs.len() {
-                let mut a = mlx_sys::mlx_array_new();
-                if mlx_sys::mlx_vector_array_get(&mut a, results, i) == 0 {
-                    out.push(Array::from_ptr(a));
-                } else {
-                    mlx_sys::mlx_array_free(a);
-                }
-            }
-        }
+        let out = if status == 0 {
+            take_arrays(results, outputs.len())
+        } else {
+            Vec::new()
+        };
         mlx_sys::mlx_vector_array_free(ins);
         mlx_sys::mlx_vector_array_free(results);
         if out.len() != outputs.len() {
@@ -432,24 +426,37 @@ pub(crate) fn written_by<const N: usize>(
         let ins = mlx_sys::mlx_vector_array_new_data(handles.as_ptr(), handles.len());
         let deps = mlx_sys::mlx_vector_array_new_value(writer.as_ptr());
         let mut results = mlx_sys::mlx_vector_array_new();
-        let status = mlx_sys::mlx_depends(&mut results, ins, deps);
-        let mut out = Vec::with_capacity(arrays.len());
-        if status == 0 && mlx_sys::mlx_vector_array_size(results) == arrays.len() {
-            for i in 0..arrays.len() {
-                let mut a = mlx_sys::mlx_array_new();
-                if mlx_sys::mlx_vector_array_get(&mut a, results, i) == 0 {
-                    out.push(Array::from_ptr(a));
-                } else {
-                    mlx_sys::mlx_array_free(a);
-                }
-            }
-        }
+        let out = if mlx_sys::mlx_depends(&mut results, ins, deps) == 0 {
+            take_arrays(results, N)
+        } else {
+            Vec::new()
+        };
         mlx_sys::mlx_vector_array_free(ins);
         mlx_sys::mlx_vector_array_free(deps);
         mlx_sys::mlx_vector_array_free(results);
         out.try_into()
             .map_err(|_| Error::Mlx("MLX's depends failed".into()))
     }
+}
+
+/// The arrays of an MLX result vector holding exactly `n`, as our own
+/// handles (fewer where it holds another count or a read fails).
+///
+/// # Safety
+/// `results` is a live vector; the caller still frees it.
+unsafe fn take_arrays(results: mlx_sys::mlx_vector_array, n: usize) -> Vec<Array> {
+    let mut out = Vec::with_capacity(n);
+    if mlx_sys::mlx_vector_array_size(results) == n {
+        for i in 0..n {
+            let mut a = mlx_sys::mlx_array_new();
+            if mlx_sys::mlx_vector_array_get(&mut a, results, i) == 0 {
+                out.push(Array::from_ptr(a));
+            } else {
+                mlx_sys::mlx_array_free(a);
+            }
+        }
+    }
+    out
 }
 
 /// What kernels are compiled and sized for.

@@ -724,45 +724,63 @@ pub(crate) enum GemvOutput {
     Swiglu,
 }
 
-/// What [`Kernels::qkv_attend`] reads.
-pub(crate) struct QkvAttend<'a> {
-    /// The q/k/v product `[rows, 1, (heads + 2 * kv_heads) * head_dim]`.
+/// A layer's q/k/v product and what the q/k kernels rotate it with and
+/// write its keys and values into.
+pub(crate) struct QkvHeads<'a> {
+    /// The q/k/v product `[rows, L, (heads + 2 * kv_heads) * head_dim]`,
+    /// contiguous (a step's L is 1).
     pub qkv: &'a Array,
     /// Qwen3's q and k norm weights (`[head_dim]` each) and eps.
     pub qk_norm: Option<(&'a Array, &'a Array, f32)>,
     /// `[positions, head_dim]` float32, a [`crate::rope::PositionTable`]'s
-    /// rows, read at each row's position.
+    /// rows, read at each token's position.
     pub cos: &'a Array,
     pub signed_sin: &'a Array,
     pub traditional: bool,
-    /// `[rows]` int32: where each row's key goes, its last attended key.
-    pub positions: &'a Array,
-    /// `[rows]` int32: each row's first attended key.
-    pub starts: &'a Array,
+    /// The cache's buffers `[rows, kv_heads, capacity, head_dim]`, written
+    /// in place.
     pub keys: &'a Array,
     pub values: &'a Array,
     pub heads: i32,
     pub kv_heads: i32,
 }
 
-/// What [`Kernels::qk_rope_write`] reads.
-pub(crate) struct QkRopeWrite<'a> {
-    /// The q/k/v product `[B, L, (heads + 2 * kv_heads) * head_dim]`,
-    /// contiguous.
-    pub qkv: &'a Array,
-    pub qk_norm: Option<(&'a Array, &'a Array, f32)>,
-    /// A [`crate::rope::PositionTable`]'s rows, past `offset + L`.
-    pub cos: &'a Array,
-    pub signed_sin: &'a Array,
-    pub traditional: bool,
-    /// `[1]` int32: the first token's position.
-    pub offset: &'a Array,
-    /// The cache's buffers `[B, kv_heads, capacity, head_dim]`, written in
-    /// place.
-    pub keys: &'a Array,
-    pub values: &'a Array,
-    pub heads: i32,
-    pub kv_heads: i32,
+impl<'a> QkvHeads<'a> {
+    /// The kernel's inputs: the product, the norm weights (the cosines
+    /// stand in without norms) and the tables, then `rest`, then the cache.
+    fn inputs(&self, rest: &[&'a Array]) -> Vec<&'a Array> {
+        let (q_norm, k_norm) = match self.qk_norm {
+            Some((q, k, _)) => (q, k),
+            None => (self.cos, self.cos),
+        };
+        let lead = [self.qkv, q_norm, k_norm, self.cos, self.signed_sin];
+        [&lead[..], rest, &[self.keys, self.values]].concat()
+    }
+
+    /// Both kernels' constants.
+    fn templates(&self) -> Vec<(&'static str, Template)> {
+        vec![
+            ("T", Template::Dtype(self.qkv.dtype())),
+            ("D", Template::Int(self.cos.dim(-1))),
+            ("NQ", Template::Int(self.heads)),
+            ("NKV", Template::Int(self.kv_heads)),
+            ("NORM", Template::Bool(self.qk_norm.is_some())),
+            ("TRAD", Template::Bool(self.traditional)),
+            (
+                "EPS_BITS",
+                eps_bits(self.qk_norm.map_or(0.0, |(_, _, eps)| eps)),
+            ),
+        ]
+    }
+}
+
+/// What [`Kernels::qkv_attend`] reads besides the heads (one token a row).
+pub(crate) struct QkvAttend<'a> {
+    pub heads: QkvHeads<'a>,
+    /// `[rows]` int32: where each row's key goes, its last attended key.
+    pub positions: &'a Array,
+    /// `[rows]` int32: each row's first attended key.
+    pub starts: &'a Array,
 }
 
 fn eps_bits(eps: f32) -> Template {
@@ -862,77 +880,33 @@ impl Kernels {
     /// Attention's output `[rows, 1, heads * head_dim]`; the new keys and
     /// values go into the cache.
     pub(crate) fn qkv_attend(&self, p: &QkvAttend) -> Result<Array> {
-        let (rows, hd) = (p.qkv.dim(0), p.cos.dim(-1));
+        let h = &p.heads;
+        let (rows, hd) = (h.qkv.dim(0), h.cos.dim(-1));
         // Threads for the query and the key at once.
         let threads = BLOCK.max(2 * hd);
-        let dtype = p.qkv.dtype();
-        let (q_norm, k_norm, eps) = match p.qk_norm {
-            Some((q, k, eps)) => (q, k, eps),
-            None => (p.cos, p.cos, 0.0),
-        };
-        let inputs = [
-            p.qkv,
-            q_norm,
-            k_norm,
-            p.cos,
-            p.signed_sin,
-            p.positions,
-            p.starts,
-            p.keys,
-            p.values,
-        ];
+        let mut templates = h.templates();
+        templates.push(("BLOCK", Template::Int(threads)));
         let mut out = self.qkv_attend.apply(
-            &inputs,
-            &[(&[rows, 1, p.heads * hd], dtype)],
-            (p.heads * threads, rows, 1),
+            &h.inputs(&[p.positions, p.starts]),
+            &[(&[rows, 1, h.heads * hd], h.qkv.dtype())],
+            (h.heads * threads, rows, 1),
             (threads, 1, 1),
-            &[
-                ("T", Template::Dtype(dtype)),
-                ("D", Template::Int(hd)),
-                ("NQ", Template::Int(p.heads)),
-                ("NKV", Template::Int(p.kv_heads)),
-                ("NORM", Template::Bool(p.qk_norm.is_some())),
-                ("TRAD", Template::Bool(p.traditional)),
-                ("EPS_BITS", eps_bits(eps)),
-                ("BLOCK", Template::Int(threads)),
-            ],
+            &templates,
         )?;
         Ok(out.remove(0))
     }
 
     /// A prompt's queries `[B, heads, L, head_dim]`, normalized and
-    /// rotated; its keys and values go into the cache.
-    pub(crate) fn qk_rope_write(&self, p: &QkRopeWrite) -> Result<Array> {
-        let (b, l, hd) = (p.qkv.dim(0), p.qkv.dim(1), p.cos.dim(-1));
-        let dtype = p.qkv.dtype();
-        let (q_norm, k_norm, eps) = match p.qk_norm {
-            Some((q, k, eps)) => (q, k, eps),
-            None => (p.cos, p.cos, 0.0),
-        };
-        let inputs = [
-            p.qkv,
-            q_norm,
-            k_norm,
-            p.cos,
-            p.signed_sin,
-            p.offset,
-            p.keys,
-            p.values,
-        ];
+    /// rotated; its keys and values go into the cache at `offset` (`[1]`
+    /// int32, the first token's position) on.
+    pub(crate) fn qk_rope_write(&self, h: &QkvHeads, offset: &Array) -> Result<Array> {
+        let (b, l, hd) = (h.qkv.dim(0), h.qkv.dim(1), h.cos.dim(-1));
         let mut out = self.qk_rope_write.apply(
-            &inputs,
-            &[(&[b, p.heads, l, hd], dtype)],
-            ((p.heads + p.kv_heads) * hd, l, b),
+            &h.inputs(&[offset]),
+            &[(&[b, h.heads, l, hd], h.qkv.dtype())],
+            ((h.heads + h.kv_heads) * hd, l, b),
             (hd, 1, 1),
-            &[
-                ("T", Template::Dtype(dtype)),
-                ("D", Template::Int(hd)),
-                ("NQ", Template::Int(p.heads)),
-                ("NKV", Template::Int(p.kv_heads)),
-                ("NORM", Template::Bool(p.qk_norm.is_some())),
-                ("TRAD", Template::Bool(p.traditional)),
-                ("EPS_BITS", eps_bits(eps)),
-            ],
+            &h.templates(),
         )?;
         Ok(out.remove(0))
     }

@@ -53,7 +53,7 @@ use crate::layers::RmsNorm;
 use crate::model::Block;
 use crate::rope::PositionTable;
 use emlx_axon_kernels::QuantWeight;
-use kernels::{pair, GemvInput, GemvOutput, Kernels, QkvAttend};
+use kernels::{pair, GemvInput, GemvOutput, Kernels, QkvAttend, QkvHeads};
 pub use prefill::checked as prompt_checked;
 pub(crate) use prefill::{layers as prefill_layers, Prompt};
 
@@ -236,17 +236,19 @@ pub(crate) fn forward<C: KvStore>(
     let attend = |qkv: &Array, block: &Block, i: usize| -> Result<Array> {
         let (keys, values) = cache.buffers(i);
         k.qkv_attend(&QkvAttend {
-            qkv,
-            qk_norm: block.attn.qk_norms(),
-            cos: &cos,
-            signed_sin: &signed_sin,
-            traditional: c.rope_traditional,
+            heads: QkvHeads {
+                qkv,
+                qk_norm: block.attn.qk_norms(),
+                cos: &cos,
+                signed_sin: &signed_sin,
+                traditional: c.rope_traditional,
+                keys,
+                values,
+                heads: c.num_heads,
+                kv_heads: c.num_kv_heads,
+            },
             positions: &positions,
             starts: &starts,
-            keys,
-            values,
-            heads: c.num_heads,
-            kv_heads: c.num_kv_heads,
         })
     };
     if let Some(weights) = GEMV.then(|| products(blocks, dtype)).flatten() {
@@ -397,10 +399,6 @@ fn close(what: &str, dtype: Dtype, got: &Array, want: &Array) -> Result<()> {
 /// Each kernel against MLX's ops on small random cases (odd sizes,
 /// several rows, rows at different positions) in `dtype`.
 fn check(k: &Kernels, dtype: Dtype) -> Result<()> {
-    let normal = |shape: &[i32], seed: u64, dtype: Dtype| -> Result<Array> {
-        let key = mlx_rs::random::key(seed)?;
-        Ok(mlx_rs::random::normal::<f32>(shape, None, None, &key)?.as_dtype(dtype)?)
-    };
     let (rows, d, eps) = (3, 1000, 1e-6);
     let (h, r) = (
         normal(&[rows, 1, d], 1, dtype)?,
@@ -441,9 +439,9 @@ fn check(k: &Kernels, dtype: Dtype) -> Result<()> {
     // Token ids (far below 2^24) are exact in float32: every one the same.
     within(&what, &got, &want, 0.0)?;
 
-    check_qkv_attend(k, dtype, &normal)?;
+    check_qkv_attend(k, dtype)?;
     if *GEMV {
-        check_gemv(k, dtype, &normal)?;
+        check_gemv(k, dtype)?;
     }
     Ok(())
 }
@@ -514,7 +512,7 @@ fn close_relative(what: &str, got: &Array, want: &Array, bound: f32) -> Result<(
 /// The product kernels against MLX's `quantized_matmul` of the same inputs
 /// (4- and 8-bit weights), and their SwiGLU outputs against MLX's ops on
 /// its product.
-fn check_gemv(k: &Kernels, dtype: Dtype, normal: Normal) -> Result<()> {
+fn check_gemv(k: &Kernels, dtype: Dtype) -> Result<()> {
     let eps = 1e-6;
     let bound = if dtype == Dtype::Float32 { 1e-4 } else { 2e-2 };
     // One row (the default path's grid), six (one tile) and nine (two
@@ -588,42 +586,100 @@ fn check_gemv(k: &Kernels, dtype: Dtype, normal: Normal) -> Result<()> {
     Ok(())
 }
 
-type Normal<'a> = &'a dyn Fn(&[i32], u64, Dtype) -> Result<Array>;
+/// Random inputs for a check of the q/k kernels: a q/k/v product `[rows,
+/// L, (4 + 2 * 2) * 64]`, norm weights, tables of 16 positions and a cache
+/// `[cache_rows, 2, 16, 64]`, with a copy of the cache in buffers of its own
+/// (the kernels overwrite it).
+struct HeadsCase {
+    qkv: Array,
+    q_norm: Array,
+    k_norm: Array,
+    cos: Array,
+    sin: Array,
+    keys: Array,
+    values: Array,
+    keys_before: Array,
+    values_before: Array,
+    eps: f32,
+}
+
+impl HeadsCase {
+    const HEADS: i32 = 4;
+    const KV_HEADS: i32 = 2;
+    const HEAD_DIM: i32 = 64;
+    const CAPACITY: i32 = 16;
+
+    /// Drawn from seeds `seed..seed + 7`.
+    fn new(rows: i32, l: i32, cache_rows: i32, seed: u64, dtype: Dtype) -> Result<Self> {
+        let (nq, nkv, hd, cap) = (Self::HEADS, Self::KV_HEADS, Self::HEAD_DIM, Self::CAPACITY);
+        let shape = [cache_rows, nkv, cap, hd];
+        let (keys, values) = (
+            normal(&shape, seed + 5, dtype)?,
+            normal(&shape, seed + 6, dtype)?,
+        );
+        let zero = Array::from_f32(0.0).as_dtype(dtype)?;
+        let (keys_before, values_before) = (keys.add(&zero)?, values.add(&zero)?);
+        mlx_rs::transforms::eval([&keys, &values, &keys_before, &values_before])?;
+        Ok(HeadsCase {
+            qkv: normal(&[rows, l, (nq + 2 * nkv) * hd], seed, dtype)?,
+            q_norm: normal(&[hd], seed + 1, dtype)?,
+            k_norm: normal(&[hd], seed + 2, dtype)?,
+            cos: normal(&[cap, hd], seed + 3, Dtype::Float32)?,
+            sin: normal(&[cap, hd], seed + 4, Dtype::Float32)?,
+            keys,
+            values,
+            keys_before,
+            values_before,
+            eps: 1e-6,
+        })
+    }
+
+    fn heads(&self) -> QkvHeads<'_> {
+        QkvHeads {
+            qkv: &self.qkv,
+            qk_norm: Some((&self.q_norm, &self.k_norm, self.eps)),
+            cos: &self.cos,
+            signed_sin: &self.sin,
+            traditional: false,
+            keys: &self.keys,
+            values: &self.values,
+            heads: Self::HEADS,
+            kv_heads: Self::KV_HEADS,
+        }
+    }
+}
+
+/// Seeded standard normal values in `dtype`, for the kernels' checks.
+fn normal(shape: &[i32], seed: u64, dtype: Dtype) -> Result<Array> {
+    let key = mlx_rs::random::key(seed)?;
+    Ok(mlx_rs::random::normal::<f32>(shape, None, None, &key)?.as_dtype(dtype)?)
+}
 
 /// Two rows at different positions over a cache with a spare row (as the
 /// scheduler's slots have), the second attending from key 3: the output
 /// against MLX's norm, rotation and attention over the same keys, and the
 /// cache against the old one with the new keys and values put in.
-fn check_qkv_attend(k: &Kernels, dtype: Dtype, normal: Normal) -> Result<()> {
-    let (rows, nq, nkv, hd, cap, eps) = (2, 4, 2, 64, 16, 1e-6);
-    let qkv = normal(&[rows, 1, (nq + 2 * nkv) * hd], 5, dtype)?;
-    let (qw, kw) = (normal(&[hd], 6, dtype)?, normal(&[hd], 7, dtype)?);
-    // Tables of 16 positions, read at each row's.
-    let cos = normal(&[cap, hd], 8, Dtype::Float32)?;
-    let sin = normal(&[cap, hd], 9, Dtype::Float32)?;
-    let shape = [rows + 1, nkv, cap, hd];
-    let (keys, values) = (normal(&shape, 10, dtype)?, normal(&shape, 11, dtype)?);
-    // Copies, in buffers of their own, of what the kernel overwrites.
-    let zero = Array::from_f32(0.0).as_dtype(dtype)?;
-    let (keys_before, values_before) = (keys.add(&zero)?, values.add(&zero)?);
-    mlx_rs::transforms::eval([&keys, &values, &keys_before, &values_before])?;
+fn check_qkv_attend(k: &Kernels, dtype: Dtype) -> Result<()> {
+    let (rows, nq, nkv, hd) = (
+        2,
+        HeadsCase::HEADS,
+        HeadsCase::KV_HEADS,
+        HeadsCase::HEAD_DIM,
+    );
+    let case = HeadsCase::new(rows, 1, rows + 1, 5, dtype)?;
+    let (qkv, cos, sin, eps) = (&case.qkv, &case.cos, &case.sin, case.eps);
+    let (qw, kw) = (&case.q_norm, &case.k_norm);
+    let (keys, values) = (&case.keys, &case.values);
+    let (keys_before, values_before) = (&case.keys_before, &case.values_before);
     let (at, from) = ([5, 11], [0, 3]);
     let (positions, starts) = (
         Array::from_slice(&at, &[rows]),
         Array::from_slice(&from, &[rows]),
     );
     let out = k.qkv_attend(&QkvAttend {
-        qkv: &qkv,
-        qk_norm: Some((&qw, &kw, eps)),
-        cos: &cos,
-        signed_sin: &sin,
-        traditional: false,
+        heads: case.heads(),
         positions: &positions,
         starts: &starts,
-        keys: &keys,
-        values: &values,
-        heads: nq,
-        kv_heads: nkv,
     })?;
     out.eval()?;
     let heads = qkv.reshape(&[rows, nq + 2 * nkv, hd])?;
@@ -636,14 +692,14 @@ fn check_qkv_attend(k: &Kernels, dtype: Dtype, normal: Normal) -> Result<()> {
             Ok(t.take_axis(&positions, 0)?.reshape(&[rows, 1, hd])?)
         };
         Ok(f(y)?
-            .multiply(at(&cos)?)?
-            .add(&f(&swapped)?.multiply(at(&sin)?)?)?
+            .multiply(at(cos)?)?
+            .add(&f(&swapped)?.multiply(at(sin)?)?)?
             .as_dtype(dtype)?)
     };
-    let q = rotate(&rms_norm(heads.index((.., ..nq, ..)), Some(&qw), eps)?)?;
+    let q = rotate(&rms_norm(heads.index((.., ..nq, ..)), Some(qw), eps)?)?;
     let new_k = rotate(&rms_norm(
         heads.index((.., nq..nq + nkv, ..)),
-        Some(&kw),
+        Some(kw),
         eps,
     )?)?;
     let new_v = heads.index((.., nq + nkv.., ..));
@@ -655,8 +711,8 @@ fn check_qkv_attend(k: &Kernels, dtype: Dtype, normal: Normal) -> Result<()> {
         );
         let (kr, vr) = (kr.reshape(&[1, nkv, 1, hd])?, vr.reshape(&[1, nkv, 1, hd])?);
         let old = |a: &Array| a.index((r..r + 1, .., start..pos, ..));
-        let all_k = mlx_rs::ops::concatenate(&[old(&keys_before), kr.clone()], 2)?;
-        let all_v = mlx_rs::ops::concatenate(&[old(&values_before), vr.clone()], 2)?;
+        let all_k = mlx_rs::ops::concatenate(&[old(keys_before), kr.clone()], 2)?;
+        let all_v = mlx_rs::ops::concatenate(&[old(values_before), vr.clone()], 2)?;
         let qr = q.index((r..r + 1, .., ..)).reshape(&[1, nq, 1, hd])?;
         let scale = (hd as f32).powf(-0.5);
         let want =
@@ -678,9 +734,9 @@ fn check_qkv_attend(k: &Kernels, dtype: Dtype, normal: Normal) -> Result<()> {
     }
     // Nothing else was written.
     let changed = keys
-        .ne(&keys_before)?
+        .ne(keys_before)?
         .sum(None)?
-        .add(values.ne(&values_before)?.sum(None)?)?
+        .add(values.ne(values_before)?.sum(None)?)?
         .as_dtype(Dtype::Float32)?;
     changed.eval()?;
     if changed.as_slice::<f32>()[0] > 2.0 * (rows * nkv * hd) as f32 {

@@ -23,8 +23,8 @@ use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{Array, Dtype};
 use once_cell::sync::Lazy;
 
-use super::kernels::{takes_dtype, Kernels, QkRopeWrite};
-use super::{close, kernels, passes};
+use super::kernels::{takes_dtype, Kernels, QkvHeads};
+use super::{close, kernels, passes, HeadsCase};
 use crate::cache::{KvStore, RopeOffset};
 use crate::config::ModelConfig;
 use crate::cuda_kernel::{within, written_by};
@@ -73,7 +73,7 @@ pub(crate) fn layers<C: KvStore>(
     cache: &mut C,
     mlx_attend: &mut MlxAttend<C>,
 ) -> Result<Option<Array>> {
-    let (b, l, d) = (h.dim(0), h.dim(1), h.dim(2));
+    let (b, l) = (h.dim(0), h.dim(1));
     let dtype = h.dtype();
     let norms = p
         .blocks
@@ -115,18 +115,18 @@ pub(crate) fn layers<C: KvStore>(
         let r = match &ours {
             Some((at, offset, cos, signed_sin)) => {
                 let (keys, values) = cache.buffers(i);
-                let q = k.qk_rope_write(&QkRopeWrite {
+                let heads = QkvHeads {
                     qkv: &block.attn.qkv.forward(&x, &[])?,
                     qk_norm: block.attn.qk_norms(),
                     cos,
                     signed_sin,
                     traditional: p.config.rope_traditional,
-                    offset: at,
                     keys,
                     values,
                     heads: p.config.num_heads,
                     kv_heads: p.config.num_kv_heads,
-                })?;
+                };
+                let q = k.qk_rope_write(&heads, at)?;
                 // Whatever reads the cache from here on (attention, the
                 // next chunk, a prefix copy) waits for the kernel's write.
                 let [keys, values] = written_by([keys, values], &q)?;
@@ -177,33 +177,14 @@ fn writes_cache<C: KvStore>(c: &ModelConfig, cache: &C, rows: i32, end: i32, dty
 /// in 2 rows at offset 3 of a 16-position cache: the queries, the keys and
 /// values written, and nothing else in the cache touched.
 fn check(k: &Kernels, dtype: Dtype) -> Result<()> {
-    let normal = |shape: &[i32], seed: u64, dtype: Dtype| -> Result<Array> {
-        let key = mlx_rs::random::key(seed)?;
-        Ok(mlx_rs::random::normal::<f32>(shape, None, None, &key)?.as_dtype(dtype)?)
-    };
-    let (rows, l, nq, nkv, hd, cap, offset, eps) = (2, 5, 4, 2, 64, 16, 3, 1e-6);
-    let qkv = normal(&[rows, l, (nq + 2 * nkv) * hd], 31, dtype)?;
-    let (qw, kw) = (normal(&[hd], 32, dtype)?, normal(&[hd], 33, dtype)?);
-    let cos = normal(&[cap, hd], 34, Dtype::Float32)?;
-    let sin = normal(&[cap, hd], 35, Dtype::Float32)?;
-    let shape = [rows, nkv, cap, hd];
-    let (keys, values) = (normal(&shape, 36, dtype)?, normal(&shape, 37, dtype)?);
-    // Copies, in buffers of their own, of what the kernel overwrites.
-    let zero = Array::from_f32(0.0).as_dtype(dtype)?;
-    let (keys_before, values_before) = (keys.add(&zero)?, values.add(&zero)?);
-    mlx_rs::transforms::eval([&keys, &values, &keys_before, &values_before])?;
-    let q = k.qk_rope_write(&QkRopeWrite {
-        qkv: &qkv,
-        qk_norm: Some((&qw, &kw, eps)),
-        cos: &cos,
-        signed_sin: &sin,
-        traditional: false,
-        offset: &Array::from_slice(&[offset], &[1]),
-        keys: &keys,
-        values: &values,
-        heads: nq,
-        kv_heads: nkv,
-    })?;
+    let (nq, nkv, hd) = (HeadsCase::HEADS, HeadsCase::KV_HEADS, HeadsCase::HEAD_DIM);
+    let (rows, l, offset) = (2, 5, 3);
+    let case = HeadsCase::new(rows, l, rows, 31, dtype)?;
+    let (qkv, cos, sin, eps) = (&case.qkv, &case.cos, &case.sin, case.eps);
+    let (qw, kw) = (&case.q_norm, &case.k_norm);
+    let (keys, values) = (&case.keys, &case.values);
+    let (keys_before, values_before) = (&case.keys_before, &case.values_before);
+    let q = k.qk_rope_write(&case.heads(), &Array::from_slice(&[offset], &[1]))?;
     q.eval()?;
     let heads = qkv.reshape(&[rows, l, nq + 2 * nkv, hd])?;
     let half = hd / 2;
@@ -217,15 +198,15 @@ fn check(k: &Kernels, dtype: Dtype) -> Result<()> {
         let f = |a: &Array| a.as_dtype(Dtype::Float32);
         let at = |t: &Array| t.index(offset..end).reshape(&[1, l, 1, hd]);
         Ok(f(y)?
-            .multiply(at(&cos)?)?
-            .add(&f(&swapped)?.multiply(at(&sin)?)?)?
+            .multiply(at(cos)?)?
+            .add(&f(&swapped)?.multiply(at(sin)?)?)?
             .as_dtype(dtype)?
             .transpose_axes(&[0, 2, 1, 3])?)
     };
-    let want_q = rotate(&rms_norm(heads.index((.., .., ..nq, ..)), Some(&qw), eps)?)?;
+    let want_q = rotate(&rms_norm(heads.index((.., .., ..nq, ..)), Some(qw), eps)?)?;
     let want_k = rotate(&rms_norm(
         heads.index((.., .., nq..nq + nkv, ..)),
-        Some(&kw),
+        Some(kw),
         eps,
     )?)?;
     let want_v = heads
@@ -238,8 +219,8 @@ fn check(k: &Kernels, dtype: Dtype) -> Result<()> {
     }
     close("prompt queries", dtype, &q, &want_q)?;
     let written = |a: &Array| a.index((.., .., offset..end, ..));
-    close("prompt key write", dtype, &written(&keys), &want_k)?;
-    close("prompt value write", dtype, &written(&values), &want_v)?;
+    close("prompt key write", dtype, &written(keys), &want_k)?;
+    close("prompt value write", dtype, &written(values), &want_v)?;
     // Nothing else was written.
     let what = format!("prompt q/k kernel's cache outside its positions ({dtype:?})");
     for (after, before) in [(&keys, &keys_before), (&values, &values_before)] {
