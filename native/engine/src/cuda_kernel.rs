@@ -411,32 +411,47 @@ fn launch(
     }
 }
 
-/// `arrays` again, on the same buffers, but evaluated only after `writer`:
-/// a kernel that writes into them in place (MLX sees no dependency in a
-/// write through an input). Later readers of the returned handles, and
-/// evaluating them, then wait for the write.
+/// `arrays` again, on the same buffers, but evaluated only after `writer`
+/// (a kernel's unevaluated output): a kernel that writes into them in place
+/// (MLX sees no dependency in a write through an input). Evaluating the
+/// returned handles runs the writer, and later graphs on the stream see the
+/// write. Within the writer's own graph only nodes that read its output are
+/// ordered after it (MLX's CUDA graph orders nodes by the buffers they were
+/// seen to write, and an in-place write is not one): read the buffers there
+/// only together with the writer's output, as attention reads the keys with
+/// the queries.
 pub(crate) fn written_by<const N: usize>(
     arrays: [&Array; N],
     writer: &Array,
 ) -> Result<[Array; N]> {
+    // The writer goes first: MLX puts the node on the stream of its first
+    // input's primitive (else on MLX's default stream, not the caller's).
+    let handles: Vec<_> = std::iter::once(writer)
+        .chain(arrays)
+        .map(|a| a.as_ptr())
+        .collect();
     // SAFETY: FFI on live handles; the result vector is read back before it
     // is freed and each array handle is taken over by an `Array`.
-    unsafe {
-        let handles: Vec<_> = arrays.iter().map(|a| a.as_ptr()).collect();
+    let mut out = unsafe {
         let ins = mlx_sys::mlx_vector_array_new_data(handles.as_ptr(), handles.len());
-        let deps = mlx_sys::mlx_vector_array_new_value(writer.as_ptr());
+        let deps = mlx_sys::mlx_vector_array_new();
         let mut results = mlx_sys::mlx_vector_array_new();
         let out = if mlx_sys::mlx_depends(&mut results, ins, deps) == 0 {
-            take_arrays(results, N)
+            take_arrays(results, N + 1)
         } else {
             Vec::new()
         };
         mlx_sys::mlx_vector_array_free(ins);
         mlx_sys::mlx_vector_array_free(deps);
         mlx_sys::mlx_vector_array_free(results);
-        out.try_into()
-            .map_err(|_| Error::Mlx("MLX's depends failed".into()))
+        out
+    };
+    if out.len() != N + 1 {
+        return Err(Error::Mlx("MLX's depends failed".into()));
     }
+    out.remove(0);
+    out.try_into()
+        .map_err(|_| Error::Mlx("MLX's depends failed".into()))
 }
 
 /// The arrays of an MLX result vector holding exactly `n`, as our own

@@ -9,6 +9,7 @@ mod common;
 
 use common::*;
 use emlx_axon_engine::cache::KvCache;
+use emlx_axon_engine::device::gpu_available;
 use emlx_axon_engine::model::AttentionMask;
 use emlx_axon_engine::{Dtype, Model};
 use mlx_rs::ops::indexing::IndexOp;
@@ -18,11 +19,12 @@ fn prompt() -> Vec<u32> {
     (0..40u32).map(|i| (i * 7919 + 13) % 1000).collect()
 }
 
-/// The last position's logits, the prompt given in parts of `chunk` tokens.
+/// The last position's logits, the prompt given in parts of `chunk` tokens;
+/// between parts only the cache is evaluated, as a generation does.
 fn logits_in_chunks(model: &Model, prompt: &[u32], chunk: usize) -> Vec<f32> {
     let mut cache = KvCache::new(model, 1, prompt.len() as i32 + 8).unwrap();
-    let mut last = None;
-    for part in prompt.chunks(chunk) {
+    let parts: Vec<&[u32]> = prompt.chunks(chunk).collect();
+    for (i, part) in parts.iter().enumerate() {
         let ids = Array::from_slice(part, &[1, part.len() as i32]);
         let mask = if part.len() > 1 {
             AttentionMask::Causal
@@ -30,15 +32,25 @@ fn logits_in_chunks(model: &Model, prompt: &[u32], chunk: usize) -> Vec<f32> {
             AttentionMask::None
         };
         let logits = model.forward(&ids, &mut cache, &mask, true, &[]).unwrap();
-        mlx_rs::transforms::eval(cache.arrays().chain([&logits])).unwrap();
-        last = Some(logits);
+        if i + 1 < parts.len() {
+            mlx_rs::transforms::eval(cache.arrays()).unwrap();
+            continue;
+        }
+        let logits = logits.index((0, 0, ..)).as_dtype(Dtype::Float32).unwrap();
+        return logits.as_slice::<f32>().to_vec();
     }
-    let logits = last
-        .unwrap()
-        .index((0, 0, ..))
-        .as_dtype(Dtype::Float32)
-        .unwrap();
-    logits.as_slice::<f32>().to_vec()
+    unreachable!("a prompt has at least one part")
+}
+
+/// Whether prompts here must take the prompt kernels: a CUDA GPU whose
+/// step kernels passed their check, and the prompt kernels not turned off.
+fn prompt_kernels_here() -> bool {
+    gpu_available()
+        && emlx_axon_engine::gpu_layer::checked() == Some(true)
+        && !matches!(
+            std::env::var("EMLX_AXON_PREFILL_KERNELS").as_deref(),
+            Ok("0") | Ok("false")
+        )
 }
 
 #[test]
@@ -53,6 +65,13 @@ fn a_prompt_at_once_in_chunks_and_token_by_token_gives_the_same_logits() {
     ] {
         let model = load_f32(name);
         let at_once = logits_in_chunks(&model, &prompt, prompt.len());
+        if prompt_kernels_here() {
+            assert_eq!(
+                emlx_axon_engine::gpu_layer::prompt_checked(),
+                Some(true),
+                "{name}: the prompt kernels were not used"
+            );
+        }
         let scale = at_once.iter().fold(0f32, |m, x| m.max(x.abs()));
         for chunk in [16, 1] {
             let other = logits_in_chunks(&model, &prompt, chunk);

@@ -112,10 +112,10 @@ const QKV_ATTEND_PROLOGUE: &str = r#"
 "#;
 
 /// A prompt's q/k norms (Qwen3), RoPE and cache write for all its tokens,
-/// one block of `D` threads per (head, token, row) of the q/k/v product `[B,
-/// L, (NQ + 2 * NKV) * D]`: query heads go to `q` `[B, NQ, L, D]` as
-/// attention reads them, key heads (rotated) and value heads into the cache
-/// buffers in place at `offset + l`. The same arithmetic, rounding for
+/// one block of `D` threads per (query or key head, token, row) of the
+/// q/k/v product `[B, L, (NQ + 2 * NKV) * D]`: query heads go to `q` `[B,
+/// NQ, L, D]` as attention reads them, each key head (rotated) and its value
+/// head into the cache buffers in place at `offset + l`. The same arithmetic, rounding for
 /// rounding, as the step kernel's prologue above; it replaces about
 /// fifteen MLX nodes a layer (slices, norms, transposes, rotations, the
 /// cache's update and its reshapes).

@@ -95,7 +95,7 @@ pub fn checked() -> Option<bool> {
 }
 
 fn fail<T>(e: Error) -> Option<T> {
-    eprintln!("emlx_axon: GPU decode layer kernels unavailable, using MLX's ops ({e})");
+    eprintln!("emlx_axon: CUDA kernels unavailable, using MLX's ops ({e})");
     None
 }
 

@@ -11,10 +11,12 @@
 //! against 46.9k tok/s to the first token), the host building its graph
 //! for 6.1 ms of it against 7.8.
 //!
-//! On by default where the step kernels passed their check
-//! (`EMLX_AXON_PREFILL_KERNELS=0` keeps MLX's ops); the q/k kernel has a
-//! check of its own, and where it fails or does not take the cache (rows
-//! at positions of their own) attention is MLX's.
+//! On by default where the step kernels passed their check and these passed
+//! theirs (`EMLX_AXON_PREFILL_KERNELS=0` keeps MLX's ops); where the q/k
+//! kernel does not take the cache (rows at positions of their own)
+//! attention is MLX's. The cache is written in place, so a forward's graph
+//! reads it only in attention, and callers evaluate the cache before
+//! reading it otherwise (see [`crate::cuda_kernel::written_by`]).
 
 use std::sync::Mutex;
 
@@ -24,7 +26,7 @@ use mlx_rs::{Array, Dtype};
 use once_cell::sync::Lazy;
 
 use super::kernels::{takes_dtype, Kernels, QkvHeads};
-use super::{close, kernels, passes, HeadsCase};
+use super::{close, kernels, normal, passes, HeadsCase};
 use crate::cache::{KvStore, RopeOffset};
 use crate::config::ModelConfig;
 use crate::cuda_kernel::{within, written_by};
@@ -35,10 +37,10 @@ use crate::rope::PositionTable;
 
 static WANTED: Lazy<bool> = Lazy::new(|| !crate::switch::off("EMLX_AXON_PREFILL_KERNELS"));
 
-/// The q/k kernel's check result per compute dtype.
+/// The prompt kernels' check result per compute dtype.
 static CHECKED: Lazy<Mutex<Vec<(Dtype, bool)>>> = Lazy::new(|| Mutex::new(Vec::new()));
 
-/// Whether the prompt q/k kernel passed its check in every dtype checked so
+/// Whether the prompt kernels passed their check in every dtype checked so
 /// far (`None`: not checked, so not used).
 pub fn checked() -> Option<bool> {
     let checked = CHECKED.lock().unwrap_or_else(|p| p.into_inner());
@@ -81,6 +83,7 @@ pub(crate) fn layers<C: KvStore>(
         .flat_map(|b| [&b.input_norm, &b.post_norm])
         .chain([p.final_norm]);
     let takes = *WANTED
+        && !crate::rope::on_cpu_stream()
         && takes_dtype(dtype)
         && h.ndim() == 3
         && b * l <= MAX_GRID_ROWS
@@ -89,12 +92,16 @@ pub(crate) fn layers<C: KvStore>(
         && p.blocks.iter().all(|b| {
             b.mlp.gate_up.is_stacked() && matches!(b.mlp.gate_up.sizes(), [g, u] if g == u)
         });
-    let Some(k) = takes.then(|| kernels(dtype)).flatten() else {
+    let Some(k) = takes
+        .then(|| kernels(dtype))
+        .flatten()
+        .filter(|k| passes(&CHECKED, dtype, || check(k, dtype)))
+    else {
         return Ok(None);
     };
     let ours = match cache.rope_offset() {
         RopeOffset::Scalar(offset) if writes_cache(p.config, cache, b, offset + l, dtype) => {
-            passes(&CHECKED, dtype, || check(k, dtype)).then_some(offset)
+            Some(offset)
         }
         _ => None,
     };
@@ -170,13 +177,31 @@ fn writes_cache<C: KvStore>(c: &ModelConfig, cache: &C, rows: i32, end: i32, dty
                 && a.dim(1) == c.num_kv_heads
                 && a.dim(2) >= end
                 && a.dim(3) == hd
+                && a.strides().last() == Some(&1)
         })
 }
 
-/// The q/k kernel against MLX's norm and rotation on a prompt of 5 tokens
-/// in 2 rows at offset 3 of a 16-position cache: the queries, the keys and
-/// values written, and nothing else in the cache touched.
+/// The prompt kernels against MLX's ops: the residual add + RMSNorm and
+/// SwiGLU over `[B, L, D]` rows, and the q/k kernel against MLX's norm and
+/// rotation on a prompt of 5 tokens in 2 rows at offset 3 of a 16-position
+/// cache (the queries, the keys and values written, and nothing else in the
+/// cache touched).
 fn check(k: &Kernels, dtype: Dtype) -> Result<()> {
+    let (h, r) = (
+        normal(&[2, 3, 1000], 41, dtype)?,
+        normal(&[2, 3, 1000], 42, dtype)?,
+    );
+    let (w, eps) = (normal(&[1000], 43, dtype)?, 1e-6);
+    let (sum, normed) = k.add_norm(&h, &r, &w, eps)?;
+    let want_sum = h.add(&r)?;
+    close("prompt add", dtype, &sum, &want_sum)?;
+    let want_normed = rms_norm(&want_sum, Some(&w), eps)?;
+    close("prompt RMSNorm", dtype, &normed, &want_normed)?;
+    let gu = normal(&[2, 3, 600], 44, dtype)?;
+    let (g, u) = (gu.index((.., .., ..300)), gu.index((.., .., 300..)));
+    let want = g.multiply(mlx_rs::ops::sigmoid(&g)?)?.multiply(&u)?;
+    close("prompt SwiGLU", dtype, &k.swiglu(&gu)?, &want)?;
+
     let (nq, nkv, hd) = (HeadsCase::HEADS, HeadsCase::KV_HEADS, HeadsCase::HEAD_DIM);
     let (rows, l, offset) = (2, 5, 3);
     let case = HeadsCase::new(rows, l, rows, 31, dtype)?;
