@@ -16,7 +16,7 @@ use crate::cache::KvCache;
 use crate::config::add_missing;
 use crate::decode_step::{attend_for, CompiledStep, StepInputs};
 use crate::device::{DeviceKind, Lease, MlxStream};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::model::{AttentionMask, Model};
 use crate::sampler::Sampler;
 use crate::tokenizer::Tokenizer;
@@ -53,6 +53,9 @@ pub struct Generation {
     pending: Option<Pending>,
     /// Tokens already read whose next step is queued by the next call.
     held: Option<Pending>,
+    /// Why a call failed: its queued step is gone and the cache may have
+    /// advanced, so later calls fail too rather than return nothing.
+    failed: Option<String>,
     replay: Replay,
     started: Instant,
     first_token_at: Option<Instant>,
@@ -138,6 +141,7 @@ impl Generation {
             eos,
             pending: None,
             held: None,
+            failed: None,
             replay: Replay::Untried,
             started,
             first_token_at: None,
@@ -255,7 +259,7 @@ impl Generation {
 
     /// Whether every row has finished and `next` has returned all of it.
     pub fn is_done(&self) -> bool {
-        self.carry.is_none() && self.rows_finished()
+        self.failed.is_some() || (self.carry.is_none() && self.rows_finished())
     }
 
     fn rows_finished(&self) -> bool {
@@ -265,12 +269,21 @@ impl Generation {
     /// Decodes up to `max_steps` steps for every unfinished row (a step
     /// is one token, or more where a grammar forces them).
     pub fn next(&mut self, max_steps: usize) -> Result<Vec<RowDelta>> {
+        if let Some(why) = &self.failed {
+            return Err(Error::invalid(format!(
+                "this generation already failed: {why}"
+            )));
+        }
         let stream = self.stream.clone();
-        MlxStream::run_on(stream.as_ref(), || {
+        let out: Result<Vec<RowDelta>> = MlxStream::run_on(stream.as_ref(), || {
             let deltas = self.decode(max_steps)?;
             self.settle_if_thread_bound()?;
             Ok(deltas)
-        })
+        });
+        if let Err(e) = &out {
+            self.failed = Some(e.to_string());
+        }
+        out
     }
 
     /// On a thread's default stream, finishes queued work before returning:
@@ -497,4 +510,33 @@ struct Timing {
 
 fn ms_since(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::LoadOptions;
+
+    /// A step that fails leaves the generation failed: later calls give an
+    /// error too, and it is done, where they used to return empty deltas
+    /// forever.
+    #[test]
+    fn a_failed_step_fails_every_later_call() {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../.cache/fixtures/qwen3-4bit-g64");
+        let model = Arc::new(Model::load(&dir, &LoadOptions::default()).unwrap());
+        let options = GenerateOptions {
+            max_new_tokens: 8,
+            ..GenerateOptions::default()
+        };
+        let mut g = Generation::start(model, None, None, &[vec![1, 2, 3]], options).unwrap();
+        assert!(!g.is_done());
+        // A replayed step with no replay: reading it fails.
+        g.pending = Some(Pending::Replayed(7));
+        let first = g.next(2).unwrap_err();
+        assert!(g.is_done());
+        let again = g.next(2).unwrap_err();
+        assert_eq!(again.kind(), "invalid_argument");
+        assert!(again.to_string().contains(&first.to_string()), "{again}");
+    }
 }
