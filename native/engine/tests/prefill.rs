@@ -9,7 +9,6 @@ mod common;
 
 use common::*;
 use emlx_axon_engine::cache::KvCache;
-use emlx_axon_engine::device::gpu_available;
 use emlx_axon_engine::model::AttentionMask;
 use emlx_axon_engine::{Dtype, Model};
 use mlx_rs::ops::indexing::IndexOp;
@@ -42,17 +41,6 @@ fn logits_in_chunks(model: &Model, prompt: &[u32], chunk: usize) -> Vec<f32> {
     unreachable!("a prompt has at least one part")
 }
 
-/// Whether prompts here must take the prompt kernels: a CUDA GPU whose
-/// step kernels passed their check, and the prompt kernels not turned off.
-fn prompt_kernels_here() -> bool {
-    gpu_available()
-        && emlx_axon_engine::gpu_layer::checked() == Some(true)
-        && !matches!(
-            std::env::var("EMLX_AXON_PREFILL_KERNELS").as_deref(),
-            Ok("0") | Ok("false")
-        )
-}
-
 #[test]
 fn a_prompt_at_once_in_chunks_and_token_by_token_gives_the_same_logits() {
     let prompt = prompt();
@@ -65,7 +53,7 @@ fn a_prompt_at_once_in_chunks_and_token_by_token_gives_the_same_logits() {
     ] {
         let model = load_f32(name);
         let at_once = logits_in_chunks(&model, &prompt, prompt.len());
-        if prompt_kernels_here() {
+        if gpu_kernels_on("EMLX_AXON_PREFILL_KERNELS") {
             assert_eq!(
                 emlx_axon_engine::gpu_layer::prompt_checked(),
                 Some(true),

@@ -7,21 +7,15 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{load, options, reference};
-use emlx_axon_engine::device::{gpu_available, DeviceKind, MlxStream};
+use common::{gpu_kernels_on, load, options, reference};
+use emlx_axon_engine::device::{DeviceKind, MlxStream};
 use emlx_axon_engine::{GenerateOptions, Generation, LoadOptions, Model, SamplerConfig};
 
 const FIXTURE: &str = "qwen3-4bit-g64";
 
-/// Whether this machine replays the fixture's steps: a CUDA GPU whose fused
-/// layer kernels passed their check, and the replay not turned off.
+/// Whether this machine replays the fixture's steps.
 fn replays_here() -> bool {
-    gpu_available()
-        && emlx_axon_engine::gpu_layer::checked() == Some(true)
-        && !matches!(
-            std::env::var("EMLX_AXON_STEP_REPLAY").as_deref(),
-            Ok("0") | Ok("false")
-        )
+    gpu_kernels_on("EMLX_AXON_STEP_REPLAY")
 }
 
 /// Generated ids, and whether any step was replayed.

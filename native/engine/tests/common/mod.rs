@@ -37,6 +37,14 @@ fn exact_float32() {
     });
 }
 
+/// Whether our CUDA kernels run here with the switch `var` left on: a CUDA
+/// GPU whose step kernels passed their check, and `var` not `0`/`false`.
+pub fn gpu_kernels_on(var: &str) -> bool {
+    emlx_axon_engine::device::gpu_available()
+        && emlx_axon_engine::gpu_layer::checked() == Some(true)
+        && !matches!(std::env::var(var).as_deref(), Ok("0") | Ok("false"))
+}
+
 pub fn fixture(name: &str) -> PathBuf {
     fixtures().join(name)
 }
