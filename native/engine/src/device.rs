@@ -172,8 +172,37 @@ pub struct MlxStream {
 unsafe impl Send for MlxStream {}
 unsafe impl Sync for MlxStream {}
 
+/// CPU streams made at once, before any of them runs work. MLX (0.32)
+/// keeps the CPU streams usable from any thread in one map that evaluation
+/// reads without a lock (`mlx/backend/cpu/encoder.cpp`); adding one while
+/// another thread evaluates on another can make that evaluation fail with
+/// "There is no Stream(cpu, N) in current thread" (seen in about 1 run in
+/// 40 of a test with 4 threads starting generations together). The engine
+/// uses at most the pool's streams and a few of its own.
+const CPU_STREAM_RESERVE: usize = 2 * MAX_STREAMS_PER_DEVICE + 8;
+
+static CPU_RESERVE: Lazy<Mutex<Option<Vec<MlxStream>>>> = Lazy::new(|| Mutex::new(None));
+
 impl MlxStream {
     pub fn new(kind: DeviceKind) -> Result<Self> {
+        if kind == DeviceKind::Gpu {
+            return Self::make(kind);
+        }
+        let mut reserve = CPU_RESERVE.lock().unwrap_or_else(|p| p.into_inner());
+        if reserve.is_none() {
+            let made = (0..CPU_STREAM_RESERVE)
+                .map(|_| Self::make(kind))
+                .collect::<Result<Vec<_>>>()?;
+            *reserve = Some(made);
+        }
+        match reserve.as_mut().and_then(Vec::pop) {
+            Some(stream) => Ok(stream),
+            // Past the reserve (not reached by the engine's own use).
+            None => Self::make(kind),
+        }
+    }
+
+    fn make(kind: DeviceKind) -> Result<Self> {
         prepare_mlx();
         if kind == DeviceKind::Gpu {
             start_gpu_runtime_first();
