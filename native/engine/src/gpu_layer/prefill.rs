@@ -99,18 +99,14 @@ pub(crate) fn layers<C: KvStore>(
     else {
         return Ok(None);
     };
+    // The q/k kernel where it takes the cache: the first position (as an
+    // array and a number) and the RoPE table's rows.
     let ours = match cache.rope_offset() {
         RopeOffset::Scalar(offset) if writes_cache(p.config, cache, b, offset + l, dtype) => {
-            Some(offset)
-        }
-        _ => None,
-    };
-    let ours = match ours {
-        Some(offset) => {
             let (cos, signed_sin) = p.table.rows(p.config, offset + l - 1)?;
             Some((Array::from_slice(&[offset], &[1]), offset, cos, signed_sin))
         }
-        None => None,
+        _ => None,
     };
     let first = &p.blocks[0].input_norm;
     let mut h = h.clone();
