@@ -90,8 +90,13 @@ pub(crate) fn wanted() -> bool {
 /// Whether the kernels passed their check in every dtype checked so far
 /// (`None`: none checked yet).
 pub fn checked() -> Option<bool> {
-    let checked = CHECKED.lock().unwrap_or_else(|p| p.into_inner());
-    (!checked.is_empty()).then(|| checked.iter().all(|(_, ok)| *ok))
+    all_passed(&CHECKED)
+}
+
+/// Whether every check kept in `results` passed (`None`: none ran yet).
+fn all_passed(results: &Mutex<Vec<(Dtype, bool)>>) -> Option<bool> {
+    let results = results.lock().unwrap_or_else(|p| p.into_inner());
+    (!results.is_empty()).then(|| results.iter().all(|(_, ok)| *ok))
 }
 
 fn fail<T>(e: Error) -> Option<T> {
@@ -399,26 +404,7 @@ fn close(what: &str, dtype: Dtype, got: &Array, want: &Array) -> Result<()> {
 /// Each kernel against MLX's ops on small random cases (odd sizes,
 /// several rows, rows at different positions) in `dtype`.
 fn check(k: &Kernels, dtype: Dtype) -> Result<()> {
-    let (rows, d, eps) = (3, 1000, 1e-6);
-    let (h, r) = (
-        normal(&[rows, 1, d], 1, dtype)?,
-        normal(&[rows, 1, d], 2, dtype)?,
-    );
-    let w = normal(&[d], 3, dtype)?;
-    let (sum, normed) = k.add_norm(&h, &r, &w, eps)?;
-    let want_sum = h.add(&r)?;
-    close("add", dtype, &sum, &want_sum)?;
-    close(
-        "RMSNorm",
-        dtype,
-        &normed,
-        &rms_norm(&want_sum, Some(&w), eps)?,
-    )?;
-
-    let gu = normal(&[rows, 1, 2 * 300], 4, dtype)?;
-    let (g, u) = (gu.index((.., .., ..300)), gu.index((.., .., 300..)));
-    let want = g.multiply(mlx_rs::ops::sigmoid(&g)?)?.multiply(&u)?;
-    close("SwiGLU", dtype, &k.swiglu(&gu)?, &want)?;
+    check_rows(k, dtype, [3, 1], 1, "")?;
 
     // Many ties (values on a grid of quarters), a row not 16-byte aligned
     // and a width that leaves a tail.
@@ -444,6 +430,34 @@ fn check(k: &Kernels, dtype: Dtype) -> Result<()> {
         check_gemv(k, dtype)?;
     }
     Ok(())
+}
+
+/// The residual add + RMSNorm and SwiGLU kernels against MLX's ops over
+/// rows `[lead[0], lead[1], D]` (odd widths), drawn from seeds `seed..seed
+/// + 4`; `what` names the use in a failure.
+fn check_rows(k: &Kernels, dtype: Dtype, lead: [i32; 2], seed: u64, what: &str) -> Result<()> {
+    let ([b, l], d, eps) = (lead, 1000, 1e-6);
+    let (h, r) = (
+        normal(&[b, l, d], seed, dtype)?,
+        normal(&[b, l, d], seed + 1, dtype)?,
+    );
+    let w = normal(&[d], seed + 2, dtype)?;
+    let (sum, normed) = k.add_norm(&h, &r, &w, eps)?;
+    let want_sum = h.add(&r)?;
+    close(&format!("{what}add"), dtype, &sum, &want_sum)?;
+    let want_normed = rms_norm(&want_sum, Some(&w), eps)?;
+    close(&format!("{what}RMSNorm"), dtype, &normed, &want_normed)?;
+    let gu = normal(&[b, l, 2 * 300], seed + 3, dtype)?;
+    let want = swiglu_of_halves(&gu)?;
+    close(&format!("{what}SwiGLU"), dtype, &k.swiglu(&gu)?, &want)
+}
+
+/// `silu(gate) * up` of `y`'s halves `[.., .., gate | up]`, as MLX's ops
+/// compute it.
+fn swiglu_of_halves(y: &Array) -> Result<Array> {
+    let half = y.dim(-1) / 2;
+    let (g, u) = (y.index((.., .., ..half)), y.index((.., .., half..)));
+    Ok(g.multiply(mlx_rs::ops::sigmoid(&g)?)?.multiply(&u)?)
 }
 
 /// The embedding kernel against MLX's `take`, `dequantize` and `rms_norm`
@@ -542,12 +556,6 @@ fn check_gemv(k: &Kernels, dtype: Dtype) -> Result<()> {
                 x, &w, &scales, &biases, true, gs, bits,
             )?)
         };
-        let half = n / 2;
-        // SwiGLU of a product's halves, as MLX's ops compute it.
-        let swiglu = |y: &Array| -> Result<Array> {
-            let (g, u) = (y.index((.., .., ..half)), y.index((.., .., half..)));
-            Ok(g.multiply(mlx_rs::ops::sigmoid(&g)?)?.multiply(&u)?)
-        };
         for &rows in rows_list {
             let x = normal(&[rows, 1, kd], 13, dtype)?;
             let (h, r) = (
@@ -564,7 +572,7 @@ fn check_gemv(k: &Kernels, dtype: Dtype) -> Result<()> {
                 let want = |x: &Array| -> Result<Array> {
                     match output {
                         GemvOutput::Product => mlx(x),
-                        GemvOutput::Swiglu => swiglu(&mlx(x)?),
+                        GemvOutput::Swiglu => swiglu_of_halves(&mlx(x)?),
                     }
                 };
                 let what = format!("{bits}-bit {name} ({rows} rows, {dtype:?})");

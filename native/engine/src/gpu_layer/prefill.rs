@@ -26,7 +26,7 @@ use mlx_rs::{Array, Dtype};
 use once_cell::sync::Lazy;
 
 use super::kernels::{takes_dtype, Kernels, QkvHeads};
-use super::{close, kernels, normal, passes, HeadsCase};
+use super::{all_passed, check_rows, close, kernels, passes, HeadsCase};
 use crate::cache::{KvStore, RopeOffset};
 use crate::config::ModelConfig;
 use crate::cuda_kernel::{within, written_by};
@@ -43,8 +43,7 @@ static CHECKED: Lazy<Mutex<Vec<(Dtype, bool)>>> = Lazy::new(|| Mutex::new(Vec::n
 /// Whether the prompt kernels passed their check in every dtype checked so
 /// far (`None`: not checked, so not used).
 pub fn checked() -> Option<bool> {
-    let checked = CHECKED.lock().unwrap_or_else(|p| p.into_inner());
-    (!checked.is_empty()).then(|| checked.iter().all(|(_, ok)| *ok))
+    all_passed(&CHECKED)
 }
 
 /// The add + RMSNorm kernel's grid has a block row per token row.
@@ -183,20 +182,7 @@ fn writes_cache<C: KvStore>(c: &ModelConfig, cache: &C, rows: i32, end: i32, dty
 /// cache (the queries, the keys and values written, and nothing else in the
 /// cache touched).
 fn check(k: &Kernels, dtype: Dtype) -> Result<()> {
-    let (h, r) = (
-        normal(&[2, 3, 1000], 41, dtype)?,
-        normal(&[2, 3, 1000], 42, dtype)?,
-    );
-    let (w, eps) = (normal(&[1000], 43, dtype)?, 1e-6);
-    let (sum, normed) = k.add_norm(&h, &r, &w, eps)?;
-    let want_sum = h.add(&r)?;
-    close("prompt add", dtype, &sum, &want_sum)?;
-    let want_normed = rms_norm(&want_sum, Some(&w), eps)?;
-    close("prompt RMSNorm", dtype, &normed, &want_normed)?;
-    let gu = normal(&[2, 3, 600], 44, dtype)?;
-    let (g, u) = (gu.index((.., .., ..300)), gu.index((.., .., 300..)));
-    let want = g.multiply(mlx_rs::ops::sigmoid(&g)?)?.multiply(&u)?;
-    close("prompt SwiGLU", dtype, &k.swiglu(&gu)?, &want)?;
+    check_rows(k, dtype, [2, 3], 41, "prompt ")?;
 
     let (nq, nkv, hd) = (HeadsCase::HEADS, HeadsCase::KV_HEADS, HeadsCase::HEAD_DIM);
     let (rows, l, offset) = (2, 5, 3);
