@@ -32,10 +32,11 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-use emlx_axon_engine::cache::KvCache;
-use emlx_axon_engine::device::{gpu_available, mlx_version, DeviceKind, Lease};
+use emlx_axon_engine::backend::Work;
+use emlx_axon_engine::kv::cache::KvCache;
 use emlx_axon_engine::model::AttentionMask;
-use emlx_axon_engine::sampler::greedy;
+use emlx_axon_engine::runtime::device::{gpu_available, mlx_version, DeviceKind, Lease};
+use emlx_axon_engine::sample::greedy;
 use emlx_axon_engine::{Dtype, GenerateOptions, Generation, LoadOptions, Model};
 use mlx_rs::fast::{rms_norm, rope, scaled_dot_product_attention};
 use mlx_rs::ops::indexing::argmax_axis;
@@ -269,8 +270,11 @@ struct Timed {
     engine_prefill_graph_ms: f64,
     engine_prefill_ms: f64,
     engine_decode_tok_s: f64,
-    compiled_decode: bool,
     step_replay: bool,
+    /// The paths that ran most of the decode steps and of the prompt.
+    decode_path: &'static str,
+    prefill_path: &'static str,
+    fallbacks: Vec<String>,
 }
 
 impl Bench {
@@ -308,7 +312,6 @@ impl Bench {
         }
         let last = Instant::now();
         let stats = generation.stats();
-        let compiled_decode = generation.runs_compiled();
         let step_replay = generation.replays_steps();
         let rows = generation.generated();
         let generated: Vec<usize> = rows.iter().map(Vec::len).collect();
@@ -324,8 +327,10 @@ impl Bench {
             engine_prefill_graph_ms: stats.prefill_graph_ms,
             engine_prefill_ms: stats.prefill_ms,
             engine_decode_tok_s: stats.decode_tokens_per_s,
-            compiled_decode,
             step_replay,
+            decode_path: stats.paths.main_name(Work::Decode),
+            prefill_path: stats.paths.main_name(Work::Prefill),
+            fallbacks: stats.paths.fallbacks.clone(),
         })
     }
 
@@ -404,15 +409,13 @@ impl Bench {
         );
         fields.insert("kv_bytes".into(), json!(self.kv_bytes(1, prompt.len() + n)));
         fields.insert("ids".into(), json!(t.ids));
-        fields.insert("compiled_decode".into(), json!(t.compiled_decode));
+        fields.insert("decode_path".into(), json!(t.decode_path));
+        fields.insert("prefill_path".into(), json!(t.prefill_path));
+        fields.insert("fallbacks".into(), json!(t.fallbacks));
         fields.insert("step_replay".into(), json!(t.step_replay));
         fields.insert(
-            "decode_attention_kernel".into(),
-            json!(emlx_axon_engine::decode_attention::checked()),
-        );
-        fields.insert(
             "gpu_layer_kernels".into(),
-            json!(emlx_axon_engine::gpu_layer::checked()),
+            json!(emlx_axon_engine::backend::cuda::layer::checked()),
         );
         Memory::record(&mut fields);
         self.emit("decode", Some(run), Value::Object(fields));
@@ -440,7 +443,7 @@ impl Bench {
         }
         fields.insert(
             "prompt_kernels".into(),
-            json!(emlx_axon_engine::gpu_layer::prompt_checked()),
+            json!(emlx_axon_engine::backend::cuda::prefill::checked()),
         );
         fields.insert("kv_bytes".into(), json!(self.kv_bytes(1, prompt.len() + 2)));
         Memory::record(&mut fields);
@@ -468,7 +471,9 @@ impl Bench {
             "kv_bytes".into(),
             json!(self.kv_bytes(batch, prompts[0].len() + n)),
         );
-        fields.insert("compiled_decode".into(), json!(t.compiled_decode));
+        fields.insert("decode_path".into(), json!(t.decode_path));
+        fields.insert("prefill_path".into(), json!(t.prefill_path));
+        fields.insert("fallbacks".into(), json!(t.fallbacks));
         fields.insert("step_replay".into(), json!(t.step_replay));
         Memory::record(&mut fields);
         self.emit("batch", Some(run), Value::Object(fields));
@@ -513,7 +518,7 @@ impl Bench {
     fn prefilled(&self, workers: &[Lease]) -> AnyResult<(KvCache, Array)> {
         let prompt = &self.prompts().decode;
         let rows = (prompt.len() + self.args.tokens + 1) as i32;
-        let mut cache = KvCache::new(&self.model, 1, rows)?;
+        let mut cache = KvCache::new(&self.model.kv_shape(), 1, rows)?;
         let ids = Array::from_slice(prompt, &[1, prompt.len() as i32]);
         let logits = self
             .model
@@ -769,7 +774,7 @@ fn median(values: &[f64]) -> f64 {
 
 fn run(args: Args) -> AnyResult<()> {
     // Before MLX's first call: the engine sizes MLX's command graphs.
-    emlx_axon_engine::device::prepare_mlx();
+    emlx_axon_engine::runtime::device::prepare_mlx();
     // mlx-lm's load timer starts after `import mlx.core`, which has set up
     // the device (on CUDA, 200-400 ms of context and library start-up): one
     // tiny evaluation first puts the engine's load on the same footing, and

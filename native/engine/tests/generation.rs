@@ -328,7 +328,7 @@ fn invalid_requests_are_typed_errors() {
 
 #[test]
 fn concurrent_generations_share_one_model_and_streams() {
-    use emlx_axon_engine::device::{DeviceKind, MlxStream};
+    use emlx_axon_engine::runtime::device::{DeviceKind, MlxStream};
     let m = model();
     let refs = reference(FIXTURE, "");
     // Two CPU streams and one of the default device: on a GPU build the

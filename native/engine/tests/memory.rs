@@ -4,7 +4,8 @@
 mod common;
 
 use common::*;
-use emlx_axon_engine::{memory, Dtype, LoadOptions, Model};
+use emlx_axon_engine::runtime::memory;
+use emlx_axon_engine::{Dtype, LoadOptions, Model};
 
 fn load_error(name: &str) -> String {
     let options = LoadOptions {

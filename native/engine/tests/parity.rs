@@ -4,9 +4,9 @@ mod common;
 
 use common::parity::*;
 use common::*;
-use emlx_axon_engine::cache::KvCache;
-use emlx_axon_engine::device::{DeviceKind, Lease};
+use emlx_axon_engine::kv::cache::KvCache;
 use emlx_axon_engine::model::AttentionMask;
+use emlx_axon_engine::runtime::device::{DeviceKind, Lease};
 use emlx_axon_engine::{LoadOptions, QuantSpec};
 use mlx_rs::Array;
 
@@ -79,13 +79,13 @@ fn splitting_projections_across_cpu_streams_changes_no_logit() {
         let ids = Array::from_slice(prompt, &[1, prompt.len() as i32]);
         let workers = Lease::workers(DeviceKind::Cpu, model.parallel_ways).unwrap();
         assert_eq!(workers.len(), model.parallel_ways);
-        let cores = emlx_axon_engine::device::cpu_parallelism();
+        let cores = emlx_axon_engine::runtime::device::cpu_parallelism();
         assert_eq!(model.parallel_ways > 1, parallel && cores > 1);
         // On a CPU stream, whole or split: on a GPU build the default stream
         // is the GPU's, whose products are summed in another order.
         let own = Lease::new(DeviceKind::Cpu).unwrap();
         own.stream().run(|| {
-            let mut cache = KvCache::new(&model, 1, prompt.len() as i32).unwrap();
+            let mut cache = KvCache::new(&model.kv_shape(), 1, prompt.len() as i32).unwrap();
             let logits = model
                 .forward(&ids, &mut cache, &AttentionMask::Causal, true, &workers)
                 .unwrap();

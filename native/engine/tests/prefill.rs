@@ -8,7 +8,7 @@
 mod common;
 
 use common::*;
-use emlx_axon_engine::cache::KvCache;
+use emlx_axon_engine::kv::cache::KvCache;
 use emlx_axon_engine::model::AttentionMask;
 use emlx_axon_engine::{Dtype, Model};
 use mlx_rs::ops::indexing::IndexOp;
@@ -21,7 +21,7 @@ fn prompt() -> Vec<u32> {
 /// The last position's logits, the prompt given in parts of `chunk` tokens;
 /// between parts only the cache is evaluated, as a generation does.
 fn logits_in_chunks(model: &Model, prompt: &[u32], chunk: usize) -> Vec<f32> {
-    let mut cache = KvCache::new(model, 1, prompt.len() as i32 + 8).unwrap();
+    let mut cache = KvCache::new(&model.kv_shape(), 1, prompt.len() as i32 + 8).unwrap();
     let parts: Vec<&[u32]> = prompt.chunks(chunk).collect();
     for (i, part) in parts.iter().enumerate() {
         let ids = Array::from_slice(part, &[1, part.len() as i32]);
@@ -55,7 +55,7 @@ fn a_prompt_at_once_in_chunks_and_token_by_token_gives_the_same_logits() {
         let at_once = logits_in_chunks(&model, &prompt, prompt.len());
         if gpu_kernels_on("EMLX_AXON_PREFILL_KERNELS") {
             assert_eq!(
-                emlx_axon_engine::gpu_layer::prompt_checked(),
+                emlx_axon_engine::backend::cuda::prefill::checked(),
                 Some(true),
                 "{name}: the prompt kernels were not used"
             );

@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use emlx_axon_engine::sampler::{filter, Sampler};
+use emlx_axon_engine::sample::{filter, Sampler};
 use emlx_axon_engine::{SamplerConfig, SamplerKind};
 use mlx_rs::Array;
 use serde_json::Value;

@@ -6,7 +6,7 @@ mod common;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use common::*;
-use emlx_axon_engine::scheduler::Occupancy;
+use emlx_axon_engine::exec::scheduler::Occupancy;
 use emlx_axon_engine::{
     generate, FinishReason, GenerateOptions, Model, RequestId, SamplerConfig, SamplerKind,
     Scheduler, SchedulerConfig,
@@ -293,8 +293,8 @@ fn cancelling_mid_prefill_and_mid_decode_frees_the_slot_and_memory() {
 /// milliseconds apart equal.
 fn settled_active_memory() -> usize {
     let read = || {
-        emlx_axon_engine::memory::clear_cache().unwrap();
-        emlx_axon_engine::memory::info().unwrap().active
+        emlx_axon_engine::runtime::memory::clear_cache().unwrap();
+        emlx_axon_engine::runtime::memory::info().unwrap().active
     };
     let mut last = read();
     for _ in 0..100 {

@@ -8,7 +8,8 @@ mod common;
 use std::sync::Arc;
 
 use common::{gpu_kernels_on, load, options, reference};
-use emlx_axon_engine::device::{DeviceKind, MlxStream};
+use emlx_axon_engine::backend::{Path, Work};
+use emlx_axon_engine::runtime::device::{DeviceKind, MlxStream};
 use emlx_axon_engine::{GenerateOptions, Generation, LoadOptions, Model, SamplerConfig};
 
 const FIXTURE: &str = "qwen3-4bit-g64";
@@ -44,6 +45,22 @@ fn run_for(
     while !g.is_done() {
         g.next(5).unwrap();
         replayed |= g.replays_steps();
+    }
+    // The statistics say so too: replayed steps are most of the decode.
+    let paths = g.stats().paths;
+    assert_eq!(
+        paths.main(Work::Decode) == Some(Path::CudaReplay),
+        replayed,
+        "{paths:?}"
+    );
+    if !replayed && step_replay && replays_here() {
+        assert!(
+            paths
+                .fallbacks
+                .iter()
+                .any(|r| r.starts_with("cuda_replay:")),
+            "{paths:?}"
+        );
     }
     (g.generated(), replayed)
 }

@@ -1,7 +1,7 @@
 //! Constraints as Elixir gives them: `{:json_schema | :regex | :grammar,
 //! text}`, read the same way for generations and the scheduler.
 
-use emlx_axon_engine::constraint::RowConstraint;
+use emlx_axon_engine::text::constraint::RowConstraint;
 use emlx_axon_engine::ConstraintSpec;
 use rustler::{Atom, ResourceArc};
 
@@ -45,7 +45,7 @@ fn constraint_check(
         ));
     };
     guard(|| {
-        RowConstraint::new(&tok.tokenizer, &spec)?;
+        RowConstraint::new(&*tok.tokenizer.constraint_factory()?, &spec)?;
         Ok(true)
     })
 }

@@ -1,6 +1,7 @@
 //! Chunked generation: start (prefill), next (decode a chunk), stats, free.
 
-use emlx_axon_engine::device::on_large_stack;
+use emlx_axon_engine::backend::Work;
+use emlx_axon_engine::runtime::device::on_large_stack;
 use emlx_axon_engine::{GenerateOptions, Generation, RowOptions, SamplerConfig, SamplerKind};
 use rustler::{Atom, NifMap, ResourceArc, Term};
 
@@ -197,6 +198,9 @@ pub struct StatsOut {
     time_to_first_token_ms: f64,
     constraint_ms: f64,
     forced_tokens: Vec<usize>,
+    decode_path: String,
+    prefill_path: String,
+    fallbacks: Vec<String>,
 }
 
 #[rustler::nif]
@@ -212,6 +216,9 @@ fn generation_stats(resource: ResourceArc<GenerationResource>) -> NifResult<Stat
             time_to_first_token_ms: s.time_to_first_token_ms,
             constraint_ms: s.constraint_ms,
             forced_tokens: s.forced_tokens,
+            decode_path: s.paths.main_name(Work::Decode).into(),
+            prefill_path: s.paths.main_name(Work::Prefill).into(),
+            fallbacks: s.paths.fallbacks,
         })
     })
 }

@@ -20,7 +20,7 @@ mod tokenizer;
 /// that a failing call returns an error instead of exiting the VM, and its
 /// CUDA command-graph size (`device::prepare_mlx`).
 fn load(_env: rustler::Env, _info: rustler::Term) -> bool {
-    emlx_axon_engine::device::prepare_mlx();
+    emlx_axon_engine::runtime::device::prepare_mlx();
     true
 }
 

@@ -1,7 +1,7 @@
 //! MLX's memory figures, so callers (and the reliability tests) can see
 //! that models and generations give their memory back.
 
-use emlx_axon_engine::memory;
+use emlx_axon_engine::runtime::memory;
 use rustler::{Atom, NifMap};
 
 use crate::error::NifResult;

@@ -3,7 +3,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use emlx_axon_engine::device::{gpu_available, mlx_version, on_large_stack, DeviceKind};
+use emlx_axon_engine::runtime::device::{gpu_available, mlx_version, on_large_stack, DeviceKind};
 use emlx_axon_engine::{Dtype, LoadOptions, Model, QuantSpec};
 use rustler::{NifMap, ResourceArc};
 
@@ -21,6 +21,20 @@ pub struct MlxInfo {
     mlx_version: String,
     default_device: rustler::Atom,
     gpu_available: bool,
+    /// Each fast path: whether this build and device offer it, and its
+    /// check's result once run.
+    paths: Vec<PathOffer>,
+    /// Every environment switch as the engine read it.
+    switches: Vec<(String, String)>,
+    /// Kernel checks that failed, replays turned off: each once.
+    notices: Vec<String>,
+}
+
+#[derive(NifMap)]
+pub struct PathOffer {
+    name: String,
+    offered: bool,
+    checked: Option<bool>,
 }
 
 mod atoms {
@@ -36,6 +50,19 @@ fn mlx_info() -> MlxInfo {
             DeviceKind::Gpu => atoms::gpu(),
         },
         gpu_available: gpu_available(),
+        paths: emlx_axon_engine::backend::offered()
+            .into_iter()
+            .map(|(name, offered, checked)| PathOffer {
+                name: name.into(),
+                offered,
+                checked,
+            })
+            .collect(),
+        switches: emlx_axon_engine::switches::all()
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect(),
+        notices: emlx_axon_engine::backend::notices(),
     }
 }
 

@@ -2,7 +2,8 @@
 //! `scheduler_step` is a short dirty call (one prompt chunk and a few decode
 //! steps) returning what every request produced.
 
-use emlx_axon_engine::device::on_large_stack;
+use emlx_axon_engine::backend::Work;
+use emlx_axon_engine::runtime::device::on_large_stack;
 use emlx_axon_engine::{
     FinishReason, GenerateOptions, RequestStats, SamplerConfig, Scheduler, SchedulerConfig,
 };
@@ -135,6 +136,9 @@ pub struct StatsOut {
     time_to_first_token_ms: f64,
     decode_tokens_per_s: f64,
     constraint_ms: f64,
+    decode_path: String,
+    prefill_path: String,
+    fallbacks: Vec<String>,
 }
 
 impl From<RequestStats> for StatsOut {
@@ -148,6 +152,9 @@ impl From<RequestStats> for StatsOut {
             time_to_first_token_ms: s.time_to_first_token_ms,
             decode_tokens_per_s: s.decode_tokens_per_s,
             constraint_ms: s.constraint_ms,
+            decode_path: s.paths.main_name(Work::Decode).into(),
+            prefill_path: s.paths.main_name(Work::Prefill).into(),
+            fallbacks: s.paths.fallbacks,
         }
     }
 }

@@ -3,7 +3,7 @@
 //! closed or garbage-collected, so dropped streams leak neither MLX streams
 //! nor their threads.
 
-use emlx_axon_engine::device::{DeviceKind, Lease, MlxStream};
+use emlx_axon_engine::runtime::device::{DeviceKind, Lease, MlxStream};
 use rustler::{Atom, NifMap, ResourceArc};
 
 use crate::error::{guard, NifError, NifResult};

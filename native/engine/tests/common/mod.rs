@@ -40,8 +40,8 @@ fn exact_float32() {
 /// Whether our CUDA kernels run here with the switch `var` left on: a CUDA
 /// GPU whose step kernels passed their check, and `var` not `0`/`false`.
 pub fn gpu_kernels_on(var: &str) -> bool {
-    emlx_axon_engine::device::gpu_available()
-        && emlx_axon_engine::gpu_layer::checked() == Some(true)
+    emlx_axon_engine::runtime::device::gpu_available()
+        && emlx_axon_engine::backend::cuda::layer::checked() == Some(true)
         && !matches!(std::env::var(var).as_deref(), Ok("0") | Ok("false"))
 }
 

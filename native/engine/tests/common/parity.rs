@@ -3,9 +3,9 @@
 
 use std::collections::HashMap;
 
-use emlx_axon_engine::cache::KvCache;
-use emlx_axon_engine::device::DeviceKind;
+use emlx_axon_engine::kv::cache::KvCache;
 use emlx_axon_engine::model::AttentionMask;
+use emlx_axon_engine::runtime::device::DeviceKind;
 use emlx_axon_engine::{generate, Dtype, GenerateOptions, LoadOptions};
 use mlx_rs::Array;
 
@@ -89,7 +89,8 @@ pub fn check_model(
             continue;
         }
         // Teacher-forced logits at every step, against mlx-lm's.
-        let mut cache = KvCache::new(&model, 1, (prompt.len() + expected.len()) as i32).unwrap();
+        let mut cache =
+            KvCache::new(&model.kv_shape(), 1, (prompt.len() + expected.len()) as i32).unwrap();
         let mut input = Array::from_slice(&prompt, &[1, prompt.len() as i32]);
         let mut worst = 0f32;
         for (step, &token) in expected.iter().enumerate() {

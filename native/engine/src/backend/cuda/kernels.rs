@@ -1,0 +1,650 @@
+//! The CUDA kernels of a one-token step's layer (see the module above), each
+//! one node, with the roundings of the MLX ops it replaces: every value an
+//! MLX op would store in the compute dtype is rounded to it here too, and
+//! sums are taken in float32.
+
+use mlx_rs::{Array, Dtype};
+
+use emlx_axon_kernels::QuantWeight;
+
+use crate::backend::cuda::kernel::{CudaKernel, Template};
+use crate::error::Result;
+
+/// A warp's trip to memory for the keys and values `j0..j0 + U` (clamped
+/// to `last`), all loads before any use: `load`, and the registers of a
+/// warp's first trip, `kf0` and `vf0`, which a kernel may fill early
+/// (`FIRST_LOADED`) so that the trip overlaps work before the loop.
+const ATTEND_LOAD: &str = include_str!("cu/attend_load.cu");
+
+/// The keys `first..=last` into each warp's online softmax (float32): its
+/// running max `m`, sum `l` and weighted values `acc` (the lane's `E` of
+/// them), the query `qv` prescaled; `KEY(j)` and `VALUE(j)` point at the
+/// lane's part of key and value `j`. A warp takes `U` keys at a time
+/// ([`ATTEND_LOAD`]), so that a trip to memory serves `U` keys (one key at
+/// a time, a short context's attention was bound by the chain of trips),
+/// and the warps take turns by `U` keys.
+const ATTEND_KEYS: &str = include_str!("cu/attend_keys.cu");
+
+/// The warps' softmaxes combined into the block's output row: `out` laid
+/// out `[rows, heads, D]` with one block per (head, row).
+const ATTEND_COMBINE: &str = include_str!("cu/attend_combine.cu");
+
+/// A layer's attention for one query per row from the q/k/v product: q and
+/// k RMSNorm (Qwen3), RoPE from a float32 table of positions, the new key and value
+/// written into the cache at the row's position, and attention over the
+/// row's keys `starts..=position` (online softmax in float32, the block's
+/// warps taking turns by a few keys, then combined). One block per
+/// (query head, row), of at least `2 * D` threads: the query and the new
+/// key are normalized and rotated at once, while each warp's first trip
+/// for keys is already under way. Every block of a key head computes that
+/// head's new key itself and reads it from shared memory, so no block waits
+/// for another's cache write; the first query head of each group writes
+/// it. The cache buffers are inputs that the kernel writes in place:
+/// nothing else reads them within the step's layer, and the next layer's
+/// caches are other buffers.
+const QKV_ATTEND_HEAD: &str = include_str!("cu/qkv_attend_head.cu");
+
+/// After [`ATTEND_LOAD`]: the warp's first trip issued, then the prologue,
+/// every read of it issued at once (in a chain of trips to memory they cost
+/// most of the time), threads `0..D` on the query and `D..2D` on the key.
+const QKV_ATTEND_PROLOGUE: &str = include_str!("cu/qkv_attend_prologue.cu");
+
+/// A prompt's q/k norms (Qwen3), RoPE and cache write for all its tokens,
+/// one block of `D` threads per (query or key head, token, row) of the
+/// q/k/v product `[B, L, (NQ + 2 * NKV) * D]`: query heads go to `q` `[B,
+/// NQ, L, D]` as attention reads them, each key head (rotated) and its value
+/// head into the cache buffers in place at `offset + l`. The same arithmetic, rounding for
+/// rounding, as the step kernel's prologue above; it replaces about
+/// fifteen MLX nodes a layer (slices, norms, transposes, rotations, the
+/// cache's update and its reshapes).
+const QK_ROPE_WRITE: &str = include_str!("cu/qk_rope_write.cu");
+
+/// A block's RMSNorm factor `n` over `D` values, from each thread's sum of
+/// squares `ss` (threads `t`, a `partial` slot per warp).
+const BLOCK_NORM: &str = include_str!("cu/block_norm.cu");
+
+/// The residual add and the RMSNorm after it: `h + r`, then (with
+/// [`BLOCK_NORM`] and [`ADD_NORM_OUT`]) its norm; a block per row of `[B,
+/// L, D]` inputs.
+const ADD_NORM: &str = include_str!("cu/add_norm.cu");
+
+/// The rest of [`ADD_NORM`]: the normalized sum.
+const ADD_NORM_OUT: &str = include_str!("cu/add_norm_out.cu");
+
+/// A step's embeddings and the first layer's RMSNorm of them, one block a
+/// row: the row's token's row of a quantized embedding table (MLX's affine
+/// layout, as the products read it) dequantized as MLX's `dequantize`
+/// computes it (`scale * q + bias` rounded once to the compute dtype: on an
+/// NVIDIA H200 every value of MLX's bfloat16, float16 and float32 results
+/// matched this and about half differed from rounding the product first),
+/// then normalized with weight `nw`. Token ids below zero count from the
+/// end, as MLX's `take`; ids past the table are clamped to it. Followed by
+/// [`BLOCK_NORM`] and [`EMBED_NORM_OUT`].
+const EMBED_NORM: &str = include_str!("cu/embed_norm.cu");
+
+/// The rest of [`EMBED_NORM`]: the normalized embeddings.
+const EMBED_NORM_OUT: &str = include_str!("cu/embed_norm_out.cu");
+
+/// `silu(g) * u` of values in the compute dtype, rounded where MLX's
+/// `sigmoid`, `multiply` and `multiply` round.
+const SWIGLU_OF: &str = include_str!("cu/swiglu_of.cu");
+
+/// `silu(gate) * up` from the stacked gate/up product `[rows, 2 * I]`
+/// (contiguous, any leading shape).
+const SWIGLU: &str = include_str!("cu/swiglu.cu");
+
+/// Each row's greedy token: the index of its largest value, the first of
+/// equal ones (as MLX's argmax), over `x` `[rows, V]`, one block a row.
+/// 16-byte loads where the row allows them: MLX's own kernel took 21 µs
+/// for a 151,936-wide row on an NVIDIA H200, its loads one value each.
+const ARGMAX: &str = include_str!("cu/argmax.cu");
+
+/// The product of one quantized weight (MLX's affine layout: `BITS`-bit
+/// values packed little-end first into `uint32` words, a scale and a bias per
+/// `GS` values of a row) with a tile of `BT` input rows, after one of the
+/// prologues below has put the tile's inputs into shared memory. Each warp
+/// takes `R` outputs, each from `PER_OUT` weight rows (two for SwiGLU: the
+/// gate row and the up row `OUTS` further on), all fetched before the
+/// prologue (`GEMV_START`) so that their trips to memory overlap its
+/// (with `LOOP`, further outputs a grid apart, see `LOOP_OUTPUTS`). A
+/// lane takes chunks of four words (16 bytes, in one group), and every
+/// weight value `scale * q + bias` (float32) is used for all rows of the
+/// tile. A lane reads its chunk's inputs with 16-byte loads, and the
+/// padding after each chunk's inputs (see `GEMV_START`) puts the lanes of
+/// a load on different banks.
+const GEMV_BODY: &str = include_str!("cu/gemv_body.cu");
+
+/// What every prologue starts with (after naming its first input's rows
+/// `ROWS`): the block's place and its input tile, in the compute dtype
+/// (what MLX's ops would store), each lane chunk's `CH` inputs followed by
+/// 16 bytes of padding; then the warp's weight rows fetched into
+/// registers. Sizes that need not be constants are read from the shapes,
+/// so that fewer variants are compiled.
+const GEMV_START: &str = include_str!("cu/gemv_start.cu");
+
+/// Plain input `x` `[ROWS, 1, K]`, contiguous. The prologues' loops have
+/// constant trip counts and are unrolled, so that all their reads are in
+/// flight at once.
+const GEMV_PLAIN: &str = include_str!("cu/gemv_plain.cu");
+
+/// The residual add `h + r` (the first block of each tile also writes it out
+/// as `sum`) and its RMSNorm with weight `nw`: 16 bytes at a time where the
+/// rows are contiguous and aligned, as a step's are, else a value at a time.
+const GEMV_ADD_NORM: &str = include_str!("cu/gemv_add_norm.cu");
+
+/// Shared memory for a tile's inputs, at most: room for the kernels' other
+/// arrays within the 48 KiB a block may have without asking.
+const TILE_BYTES: i32 = 40 * 1024;
+
+/// A tile of one row, at most: the 48 KiB less the other arrays' largest.
+const ROW_BYTES: i32 = 46 * 1024;
+
+/// Bytes of one input row in a product's tile (`KP` of `GEMV_START`): each
+/// chunk of `128 / bits` inputs in the tile's dtype, then 16 bytes.
+fn tile_row_bytes(k_dim: i32, bits: i32, dtype: Dtype) -> i32 {
+    let size = if dtype == Dtype::Float32 { 4 } else { 2 };
+    k_dim * size + k_dim / (128 / bits) * 16
+}
+
+/// Rows of a product's input tile and the tile's dtype (`XT`): float32,
+/// which spares the product a conversion per input value and row, where
+/// all rows fit one tile; else the compute dtype, as many rows as fit (up
+/// to 8), spread evenly over the fewest tiles.
+fn tile(rows: i32, k_dim: i32, bits: i32, dtype: Dtype) -> (i32, Dtype) {
+    let rows = rows.max(1);
+    if rows <= 8 && rows * tile_row_bytes(k_dim, bits, Dtype::Float32) <= TILE_BYTES {
+        return (rows, Dtype::Float32);
+    }
+    let most = (TILE_BYTES / tile_row_bytes(k_dim, bits, dtype)).clamp(1, 8);
+    let tiles = (rows + most - 1) / most;
+    ((rows + tiles - 1) / tiles, dtype)
+}
+
+/// Bit widths the product kernels unpack (values never straddle a word) and
+/// that their check covers, groups of whole 16-byte chunks, rows that are
+/// whole chunks, and a row of inputs that fits a tile in `dtype`.
+pub(crate) fn gemv_takes(bits: i32, group_size: i32, in_dim: i32, dtype: Dtype) -> bool {
+    matches!(bits, 4 | 8)
+        && group_size % (128 / bits) == 0
+        && in_dim % group_size == 0
+        && (in_dim * bits) % 128 == 0
+        && tile_row_bytes(in_dim, bits, dtype) <= ROW_BYTES
+}
+
+/// Threads of every kernel's blocks but the argmax's: 8 warps.
+const BLOCK: i32 = 256;
+
+/// The argmax's threads: one block reads a whole row.
+const ARGMAX_BLOCK: i32 = 1024;
+
+pub(crate) struct Kernels {
+    qkv_attend: CudaKernel,
+    add_norm: CudaKernel,
+    swiglu: CudaKernel,
+    qk_rope_write: CudaKernel,
+    /// By input (plain, add + norm) and output (product, SwiGLU of its
+    /// halves): `products[input][output]`.
+    products: [[CudaKernel; 2]; 2],
+    argmax: CudaKernel,
+    embed_norm: CudaKernel,
+}
+
+/// How a product's input tile is made.
+pub(crate) enum GemvInput<'a> {
+    Plain(&'a Array),
+    /// `h + r` normalized with `weight` and `eps`; the sum is a second output.
+    AddNorm {
+        h: &'a Array,
+        r: &'a Array,
+        weight: &'a Array,
+        eps: f32,
+    },
+}
+
+/// What a product gives.
+#[derive(Clone, Copy)]
+pub(crate) enum GemvOutput {
+    Product,
+    /// `silu(gate) * up` of the product's halves (a stacked gate/up weight),
+    /// half as wide.
+    Swiglu,
+}
+
+/// A layer's q/k/v product and what the q/k kernels rotate it with and
+/// write its keys and values into.
+pub(crate) struct QkvHeads<'a> {
+    /// The q/k/v product `[rows, L, (heads + 2 * kv_heads) * head_dim]`,
+    /// contiguous (a step's L is 1).
+    pub qkv: &'a Array,
+    /// Qwen3's q and k norm weights (`[head_dim]` each) and eps.
+    pub qk_norm: Option<(&'a Array, &'a Array, f32)>,
+    /// `[positions, head_dim]` float32, a [`crate::nn::rope::PositionTable`]'s
+    /// rows, read at each token's position.
+    pub cos: &'a Array,
+    pub signed_sin: &'a Array,
+    pub traditional: bool,
+    /// The cache's buffers `[rows, kv_heads, capacity, head_dim]`, written
+    /// in place.
+    pub keys: &'a Array,
+    pub values: &'a Array,
+    pub heads: i32,
+    pub kv_heads: i32,
+}
+
+impl<'a> QkvHeads<'a> {
+    /// The kernel's inputs: the product, the norm weights (the cosines
+    /// stand in without norms) and the tables, then `rest`, then the cache.
+    fn inputs(&self, rest: &[&'a Array]) -> Vec<&'a Array> {
+        let (q_norm, k_norm) = match self.qk_norm {
+            Some((q, k, _)) => (q, k),
+            None => (self.cos, self.cos),
+        };
+        let lead = [self.qkv, q_norm, k_norm, self.cos, self.signed_sin];
+        [&lead[..], rest, &[self.keys, self.values]].concat()
+    }
+
+    /// Both kernels' constants.
+    fn templates(&self) -> Vec<(&'static str, Template)> {
+        vec![
+            ("T", Template::Dtype(self.qkv.dtype())),
+            ("D", Template::Int(self.cos.dim(-1))),
+            ("NQ", Template::Int(self.heads)),
+            ("NKV", Template::Int(self.kv_heads)),
+            ("NORM", Template::Bool(self.qk_norm.is_some())),
+            ("TRAD", Template::Bool(self.traditional)),
+            (
+                "EPS_BITS",
+                eps_bits(self.qk_norm.map_or(0.0, |(_, _, eps)| eps)),
+            ),
+        ]
+    }
+}
+
+/// What [`Kernels::qkv_attend`] reads besides the heads (one token a row).
+pub(crate) struct QkvAttend<'a> {
+    pub heads: QkvHeads<'a>,
+    /// `[rows]` int32: where each row's key goes, its last attended key.
+    pub positions: &'a Array,
+    /// `[rows]` int32: each row's first attended key.
+    pub starts: &'a Array,
+}
+
+fn eps_bits(eps: f32) -> Template {
+    Template::Int(eps.to_bits() as i32)
+}
+
+impl Kernels {
+    pub(crate) fn new() -> Result<Self> {
+        Ok(Kernels {
+            qkv_attend: CudaKernel::new(
+                "emlx_axon_qkv_attend",
+                &[
+                    "qkv",
+                    "q_norm",
+                    "k_norm",
+                    "rope_cos",
+                    "rope_sin",
+                    "positions",
+                    "starts",
+                    "keys",
+                    "values",
+                ],
+                &["out"],
+                &[
+                    QKV_ATTEND_HEAD,
+                    ATTEND_LOAD,
+                    QKV_ATTEND_PROLOGUE,
+                    ATTEND_KEYS,
+                    ATTEND_COMBINE,
+                ]
+                .concat(),
+            )?,
+            add_norm: CudaKernel::new(
+                "emlx_axon_add_norm",
+                &["h", "r", "w"],
+                &["sum", "normed"],
+                &[ADD_NORM, BLOCK_NORM, ADD_NORM_OUT].concat(),
+            )?,
+            swiglu: CudaKernel::new(
+                "emlx_axon_swiglu",
+                &["gu"],
+                &["act"],
+                &[SWIGLU_OF, SWIGLU].concat(),
+            )?,
+            qk_rope_write: CudaKernel::new(
+                "emlx_axon_qk_rope_write",
+                &[
+                    "qkv", "q_norm", "k_norm", "rope_cos", "rope_sin", "offset", "keys", "values",
+                ],
+                &["q"],
+                QK_ROPE_WRITE,
+            )?,
+            products: [
+                [product_kernel(false, 1)?, product_kernel(false, 2)?],
+                [product_kernel(true, 1)?, product_kernel(true, 2)?],
+            ],
+            argmax: CudaKernel::new("emlx_axon_argmax", &["x"], &["out"], ARGMAX)?,
+            embed_norm: CudaKernel::new(
+                "emlx_axon_embed_norm",
+                &["ids", "wq", "scales", "biases", "nw"],
+                &["h", "normed"],
+                &[EMBED_NORM, BLOCK_NORM, EMBED_NORM_OUT].concat(),
+            )?,
+        })
+    }
+
+    /// `(h, rms_norm(h) * w)` for `h` the rows of the quantized table
+    /// `table` at `ids` (`[rows, 1]`, any integer type), `[rows, 1, hidden]`
+    /// in `dtype`, as MLX's `take`, `dequantize` and `rms_norm` compute them.
+    pub(crate) fn embed_norm(
+        &self,
+        ids: &Array,
+        table: &QuantWeight,
+        w: &Array,
+        eps: f32,
+        dtype: Dtype,
+    ) -> Result<(Array, Array)> {
+        let (rows, d) = (ids.dim(0), w.dim(-1));
+        let shape = [rows, 1, d];
+        let out = self.embed_norm.apply(
+            &[ids, table.w, table.scales, table.biases, w],
+            &[(&shape, dtype), (&shape, dtype)],
+            (BLOCK, rows, 1),
+            (BLOCK, 1, 1),
+            &[
+                ("T", Template::Dtype(dtype)),
+                ("D", Template::Int(d)),
+                ("BITS", Template::Int(table.bits)),
+                ("GS", Template::Int(table.group_size)),
+                ("BLOCK", Template::Int(BLOCK)),
+                ("EPS_BITS", eps_bits(eps)),
+            ],
+        )?;
+        Ok(pair(out))
+    }
+
+    /// Attention's output `[rows, 1, heads * head_dim]`; the new keys and
+    /// values go into the cache.
+    pub(crate) fn qkv_attend(&self, p: &QkvAttend) -> Result<Array> {
+        let h = &p.heads;
+        let (rows, hd) = (h.qkv.dim(0), h.cos.dim(-1));
+        // Threads for the query and the key at once.
+        let threads = BLOCK.max(2 * hd);
+        let mut templates = h.templates();
+        templates.push(("BLOCK", Template::Int(threads)));
+        let mut out = self.qkv_attend.apply(
+            &h.inputs(&[p.positions, p.starts]),
+            &[(&[rows, 1, h.heads * hd], h.qkv.dtype())],
+            (h.heads * threads, rows, 1),
+            (threads, 1, 1),
+            &templates,
+        )?;
+        Ok(out.remove(0))
+    }
+
+    /// A prompt's queries `[B, heads, L, head_dim]`, normalized and
+    /// rotated; its keys and values go into the cache at `offset` (`[1]`
+    /// int32, the first token's position) on.
+    pub(crate) fn qk_rope_write(&self, h: &QkvHeads, offset: &Array) -> Result<Array> {
+        let (b, l, hd) = (h.qkv.dim(0), h.qkv.dim(1), h.cos.dim(-1));
+        let mut out = self.qk_rope_write.apply(
+            &h.inputs(&[offset]),
+            &[(&[b, h.heads, l, hd], h.qkv.dtype())],
+            ((h.heads + h.kv_heads) * hd, l, b),
+            (hd, 1, 1),
+            &h.templates(),
+        )?;
+        Ok(out.remove(0))
+    }
+
+    /// `(h + r, rms_norm(h + r) * w)` for `[B, L, hidden]` arrays (a step's
+    /// `[rows, 1, hidden]`).
+    pub(crate) fn add_norm(
+        &self,
+        h: &Array,
+        r: &Array,
+        w: &Array,
+        eps: f32,
+    ) -> Result<(Array, Array)> {
+        let shape = h.shape();
+        let (rows, d) = (h.dim(0) * h.dim(1), h.dim(-1));
+        let dtype = h.dtype();
+        let out = self.add_norm.apply(
+            &[h, r, w],
+            &[(shape, dtype), (shape, dtype)],
+            (BLOCK, rows, 1),
+            (BLOCK, 1, 1),
+            &[
+                ("T", Template::Dtype(dtype)),
+                ("D", Template::Int(d)),
+                ("BLOCK", Template::Int(BLOCK)),
+                ("EPS_BITS", eps_bits(eps)),
+            ],
+        )?;
+        Ok(pair(out))
+    }
+
+    /// The last axis's argmax (uint32), as MLX's `argmax`.
+    pub(crate) fn argmax(&self, logits: &Array) -> Result<Array> {
+        let shape = logits.shape();
+        let v = logits.dim(-1);
+        let rows = shape[..shape.len() - 1].iter().product::<i32>();
+        // Reshapes only where needed: each is a node of its own.
+        let flat;
+        let x = match shape.len() {
+            2 => logits,
+            _ => {
+                flat = logits.reshape(&[rows, v])?;
+                &flat
+            }
+        };
+        let mut out = self.argmax.apply(
+            &[x],
+            &[(&[rows], Dtype::Uint32)],
+            (rows * ARGMAX_BLOCK, 1, 1),
+            (ARGMAX_BLOCK, 1, 1),
+            &[
+                ("T", Template::Dtype(logits.dtype())),
+                ("BLOCK", Template::Int(ARGMAX_BLOCK)),
+            ],
+        )?;
+        let ids = out.remove(0);
+        Ok(match shape.len() {
+            2 => ids,
+            _ => ids.reshape(&shape[..shape.len() - 1])?,
+        })
+    }
+
+    /// `silu(gate) * up` of a stacked gate/up product `[..., 2 * I]`.
+    pub(crate) fn swiglu(&self, gu: &Array) -> Result<Array> {
+        let i = gu.dim(-1) / 2;
+        let rows = (gu.size() / gu.dim(-1).max(1) as usize) as i32;
+        let mut shape = gu.shape().to_vec();
+        if let Some(last) = shape.last_mut() {
+            *last = i;
+        }
+        let mut out = self.swiglu.apply(
+            &[gu],
+            &[(&shape, gu.dtype())],
+            (i, rows, 1),
+            (BLOCK, 1, 1),
+            &[("T", Template::Dtype(gu.dtype())), ("I", Template::Int(i))],
+        )?;
+        Ok(out.remove(0))
+    }
+
+    /// `input @ W.T` for a quantized `W` (`[N, K]` logical), `[rows, 1, N]`
+    /// (`N / 2` for [`GemvOutput::Swiglu`]); with the residual sum first for
+    /// [`GemvInput::AddNorm`].
+    pub(crate) fn gemv(
+        &self,
+        input: &GemvInput,
+        output: GemvOutput,
+        wt: &QuantWeight,
+    ) -> Result<Vec<Array>> {
+        let first = match input {
+            GemvInput::Plain(x) => *x,
+            GemvInput::AddNorm { h, .. } => *h,
+        };
+        let (rows, k_dim, dtype) = (first.dim(0), first.dim(-1), first.dtype());
+        let per_out = match output {
+            GemvOutput::Product => 1,
+            GemvOutput::Swiglu => 2,
+        };
+        let outs = wt.w.dim(0) / per_out;
+        let (bt, xt) = tile(rows, k_dim, wt.bits, dtype);
+        let looping = outs >= LOOP_OUTPUTS;
+        let r = if looping { 1 } else { outputs_per_warp(outs) };
+        let mut templates = vec![
+            ("T", Template::Dtype(dtype)),
+            ("K", Template::Int(k_dim)),
+            ("BITS", Template::Int(wt.bits)),
+            ("GS", Template::Int(wt.group_size)),
+            ("BT", Template::Int(bt)),
+            ("XT", Template::Dtype(xt)),
+            ("R", Template::Int(r)),
+            ("BLOCK", Template::Int(BLOCK)),
+            ("LOOP", Template::Bool(looping)),
+        ];
+        let params = [wt.w, wt.scales, wt.biases];
+        let out = [rows, 1, outs];
+        let sum_shape = [rows, 1, k_dim];
+        let (inputs, outputs, add_norm): (Vec<&Array>, Vec<(&[i32], Dtype)>, _) = match input {
+            GemvInput::Plain(x) => (vec![*x], vec![(&out, dtype)], false),
+            GemvInput::AddNorm { h, r, weight, eps } => {
+                templates.push(("EPS_BITS", eps_bits(*eps)));
+                let outputs = vec![(&sum_shape[..], dtype), (&out[..], dtype)];
+                (vec![*h, *r, *weight], outputs, true)
+            }
+        };
+        let kernel = &self.products[add_norm as usize][per_out as usize - 1];
+        let inputs = [&inputs[..], &params].concat();
+        let tiles = (rows + bt - 1) / bt;
+        let mut blocks = (outs + 8 * r - 1) / (8 * r);
+        if looping {
+            // One wave: as many blocks as the device holds at once.
+            let per_sm = kernel.resident_blocks(&inputs, &outputs, &templates, BLOCK)?;
+            if let (Some(sms), Some(per_sm)) =
+                (crate::backend::cuda::kernel::multiprocessors(), per_sm)
+            {
+                blocks = blocks.min((sms * per_sm / tiles).max(1));
+            }
+        }
+        let grid = (blocks * BLOCK, tiles, 1);
+        kernel.apply(&inputs, &outputs, grid, (BLOCK, 1, 1), &templates)
+    }
+}
+
+/// Outputs a warp computes where it does not loop: one (a block per 8,
+/// every block's prologue on the same inputs) up to a few thousand; more for
+/// wider products, where the repeated prologues would cost more than the
+/// products (all a warp's weight rows are fetched at once, so they cost
+/// registers, not trips). Products of `LOOP_OUTPUTS` or more loop instead.
+fn outputs_per_warp(outs: i32) -> i32 {
+    match outs {
+        4096.. => 2,
+        _ => 1,
+    }
+}
+
+/// Products at least this wide (an output head: 18,992 warps' worth of
+/// outputs for Qwen3's 151,936) loop: one wave of blocks, each warp taking
+/// outputs a grid apart with the next weight row always in flight, so that
+/// each block's prologue (the add + norm of all its rows) is done a few
+/// hundred times rather than thousands.
+const LOOP_OUTPUTS: i32 = 32768;
+
+/// The product kernel for an input (plain, or add + norm) and an output
+/// (each of `per_out` weight rows: 1 a product, 2 SwiGLU of gate and up).
+fn product_kernel(add_norm: bool, per_out: i32) -> Result<CudaKernel> {
+    let (stem, inputs, outputs, prologue): (_, &[&str], &[&str], _) = if add_norm {
+        let inputs = &["h", "r", "nw", "wq", "scales", "biases"];
+        (
+            "emlx_axon_gemv_add_norm",
+            inputs,
+            &["sum", "y"],
+            GEMV_ADD_NORM,
+        )
+    } else {
+        (
+            "emlx_axon_gemv",
+            &["x", "wq", "scales", "biases"],
+            &["y"],
+            GEMV_PLAIN,
+        )
+    };
+    let output = if per_out == 1 { "" } else { "_swiglu" };
+    CudaKernel::new(
+        &format!("{stem}{output}"),
+        inputs,
+        outputs,
+        &[
+            &format!("const int ROWS = {}_shape[0];", inputs[0]),
+            &format!("constexpr int PER_OUT = {per_out};"),
+            SWIGLU_OF,
+            GEMV_START,
+            prologue,
+            GEMV_BODY,
+        ]
+        .concat(),
+    )
+}
+
+/// A two-output kernel's outputs in order (`apply` returns as many as asked).
+pub(crate) fn pair(mut outputs: Vec<Array>) -> (Array, Array) {
+    let second = outputs.pop().expect("two outputs");
+    (outputs.pop().expect("two outputs"), second)
+}
+
+/// Whether [`Kernels::embed_norm`] takes this table for a hidden size of
+/// `dim`: values that never straddle a word, whole groups and words a row.
+pub(crate) fn embeds(table: &QuantWeight, dim: i32) -> bool {
+    matches!(table.bits, 2 | 4 | 8)
+        && table.group_size > 0
+        && dim % table.group_size == 0
+        && dim % (32 / table.bits) == 0
+        && table.w.ndim() == 2
+        && table.w.dim(1) == dim * table.bits / 32
+        && table.scales.dim(-1) == dim / table.group_size
+}
+
+/// Dtypes the kernels compute in.
+pub(crate) fn takes_dtype(d: Dtype) -> bool {
+    matches!(d, Dtype::Float32 | Dtype::Bfloat16 | Dtype::Float16)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn input_tiles_fit_and_spread_rows_evenly() {
+        for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+            for bits in [4, 8] {
+                for k in [256, 1024, 2048, 3072, 8192] {
+                    for rows in 1..=20 {
+                        let (bt, xt) = tile(rows, k, bits, dtype);
+                        let tiles = (rows + bt - 1) / bt;
+                        assert!((1..=8).contains(&bt), "{rows} rows of {k}: {bt}");
+                        assert!(xt == dtype || xt == Dtype::Float32);
+                        assert!(
+                            bt * tile_row_bytes(k, bits, xt) <= TILE_BYTES
+                                || (bt == 1 && tile_row_bytes(k, bits, xt) <= ROW_BYTES),
+                            "{rows} of {k}: {bt}"
+                        );
+                        // No tile is emptier than another by more than a row.
+                        assert!(tiles * bt - rows < tiles, "{rows} of {k}: {bt} x {tiles}");
+                    }
+                }
+            }
+        }
+        // Qwen3-0.6B's shapes: one row of any product and eight of its
+        // hidden size in float32; eight rows of the MLP's width in two tiles.
+        assert_eq!(tile(1, 3072, 4, Dtype::Bfloat16), (1, Dtype::Float32));
+        assert_eq!(tile(8, 1024, 4, Dtype::Bfloat16), (8, Dtype::Float32));
+        assert_eq!(tile(8, 3072, 4, Dtype::Bfloat16), (4, Dtype::Bfloat16));
+        // A row too wide for a tile is refused.
+        assert!(gemv_takes(4, 64, 17408, Dtype::Bfloat16));
+        assert!(!gemv_takes(4, 64, 25600, Dtype::Bfloat16));
+    }
+}

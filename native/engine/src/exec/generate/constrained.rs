@@ -1,0 +1,247 @@
+//! The batch's grammar-constrained rows: their parser states, the additive
+//! logit bias their masks become, and the tokens their grammars force.
+//!
+//! A forced token (the only one a grammar allows) is taken without
+//! computing a mask (fast-forward). A single row runs ahead: it takes every
+//! forced token after its sampled one, unsampled, and all of them go
+//! through the model in one forward pass. In a batch, where rows must stay
+//! aligned in the cache, a row takes one forced token per step, in place of
+//! what the batch's sampler drew for it.
+
+use std::time::Instant;
+
+use mlx_rs::Array;
+
+use super::rows::Row;
+use super::{FinishReason, GenerateOptions, RowDelta};
+use crate::error::{Error, Result};
+use crate::text::constraint::RowConstraint;
+use crate::text::tokenizer::Tokenizer;
+
+/// What a row's token is checked against when it is taken.
+pub(super) struct Rules<'a> {
+    pub options: &'a GenerateOptions,
+    pub eos: &'a [u32],
+    pub tokenizer: Option<&'a Tokenizer>,
+}
+
+pub(super) struct Constraints {
+    rows: Vec<Option<RowConstraint>>,
+    fast_forward: bool,
+    /// Each row's token for the coming step when its grammar forces it
+    /// (batches only: a single row runs ahead instead).
+    next_forced: Vec<Option<u32>>,
+    /// Reused host buffer for the bias.
+    bias: Vec<f32>,
+    /// Host time spent on masks and forced tokens.
+    pub ms: f64,
+    /// Forced tokens each row took.
+    pub forced: Vec<usize>,
+}
+
+impl Constraints {
+    /// Compiles every row's constraint (before any model work, so a bad
+    /// grammar fails fast).
+    pub fn new(
+        tokenizer: Option<&Tokenizer>,
+        options: &GenerateOptions,
+        batch: usize,
+    ) -> Result<Self> {
+        let rows = (0..batch)
+            .map(
+                |i| match options.rows.get(i).and_then(|r| r.constraint.as_ref()) {
+                    Some(spec) => {
+                        let tokenizer = tokenizer.ok_or_else(|| {
+                            Error::InvalidConstraint(
+                                "constrained decoding needs a tokenizer".into(),
+                            )
+                        })?;
+                        RowConstraint::new(&*tokenizer.constraint_factory()?, spec).map(Some)
+                    }
+                    None => Ok(None),
+                },
+            )
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Constraints {
+            rows,
+            fast_forward: options.fast_forward,
+            next_forced: vec![None; batch],
+            bias: vec![],
+            ms: 0.0,
+            forced: vec![0; batch],
+        })
+    }
+
+    /// Whether no row is constrained.
+    pub fn none(&self) -> bool {
+        self.rows.iter().all(Option::is_none)
+    }
+
+    /// Whether one row, constrained, runs ahead through its forced tokens.
+    pub fn runs_ahead(&self) -> bool {
+        self.fast_forward && self.rows.len() == 1 && self.rows[0].is_some()
+    }
+
+    /// Whether some unfinished row is constrained.
+    pub fn active(&self, rows: &[Row]) -> bool {
+        self.rows
+            .iter()
+            .zip(rows)
+            .any(|(c, r)| c.is_some() && r.finish.is_none())
+    }
+
+    /// Before the first step: a batch row's forced first token; a single
+    /// row's forced tokens, taken now (they are fed after the prompt).
+    pub fn start(
+        &mut self,
+        rows: &mut [Row],
+        rules: &Rules,
+        delta: &mut RowDelta,
+    ) -> Result<Vec<u32>> {
+        if self.runs_ahead() {
+            return self.run_ahead(0, &mut rows[0], rules, delta);
+        }
+        for i in 0..rows.len() {
+            self.plan_forced(i)?;
+        }
+        Ok(vec![])
+    }
+
+    /// Row `i` takes the step's `token`, and its grammar after it. Returns
+    /// the forced tokens a single row took after it, which the model has
+    /// yet to see.
+    pub fn take(
+        &mut self,
+        i: usize,
+        token: u32,
+        row: &mut Row,
+        rules: &Rules,
+        delta: &mut RowDelta,
+    ) -> Result<Vec<u32>> {
+        if row.finish.is_some() {
+            return Ok(vec![]);
+        }
+        let Some(c) = self.rows[i].as_mut() else {
+            row.accept(token, rules.options, rules.eos, rules.tokenizer, delta)?;
+            return Ok(vec![]);
+        };
+        if c.is_complete() {
+            // Its mask allowed nothing: the row ends before this token.
+            return row
+                .end(FinishReason::Stop, rules.tokenizer, delta)
+                .map(|_| vec![]);
+        }
+        if self.next_forced[i].take().is_some() {
+            self.forced[i] += 1;
+        }
+        row.accept(token, rules.options, rules.eos, rules.tokenizer, delta)?;
+        if row.finish.is_none() && c.consume(token)? {
+            row.end(FinishReason::Stop, rules.tokenizer, delta)?;
+        }
+        if row.finish.is_some() {
+            return Ok(vec![]);
+        }
+        if self.runs_ahead() {
+            return self.run_ahead(i, row, rules, delta);
+        }
+        self.plan_forced(i)?;
+        Ok(vec![])
+    }
+
+    /// A single row takes its grammar's forced tokens one at a time, as its
+    /// masks would force them, until a choice, the end or its limits.
+    fn run_ahead(
+        &mut self,
+        i: usize,
+        row: &mut Row,
+        rules: &Rules,
+        delta: &mut RowDelta,
+    ) -> Result<Vec<u32>> {
+        let started = Instant::now();
+        let mut taken = vec![];
+        if let Some(c) = self.rows[i].as_mut() {
+            while row.finish.is_none() {
+                let Some(&token) = c.forced_tokens()?.first() else {
+                    break;
+                };
+                row.accept(token, rules.options, rules.eos, rules.tokenizer, delta)?;
+                taken.push(token);
+                if row.finish.is_none() && c.consume(token)? {
+                    row.end(FinishReason::Stop, rules.tokenizer, delta)?;
+                }
+            }
+        }
+        self.forced[i] += taken.len();
+        self.ms += started.elapsed().as_secs_f64() * 1e3;
+        Ok(taken)
+    }
+
+    /// A batch row's forced token for the coming step, if any.
+    fn plan_forced(&mut self, i: usize) -> Result<()> {
+        if !self.fast_forward {
+            return Ok(());
+        }
+        if let Some(c) = self.rows[i].as_mut() {
+            let started = Instant::now();
+            self.next_forced[i] = c.forced_tokens()?.first().copied();
+            self.ms += started.elapsed().as_secs_f64() * 1e3;
+        }
+        Ok(())
+    }
+
+    /// `[B, V]` float32 additive bias: each constrained row's mask (0 or
+    /// -inf), zeros for the other rows so their logits keep their values.
+    /// A row whose token is forced gets its token alone, with no mask to
+    /// compute: its sample is replaced anyway, and a one-token row is what
+    /// the sampler's sort handles fastest.
+    pub fn bias(
+        &mut self,
+        rows: &[Row],
+        eos: &[u32],
+        ignore_eos: bool,
+        vocab: usize,
+    ) -> Result<Array> {
+        let started = Instant::now();
+        let batch = rows.len();
+        self.bias.clear();
+        self.bias.resize(batch * vocab, 0.0);
+        for (i, (c, row)) in self.rows.iter_mut().zip(rows).enumerate() {
+            let (Some(c), None) = (c, row.finish) else {
+                continue;
+            };
+            let out = &mut self.bias[i * vocab..(i + 1) * vocab];
+            match self.next_forced[i] {
+                Some(token) if (token as usize) < vocab => {
+                    out.fill(f32::NEG_INFINITY);
+                    out[token as usize] = 0.0;
+                }
+                Some(_) => {}
+                None => {
+                    if !c.write_bias(eos, ignore_eos, out)? {
+                        // The row ends before taking this step's token.
+                        out.fill(0.0);
+                    }
+                }
+            }
+        }
+        let bias = Array::from_slice(&self.bias, &[batch as i32, vocab as i32]);
+        self.ms += started.elapsed().as_secs_f64() * 1e3;
+        Ok(bias)
+    }
+
+    /// The step's tokens `[B]` (uint32) with each forced row's token in
+    /// place of its sample.
+    pub fn force(&self, sampled: Array) -> Result<Array> {
+        if self.next_forced.iter().all(Option::is_none) {
+            return Ok(sampled);
+        }
+        let forced: Vec<bool> = self.next_forced.iter().map(Option::is_some).collect();
+        let ids: Vec<u32> = self.next_forced.iter().map(|f| f.unwrap_or(0)).collect();
+        let n = ids.len() as i32;
+        Ok(mlx_rs::ops::select(
+            Array::from_slice(&forced, &[n]),
+            Array::from_slice(&ids, &[n]),
+            &sampled,
+        )?)
+    }
+}

@@ -1,0 +1,186 @@
+//! What a generation is asked for: its options, their checks against the
+//! model and the prompts, and the KV cache they need.
+
+use crate::error::{Error, Result};
+use crate::model::Model;
+use crate::sample::SamplerConfig;
+use crate::text::constraint::ConstraintSpec;
+use crate::text::tokenizer::Tokenizer;
+
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    pub max_new_tokens: usize,
+    /// KV budget: prompt plus generated tokens of a row.
+    pub max_len: usize,
+    pub sampler: SamplerConfig,
+    /// `None`: the model's EOS ids and the tokenizer's.
+    pub eos_token_ids: Option<Vec<u32>>,
+    pub ignore_eos: bool,
+    /// Stop strings (need a tokenizer); the matched text is not returned.
+    pub stop: Vec<String>,
+    pub profile_timing: bool,
+    /// Longest prompt slice run through the model at once.
+    pub prefill_chunk: usize,
+    /// Per-row settings, one per prompt, or empty for none.
+    pub rows: Vec<RowOptions>,
+    /// Tokens a row's grammar forces are taken without sampling or masking
+    /// (default true). A single constrained prompt feeds them to the model
+    /// with its next sampled token in one forward pass. The tokens are the
+    /// ones the masks would force one step at a time, so the output is the
+    /// same either way.
+    pub fast_forward: bool,
+    /// Decode steps may run as replays of one recorded step, launched as
+    /// one CUDA graph, where the generation allows it and has at least 32
+    /// steps left to replay (default true; see `step_replay.rs`). Each
+    /// replay is checked bit for bit against MLX's step before it is used.
+    /// `EMLX_AXON_STEP_REPLAY=0` turns it off for the whole process.
+    pub step_replay: bool,
+}
+
+/// Settings of one batch row that override the generation's.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RowOptions {
+    /// The row's own sampling seed: with it, the row samples exactly as a
+    /// single-prompt generation with `seed` would, whatever it is batched
+    /// with. Without it, the row's stream derives from the sampler's seed.
+    pub seed: Option<u64>,
+    /// What the row's output must match (needs a tokenizer). The row ends
+    /// with [`FinishReason::Stop`](super::FinishReason::Stop) once nothing
+    /// but the end of the output can follow, or with `Eos` when the model
+    /// ends a complete output.
+    pub constraint: Option<ConstraintSpec>,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        GenerateOptions {
+            max_new_tokens: 100,
+            max_len: 2048,
+            sampler: SamplerConfig::default(),
+            eos_token_ids: None,
+            ignore_eos: false,
+            stop: vec![],
+            profile_timing: true,
+            prefill_chunk: 512,
+            rows: vec![],
+            fast_forward: true,
+            step_replay: true,
+        }
+    }
+}
+
+pub(super) fn validate(
+    model: &Model,
+    tokenizer: Option<&Tokenizer>,
+    prompts: &[Vec<u32>],
+    o: &GenerateOptions,
+) -> Result<()> {
+    if prompts.is_empty() {
+        return Err(Error::invalid("no prompts given"));
+    }
+    if !o.rows.is_empty() && o.rows.len() != prompts.len() {
+        return Err(Error::invalid(format!(
+            "row options were given for {} rows but there are {} prompts",
+            o.rows.len(),
+            prompts.len()
+        )));
+    }
+    if o.max_new_tokens == 0 {
+        return Err(Error::invalid("max_new_tokens must be at least 1"));
+    }
+    if o.max_len == 0 {
+        return Err(Error::invalid("max_len must be at least 1"));
+    }
+    if let Some(t) = tokenizer {
+        if t.vocab_size() > model.config.vocab_size as usize {
+            return Err(Error::invalid(format!(
+                "the tokenizer has {} tokens but the model only {}: they belong to different models",
+                t.vocab_size(),
+                model.config.vocab_size
+            )));
+        }
+    }
+    if !o.stop.is_empty() && tokenizer.is_none() {
+        return Err(Error::invalid("stop strings need a tokenizer"));
+    }
+    if o.stop.iter().any(String::is_empty) {
+        return Err(Error::invalid("stop strings must not be empty"));
+    }
+    o.sampler.validate()?;
+    let vocab = model.config.vocab_size as u32;
+    for p in prompts {
+        if p.is_empty() {
+            return Err(Error::invalid("a prompt is empty: give at least one token"));
+        }
+        if let Some(bad) = p.iter().find(|&&id| id >= vocab) {
+            return Err(Error::invalid(format!(
+                "token id {bad} is outside the model's vocabulary (size {vocab})"
+            )));
+        }
+        if p.len() >= o.max_len {
+            return Err(Error::PromptTooLong {
+                len: p.len(),
+                max_len: o.max_len,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The KV cache's length: the longest prompt plus what may be generated.
+/// Refused when MLX cannot address it (shapes are i32: a silently wrapped
+/// length would end decoding early with no finish reason) or when the cache,
+/// with the attention scores of a prefill chunk, cannot fit in memory.
+pub(super) fn cache_capacity(
+    model: &Model,
+    batch: usize,
+    longest: usize,
+    o: &GenerateOptions,
+) -> Result<i32> {
+    let too_long = || {
+        Error::invalid(format!(
+            "max_new_tokens ({}) and max_len ({}) allow more positions than a KV cache can hold (2^31 - 1)",
+            o.max_new_tokens, o.max_len
+        ))
+    };
+    // Rounded up to whole buckets of positions: caches of recurring sizes
+    // reuse MLX's freed buffers.
+    let bucket = 256;
+    let positions = longest
+        .checked_add(o.max_new_tokens.min(o.max_len))
+        .ok_or_else(too_long)?;
+    let positions = positions
+        .checked_next_multiple_of(bucket)
+        .map_or(positions, |p| p.min(i32::MAX as usize).max(positions));
+    let capacity = i32::try_from(positions).map_err(|_| too_long())?;
+    let c = &model.config;
+    let element = if model.dtype == mlx_rs::Dtype::Float32 {
+        4
+    } else {
+        2
+    };
+    let kv = [
+        batch,
+        2 * c.num_layers,
+        c.num_kv_heads as usize,
+        positions,
+        c.head_dim as usize,
+        element,
+    ];
+    let scores = [
+        batch,
+        c.num_heads as usize,
+        longest.min(o.prefill_chunk.max(1)),
+        positions,
+        4,
+    ];
+    let product = |dims: &[usize]| dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+    let bytes = product(&kv)
+        .zip(product(&scores))
+        .and_then(|(kv, scores)| kv.checked_add(scores));
+    crate::runtime::memory::ensure_fits(
+        bytes,
+        &format!("a KV cache of {positions} positions for {batch} prompt(s)"),
+    )?;
+    Ok(capacity)
+}

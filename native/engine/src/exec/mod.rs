@@ -1,0 +1,5 @@
+//! From requests to tokens: [`generate::Generation`] for a batch that starts
+//! together, [`scheduler::Scheduler`] for requests that come and go.
+
+pub mod generate;
+pub mod scheduler;

@@ -1,0 +1,893 @@
+//! Continuous batching: a fixed set of slots decoded together, with rows
+//! joining and leaving between steps.
+//!
+//! A request waits in a queue until a slot is free (the shortest prompt
+//! first, with aging so long ones are not starved), then its prompt is run
+//! through the model in bounded chunks (one chunk per [`Scheduler::step`], so
+//! running rows keep their pace) into a cache of its own; when the prompt is
+//! done its keys and values are copied into the slot and the row joins the
+//! batch, in the lowest free slot. Each decode step feeds every running
+//! row's last token at that row's own position ([`SlotCache`]), over the
+//! first slots only when the high ones are free; finished or cancelled rows
+//! leave at once and free their slot. Every request carries its own options
+//! and sampler, so a seeded request samples the same tokens whatever it is
+//! batched with, and a greedy row gives the ids of its solo run.
+//!
+//! A request may carry a constraint (a JSON Schema, regex or Lark grammar,
+//! compiled when it is admitted): its row's logits are masked to the tokens
+//! that can continue a valid output before its sampler runs, at the first
+//! token and every decode step, and the row ends with
+//! [`FinishReason::Stop`] once the output is complete.
+
+mod constrain;
+mod together;
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mlx_rs::ops::concatenate;
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::{transforms, Array};
+
+use crate::backend::Paths;
+use crate::checkpoint::config::add_missing;
+use crate::error::{Error, Result};
+use crate::exec::generate::rows::Row;
+use crate::exec::generate::{FinishReason, GenerateOptions, RowDelta};
+use crate::kv::cache::KvCache;
+use crate::kv::prefix::PrefixCache;
+use crate::kv::slots::{slot_cache_bytes, SlotCache};
+use crate::model::{AttentionMask, Model};
+use crate::runtime::device::{DeviceKind, Lease};
+use crate::sample::Sampler;
+use crate::text::constraint::{ConstraintSpec, RowConstraint};
+use crate::text::tokenizer::Tokenizer;
+
+pub type RequestId = u64;
+
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// Rows decoded together.
+    pub slots: usize,
+    /// Positions (prompt plus generated tokens) a slot holds.
+    pub capacity: usize,
+    /// Most prompt tokens run per step.
+    pub prefill_chunk: usize,
+    /// Byte budget of the prefix cache; 0 turns it off.
+    pub prefix_cache_bytes: usize,
+    /// Shortest prompt prefix worth storing and reusing.
+    pub prefix_min_tokens: usize,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            slots: 8,
+            capacity: 2048,
+            prefill_chunk: 128,
+            prefix_cache_bytes: 256 << 20,
+            prefix_min_tokens: 16,
+        }
+    }
+}
+
+/// Timings of one request, reported when it finishes.
+#[derive(Debug, Clone, Default)]
+pub struct RequestStats {
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose keys and values came from the prefix cache.
+    pub cached_tokens: usize,
+    pub generated_tokens: usize,
+    /// From admission to the start of its prefill.
+    pub queue_ms: f64,
+    pub prefill_ms: f64,
+    /// From admission to the first token.
+    pub time_to_first_token_ms: f64,
+    /// Tokens after the first, per second.
+    pub decode_tokens_per_s: f64,
+    /// Host time spent on the request's constraint (its token masks and
+    /// the grammar taking each token); 0 without one.
+    pub constraint_ms: f64,
+    /// Which paths ran the forward passes this request took part in.
+    pub paths: Paths,
+}
+
+/// What a step produced for one request.
+#[derive(Debug, Clone)]
+pub struct Event {
+    pub id: RequestId,
+    pub delta: RowDelta,
+    /// Set with the last delta.
+    pub stats: Option<RequestStats>,
+}
+
+/// Slot use, for load reports.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Occupancy {
+    pub running: usize,
+    pub slots: usize,
+    /// Admitted requests not yet running (the one being prefilled included).
+    pub waiting: usize,
+    pub prefix_entries: usize,
+    pub prefix_bytes: usize,
+}
+
+struct Request {
+    id: RequestId,
+    prompt: Vec<u32>,
+    options: GenerateOptions,
+    eos: Vec<u32>,
+    sampler: Sampler,
+    row: Row,
+    constraint: Option<RowConstraint>,
+    constraint_ms: f64,
+    admitted: Instant,
+    prefill_started: Option<Instant>,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+    cached_tokens: usize,
+    /// How many later requests started their prefill before this one.
+    passed_over: usize,
+    /// The paths that ran the forward passes this request took part in.
+    paths: Paths,
+}
+
+/// A waiting request passed over this many times is prefilled next,
+/// however long its prompt.
+const MAX_PASSED_OVER: usize = 8;
+
+impl Request {
+    fn stats(&self) -> RequestStats {
+        let ms =
+            |from: Instant, to: Option<Instant>| to.map_or(0.0, |t| (t - from).as_secs_f64() * 1e3);
+        let generated = self.row.generated.len();
+        let decode_ms = match (self.first_token, self.last_token) {
+            (Some(a), Some(b)) => (b - a).as_secs_f64() * 1e3,
+            _ => 0.0,
+        };
+        RequestStats {
+            prompt_tokens: self.prompt.len(),
+            cached_tokens: self.cached_tokens,
+            generated_tokens: generated,
+            queue_ms: ms(self.admitted, self.prefill_started),
+            prefill_ms: self
+                .prefill_started
+                .map_or(0.0, |s| ms(s, self.first_token)),
+            time_to_first_token_ms: ms(self.admitted, self.first_token),
+            decode_tokens_per_s: if generated > 1 && decode_ms > 0.0 {
+                (generated - 1) as f64 / (decode_ms / 1e3)
+            } else {
+                0.0
+            },
+            constraint_ms: self.constraint_ms,
+            paths: self.paths.clone(),
+        }
+    }
+
+    /// Takes a sampled token; returns the delta. A constrained row whose
+    /// output was already complete ends without it; one the token completes
+    /// ends after it.
+    fn accept(&mut self, token: u32, tokenizer: Option<&Tokenizer>) -> Result<RowDelta> {
+        let mut delta = RowDelta::default();
+        if self
+            .constraint
+            .as_ref()
+            .is_some_and(RowConstraint::is_complete)
+        {
+            self.row.end(FinishReason::Stop, tokenizer, &mut delta)?;
+            return Ok(delta);
+        }
+        let now = Instant::now();
+        self.first_token.get_or_insert(now);
+        self.last_token = Some(now);
+        self.row
+            .accept(token, &self.options, &self.eos, tokenizer, &mut delta)?;
+        if let (Some(c), None) = (self.constraint.as_mut(), self.row.finish) {
+            let started = Instant::now();
+            let complete = c.consume(token)?;
+            self.constraint_ms += started.elapsed().as_secs_f64() * 1e3;
+            if complete {
+                self.row.end(FinishReason::Stop, tokenizer, &mut delta)?;
+            }
+        }
+        Ok(delta)
+    }
+}
+
+/// A request whose prompt is being run, with its own cache.
+struct Prefill {
+    request: Request,
+    cache: KvCache,
+    done: usize,
+}
+
+/// A row of the running batch.
+struct Running {
+    request: Request,
+    /// Where the next token's key and value go.
+    position: i32,
+    next: u32,
+}
+
+pub struct Scheduler {
+    model: Arc<Model>,
+    tokenizer: Option<Arc<Tokenizer>>,
+    config: SchedulerConfig,
+    workers: Vec<Lease>,
+    cache: SlotCache,
+    slots: Vec<Option<Running>>,
+    queue: VecDeque<Request>,
+    prefill: Option<Prefill>,
+    prefix: PrefixCache,
+    next_id: RequestId,
+    /// Reused host buffer for the constrained rows' logit bias.
+    bias: Vec<f32>,
+    /// Calls in a row that returned before any decode step (see `step_into`).
+    held: usize,
+}
+
+impl Scheduler {
+    pub fn new(
+        model: Arc<Model>,
+        tokenizer: Option<Arc<Tokenizer>>,
+        config: SchedulerConfig,
+    ) -> Result<Self> {
+        if config.slots == 0 || config.slots > 1024 {
+            return Err(Error::invalid("slots must be between 1 and 1024"));
+        }
+        if config.capacity < 2 || config.capacity > i32::MAX as usize {
+            return Err(Error::invalid(
+                "capacity must be at least 2 positions and fit an i32",
+            ));
+        }
+        if config.prefill_chunk == 0 {
+            return Err(Error::invalid("prefill_chunk must be at least 1"));
+        }
+        if let Some(t) = &tokenizer {
+            if t.vocab_size() > model.config.vocab_size as usize {
+                return Err(Error::invalid(format!(
+                    "the tokenizer has {} tokens but the model only {}: they belong to different models",
+                    t.vocab_size(),
+                    model.config.vocab_size
+                )));
+            }
+        }
+        crate::runtime::memory::ensure_fits(
+            slot_cache_bytes(&model.kv_shape(), config.slots, config.capacity),
+            &format!(
+                "a KV cache of {} slots x {} positions",
+                config.slots, config.capacity
+            ),
+        )?;
+        let workers = if model.parallel_ways > 1 && DeviceKind::default_kind() == DeviceKind::Cpu {
+            Lease::workers(DeviceKind::Cpu, model.parallel_ways)?
+        } else {
+            vec![]
+        };
+        let cache = SlotCache::new(
+            &model.kv_shape(),
+            config.slots as i32,
+            config.capacity as i32,
+        )?;
+        Ok(Scheduler {
+            prefix: PrefixCache::new(config.prefix_cache_bytes, config.prefix_min_tokens),
+            slots: (0..config.slots).map(|_| None).collect(),
+            model,
+            tokenizer,
+            config,
+            workers,
+            cache,
+            queue: VecDeque::new(),
+            prefill: None,
+            next_id: 1,
+            bias: vec![],
+            held: 0,
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// Queues a request; its tokens come from later [`step`](Self::step)s.
+    /// `options.rows` is ignored: the sampler's seed is the request's own.
+    pub fn admit(&mut self, prompt: Vec<u32>, options: GenerateOptions) -> Result<RequestId> {
+        self.admit_constrained(prompt, options, None)
+    }
+
+    /// [`admit`](Self::admit) with what the output must match (needs a
+    /// tokenizer). The constraint is compiled here, so a bad schema, regex
+    /// or grammar is an error and nothing is queued.
+    pub fn admit_constrained(
+        &mut self,
+        prompt: Vec<u32>,
+        mut options: GenerateOptions,
+        constraint: Option<ConstraintSpec>,
+    ) -> Result<RequestId> {
+        self.validate(&prompt, &options)?;
+        let constraint = match &constraint {
+            Some(spec) => {
+                let tokenizer = self.tokenizer.as_deref().ok_or_else(|| {
+                    Error::InvalidConstraint("constrained decoding needs a tokenizer".into())
+                })?;
+                Some(RowConstraint::new(&*tokenizer.constraint_factory()?, spec)?)
+            }
+            None => None,
+        };
+        options.max_len = options.max_len.min(self.config.capacity);
+        if prompt.len() >= options.max_len {
+            return Err(Error::PromptTooLong {
+                len: prompt.len(),
+                max_len: options.max_len,
+            });
+        }
+        let eos = match &options.eos_token_ids {
+            Some(ids) => ids.clone(),
+            None => {
+                let mut ids = self.model.config.eos_token_ids.clone();
+                let from_tokenizer = self
+                    .tokenizer
+                    .iter()
+                    .flat_map(|t| t.eos_token_ids().iter().copied());
+                add_missing(&mut ids, from_tokenizer);
+                ids
+            }
+        };
+        let sampler = Sampler::new(options.sampler.clone(), &[options.sampler.seed])?;
+        let id = self.next_id;
+        self.next_id += 1;
+        self.queue.push_back(Request {
+            id,
+            row: Row::new(prompt.len()),
+            prompt,
+            options,
+            eos,
+            sampler,
+            constraint,
+            constraint_ms: 0.0,
+            admitted: Instant::now(),
+            prefill_started: None,
+            first_token: None,
+            last_token: None,
+            cached_tokens: 0,
+            passed_over: 0,
+            paths: Paths::default(),
+        });
+        Ok(id)
+    }
+
+    fn validate(&self, prompt: &[u32], o: &GenerateOptions) -> Result<()> {
+        if prompt.is_empty() {
+            return Err(Error::invalid("a prompt is empty: give at least one token"));
+        }
+        let vocab = self.model.config.vocab_size as u32;
+        if let Some(bad) = prompt.iter().find(|&&id| id >= vocab) {
+            return Err(Error::invalid(format!(
+                "token id {bad} is outside the model's vocabulary (size {vocab})"
+            )));
+        }
+        if o.max_new_tokens == 0 {
+            return Err(Error::invalid("max_new_tokens must be at least 1"));
+        }
+        if o.max_len == 0 {
+            return Err(Error::invalid("max_len must be at least 1"));
+        }
+        if !o.stop.is_empty() && self.tokenizer.is_none() {
+            return Err(Error::invalid("stop strings need a tokenizer"));
+        }
+        if o.stop.iter().any(String::is_empty) {
+            return Err(Error::invalid("stop strings must not be empty"));
+        }
+        o.sampler.validate()
+    }
+
+    /// Drops a request wherever it is (queued, mid-prefill, decoding) and
+    /// frees what it holds. Returns whether it was found.
+    pub fn cancel(&mut self, id: RequestId) -> bool {
+        if let Some(i) = self.queue.iter().position(|r| r.id == id) {
+            self.queue.remove(i);
+            return true;
+        }
+        if self.prefill.as_ref().is_some_and(|p| p.request.id == id) {
+            self.prefill = None;
+            return true;
+        }
+        for slot in &mut self.slots {
+            if slot.as_ref().is_some_and(|r| r.request.id == id) {
+                *slot = None;
+                return true;
+            }
+        }
+        false
+    }
+
+    pub fn occupancy(&self) -> Occupancy {
+        Occupancy {
+            running: self.slots.iter().filter(|s| s.is_some()).count(),
+            slots: self.slots.len(),
+            waiting: self.queue.len() + usize::from(self.prefill.is_some()),
+            prefix_entries: self.prefix.len(),
+            prefix_bytes: self.prefix.bytes(),
+        }
+    }
+
+    /// Whether nothing is queued, prefilling or running.
+    pub fn is_idle(&self) -> bool {
+        self.queue.is_empty() && self.prefill.is_none() && self.slots.iter().all(Option::is_none)
+    }
+
+    /// Drops every stored prompt prefix.
+    pub fn clear_prefix_cache(&mut self) {
+        self.prefix.clear();
+    }
+
+    /// Runs one prompt chunk (when a slot is free for it) and up to
+    /// `max_decode_steps` decode steps of the running batch. Returns the
+    /// requests' new tokens, one event per request that produced any.
+    pub fn step(&mut self, max_decode_steps: usize) -> Result<Vec<Event>> {
+        self.step_within(max_decode_steps, None)
+    }
+
+    /// [`step`](Self::step), starting no decode step once `budget` has
+    /// passed (at least one runs): a call then lasts about the same time
+    /// whatever a step costs on this device and model, so short steps share
+    /// the call's fixed cost and long ones do not hold later requests back.
+    pub fn step_within(
+        &mut self,
+        max_decode_steps: usize,
+        budget: Option<Duration>,
+    ) -> Result<Vec<Event>> {
+        let deadline = budget.map(|b| Instant::now() + b);
+        self.step_here(max_decode_steps, deadline)
+    }
+
+    fn step_here(
+        &mut self,
+        max_decode_steps: usize,
+        deadline: Option<Instant>,
+    ) -> Result<Vec<Event>> {
+        let mut events: Vec<Event> = vec![];
+        let result = self.step_into(max_decode_steps, deadline, &mut events);
+        // Nothing stays queued between calls: the next may come on another
+        // thread, whose default stream cannot schedule this one's arrays.
+        transforms::eval(self.cache.arrays())?;
+        result.map(|()| events)
+    }
+
+    fn step_into(
+        &mut self,
+        max_decode_steps: usize,
+        deadline: Option<Instant>,
+        events: &mut Vec<Event>,
+    ) -> Result<()> {
+        let seated = self.prefill_together(events)?
+            || match self.prefill_chunk()? {
+                Some(event) => {
+                    push(events, event);
+                    true
+                }
+                None => false,
+            };
+        // Requests that come together reach the scheduler between its
+        // calls, or more of them than one prefill pass takes: the first are
+        // seated alone, and a full call of decode steps would run them far
+        // ahead of the others (on a fast device, most of their answers)
+        // before those can join. So a call that seats rows returns early:
+        // at once while no row has taken a step and others may still join,
+        // so that rows of equal prompts keep one position and step without
+        // a mask; after one step when nobody waits. At most `slots` calls in
+        // a row return at once (requests that end at their first token take
+        // no slot), so the rows seated keep their pace.
+        let fresh = || {
+            self.slots
+                .iter()
+                .flatten()
+                .all(|r| r.position as usize == r.request.prompt.len())
+        };
+        let steps = if !seated {
+            max_decode_steps
+        } else if fresh()
+            && (self.queue.is_empty() || self.free_slot().is_some())
+            && self.held < self.slots.len()
+        {
+            0
+        } else if self.queue.is_empty() {
+            max_decode_steps.min(1)
+        } else {
+            max_decode_steps
+        };
+        self.held = if steps == 0 { self.held + 1 } else { 0 };
+        self.decode(steps, deadline, events)
+    }
+
+    /// The waiting request to prefill next: the shortest prompt (the oldest
+    /// among equals), so that a short request is not held behind the
+    /// prefill of long ones; one passed over `MAX_PASSED_OVER` times goes
+    /// first, so long prompts are not starved.
+    fn next_request(&mut self) -> Option<Request> {
+        let i = self.next_index()?;
+        Some(self.take_queued(i))
+    }
+
+    /// Where in the queue [`next_request`](Self::next_request) takes from.
+    fn next_index(&self) -> Option<usize> {
+        self.queue
+            .iter()
+            .position(|r| r.passed_over >= MAX_PASSED_OVER)
+            .or_else(|| (0..self.queue.len()).min_by_key(|&i| (self.queue[i].prompt.len(), i)))
+    }
+
+    /// Removes the queue's `i`-th request; the older ones it passed count it.
+    fn take_queued(&mut self, i: usize) -> Request {
+        for older in self.queue.iter_mut().take(i) {
+            older.passed_over += 1;
+        }
+        self.queue.remove(i).expect("a queued request")
+    }
+
+    fn free_slot(&self) -> Option<usize> {
+        self.slots.iter().position(Option::is_none)
+    }
+
+    /// Makes `request` the prompt being prefilled, from its cached prefix if any.
+    fn start_prefill(&mut self, mut request: Request) -> Result<()> {
+        request.prefill_started = Some(Instant::now());
+        let len = request.prompt.len() as i32;
+        let mut cache = KvCache::new(&self.model.kv_shape(), 1, len)?;
+        let mut done = 0;
+        if self.config.prefix_cache_bytes > 0 {
+            if let Some(hit) = self.prefix.lookup(&request.prompt) {
+                cache.load_prefix(&hit.layers)?;
+                done = hit.len;
+                request.cached_tokens = hit.len;
+            }
+        }
+        self.prefill = Some(Prefill {
+            request,
+            cache,
+            done,
+        });
+        Ok(())
+    }
+
+    /// Starts the next queued prompt when a slot is free, runs one chunk of
+    /// the prompt being prefilled, and moves it into its slot when done.
+    fn prefill_chunk(&mut self) -> Result<Option<Event>> {
+        if self.prefill.is_none() {
+            if self.free_slot().is_none() {
+                return Ok(None);
+            }
+            let Some(request) = self.next_request() else {
+                return Ok(None);
+            };
+            self.start_prefill(request)?;
+        }
+        let p = self.prefill.as_mut().expect("a prefill was just set");
+        let len = p.request.prompt.len();
+        let end = (p.done + self.config.prefill_chunk).min(len);
+        let ids = Array::from_slice(&p.request.prompt[p.done..end], &[1, (end - p.done) as i32]);
+        let mask = if end - p.done > 1 {
+            AttentionMask::Causal
+        } else {
+            AttentionMask::None
+        };
+        let last = end == len;
+        let logits = self
+            .model
+            .forward(&ids, &mut p.cache, &mask, last, &self.workers)?;
+        p.request.paths.merge(crate::backend::take());
+        p.done = end;
+        if !last {
+            transforms::eval(p.cache.arrays())?;
+            return Ok(None);
+        }
+        let logits = logits.reshape(&[1, logits.dim(-1)])?;
+        let logits = constrain::mask_logits(logits, &mut [Some(&mut p.request)], &mut self.bias)?;
+        let token = sample_one(&mut p.request.sampler, &logits)?;
+        transforms::eval(p.cache.arrays())?;
+        let Prefill { request, cache, .. } = self.prefill.take().expect("the prefill is running");
+        let prompt_kv = cache.prefix(len as i32);
+        self.seat(request, token, prompt_kv, true).map(Some)
+    }
+
+    /// Moves a prefilled request into a free slot: its prompt's keys and
+    /// values (`prompt_kv`, per layer `[1, kv_heads, len, head_dim]`, also
+    /// offered to the prefix cache when `reusable`) and its first token.
+    fn seat(
+        &mut self,
+        mut request: Request,
+        token: u32,
+        prompt_kv: Vec<(Array, Array)>,
+        reusable: bool,
+    ) -> Result<Event> {
+        let slot = self
+            .free_slot()
+            .expect("a slot was free when the prefill began");
+        self.cache.write_prompt(slot as i32, &prompt_kv)?;
+        if reusable && self.config.prefix_cache_bytes > 0 {
+            self.prefix.insert(&request.prompt, prompt_kv);
+        }
+        let delta = request.accept(token, self.tokenizer.as_deref())?;
+        let len = request.prompt.len() as i32;
+        Ok(self.finish_or_keep(slot, request, len, token, delta))
+    }
+
+    /// Puts a row into `slot` unless its last token finished it.
+    fn finish_or_keep(
+        &mut self,
+        slot: usize,
+        request: Request,
+        position: i32,
+        next: u32,
+        delta: RowDelta,
+    ) -> Event {
+        let id = request.id;
+        if delta.finish.is_some() {
+            return Event {
+                id,
+                stats: Some(request.stats()),
+                delta,
+            };
+        }
+        self.slots[slot] = Some(Running {
+            request,
+            position,
+            next,
+        });
+        Event {
+            id,
+            delta,
+            stats: None,
+        }
+    }
+
+    /// Up to `max_steps` decode steps. With device samplers the next step
+    /// is queued, its inputs being this step's tokens still on the device,
+    /// before this step's tokens are read back (`async_eval`), so the host
+    /// never stalls the device. A row that finishes in a step is dropped
+    /// from the step queued after it: that step's token for it is never
+    /// read, and its key and value land past the row's end in a free slot,
+    /// where a row joining later writes its prompt over them or never reads.
+    fn decode(
+        &mut self,
+        max_steps: usize,
+        deadline: Option<Instant>,
+        events: &mut Vec<Event>,
+    ) -> Result<()> {
+        let mut left = max_steps;
+        let mut pending: Option<Queued> = None;
+        // Another step may start: the first always does, later ones only
+        // before the deadline.
+        let more = |left: usize| {
+            left > 0 && (left == max_steps || deadline.is_none_or(|d| Instant::now() < d))
+        };
+        loop {
+            let current = match pending.take() {
+                Some(queued) => queued,
+                None => {
+                    if !more(left) || self.slots.iter().all(Option::is_none) {
+                        break;
+                    }
+                    left -= 1;
+                    self.queue_step(None)?
+                }
+            };
+            let running = || self.slots.iter().flatten();
+            let ahead = more(left)
+                && running().all(|r| r.request.sampler.on_device())
+                && !running().all(Running::last_step);
+            // A constrained row's mask depends on the token this step is
+            // about to read, and its grammar must take that token first: so
+            // only the next forward pass is queued ahead (its inputs are
+            // this step's tokens, still on the device). Its sampling waits
+            // for the tokens, and the masks are computed on the host while
+            // the device runs that forward pass.
+            let mut forward = None;
+            if ahead {
+                left -= 1;
+                if constrain::any_constrained(running().map(|r| &r.request)) {
+                    let f = self.queue_forward(Some(&current))?;
+                    transforms::async_eval([&f.logits])?;
+                    forward = Some(f);
+                } else {
+                    pending = Some(self.queue_step(Some(&current))?);
+                }
+            }
+            for event in self.read_step(current)? {
+                push(events, event);
+            }
+            if let Some(f) = forward {
+                if self.slots.iter().any(Option::is_some) {
+                    pending = Some(self.sample_step(f)?);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Queues one token for every running row; see [`queue_forward`](Self::queue_forward).
+    fn queue_step(&mut self, after: Option<&Queued>) -> Result<Queued> {
+        let forward = self.queue_forward(after)?;
+        self.sample_step(forward)
+    }
+
+    /// Feeds every running row's next token over the first slots (a power
+    /// of two of them, so a step takes one of few shapes). `after`: the step
+    /// still in flight whose tokens this one takes as inputs.
+    fn queue_forward(&mut self, after: Option<&Queued>) -> Result<Forward> {
+        let top = self
+            .slots
+            .iter()
+            .rposition(Option::is_some)
+            .expect("a step has running rows")
+            + 1;
+        let n = top.next_power_of_two().min(self.slots.len());
+        let last = self.cache.capacity() - 1;
+        let shift = i32::from(after.is_some());
+        let position = |r: &Running| (r.position + shift).min(last);
+        // A free slot takes the furthest row's position (what it writes is
+        // never read), so that rows at one position make a step without a mask.
+        let furthest = self.slots[..n].iter().flatten().map(position).max();
+        let positions: Vec<i32> = self.slots[..n]
+            .iter()
+            .map(|s| s.as_ref().map_or(furthest.unwrap_or(0), position))
+            .collect();
+        let rows = n as i32;
+        let ids = match after {
+            Some(q) => {
+                debug_assert!(q.rows >= rows, "rows only leave between steps");
+                q.tokens.index(..rows).reshape(&[rows, 1])?
+            }
+            None => {
+                let tokens: Vec<u32> = self.slots[..n]
+                    .iter()
+                    .map(|s| s.as_ref().map_or(0, |r| r.next))
+                    .collect();
+                Array::from_slice(&tokens, &[rows, 1])
+            }
+        };
+        self.cache.set_positions(&positions)?;
+        let mask = match self.cache.key_ranges()? {
+            Some(mask) => AttentionMask::Ranges(mask),
+            None => AttentionMask::None,
+        };
+        let logits = self
+            .model
+            .forward(&ids, &mut self.cache, &mask, false, &self.workers)?;
+        let ran = crate::backend::take();
+        for running in self.slots[..n].iter_mut().flatten() {
+            running.request.paths.merge(ran.clone());
+        }
+        Ok(Forward {
+            logits: logits.reshape(&[rows, logits.dim(-1)])?,
+            rows,
+            ids: self.slots[..n]
+                .iter()
+                .map(|s| s.as_ref().map(|r| r.request.id))
+                .collect(),
+        })
+    }
+
+    /// Samples a forward pass's logits, each running row with its own
+    /// sampler after its constraint's mask, and queues the tokens. Rows
+    /// that left since the pass was queued get a token nobody reads.
+    fn sample_step(&mut self, forward: Forward) -> Result<Queued> {
+        let Forward { logits, rows, ids } = forward;
+        let n = rows as usize;
+        let mut requests: Vec<Option<&mut Request>> = self.slots[..n]
+            .iter_mut()
+            .map(|s| s.as_mut().map(|r| &mut r.request))
+            .collect();
+        let logits = constrain::mask_logits(logits, &mut requests, &mut self.bias)?;
+        let running = || self.slots[..n].iter().flatten();
+        // Greedy rows share one argmax; the others draw with their own sampler.
+        let any_greedy = running().any(|r| r.request.options.sampler.is_greedy());
+        let all_greedy = running().all(|r| r.request.options.sampler.is_greedy());
+        let greedy = if any_greedy {
+            Some(crate::sample::greedy(&logits)?)
+        } else {
+            None
+        };
+        let tokens = match greedy {
+            Some(g) if all_greedy => g,
+            greedy => {
+                let mut parts = Vec::with_capacity(n);
+                for (i, slot) in self.slots[..n].iter_mut().enumerate() {
+                    let i = i as i32;
+                    parts.push(match (slot, &greedy) {
+                        (Some(r), _) if !r.request.options.sampler.is_greedy() => {
+                            let row = logits.index((i..i + 1, ..));
+                            sample_one_lazy(&mut r.request.sampler, &row)?
+                        }
+                        (_, Some(g)) => g.index(i..i + 1),
+                        (_, None) => Array::from_slice(&[0u32], &[1]),
+                    });
+                }
+                concatenate(&parts, 0)?
+            }
+        };
+        transforms::async_eval([&tokens])?;
+        Ok(Queued { rows, ids, tokens })
+    }
+
+    /// Reads a queued step's tokens back and hands them to the rows that
+    /// are still running.
+    fn read_step(&mut self, step: Queued) -> Result<Vec<Event>> {
+        step.tokens.eval()?;
+        let tokens = step.tokens.as_slice::<u32>();
+        let mut events = vec![];
+        for (i, id) in step.ids.iter().enumerate() {
+            let Some(id) = *id else { continue };
+            // Gone: finished in the step before, which was read after this
+            // one was queued.
+            if self.slots[i].as_ref().is_none_or(|r| r.request.id != id) {
+                continue;
+            }
+            let token = tokens[i];
+            let mut running = self.slots[i].take().expect("checked just above");
+            let delta = running.request.accept(token, self.tokenizer.as_deref())?;
+            let position = running.position + 1;
+            events.push(self.finish_or_keep(i, running.request, position, token, delta));
+        }
+        Ok(events)
+    }
+}
+
+/// A decode step's forward pass, queued, not yet sampled.
+struct Forward {
+    /// `[rows, V]`.
+    logits: Array,
+    /// Slots run: `0..rows`.
+    rows: i32,
+    /// The request in each slot run when the pass was queued.
+    ids: Vec<Option<RequestId>>,
+}
+
+/// A decode step queued on the device, not yet read back.
+struct Queued {
+    /// Slots run: `0..rows`.
+    rows: i32,
+    /// The request in each slot run when the step was queued.
+    ids: Vec<Option<RequestId>>,
+    /// The sampled tokens `[rows]` uint32 (anything for free slots).
+    tokens: Array,
+}
+
+impl Running {
+    /// Whether the row's next token surely ends it (length limits).
+    fn last_step(&self) -> bool {
+        let o = &self.request.options;
+        self.request.row.generated.len() + 1 >= o.max_new_tokens
+            || self.position as usize + 2 >= o.max_len
+    }
+}
+
+/// `[1, V]` logits -> the sampled token, lazily where the sampler allows.
+fn sample_one_lazy(sampler: &mut Sampler, logits: &Array) -> Result<Array> {
+    if sampler.on_device() {
+        sampler.sample_device(logits)
+    } else {
+        let ids = sampler.sample_host(logits)?;
+        Ok(Array::from_slice(&ids, &[1]))
+    }
+}
+
+fn sample_one(sampler: &mut Sampler, logits: &Array) -> Result<u32> {
+    let token = sample_one_lazy(sampler, logits)?;
+    token.eval()?;
+    Ok(token.as_slice::<u32>()[0])
+}
+
+/// Adds `event` to the request's earlier one in this call, if any.
+fn push(events: &mut Vec<Event>, event: Event) {
+    match events.iter_mut().find(|e| e.id == event.id) {
+        Some(e) => {
+            e.delta.ids.extend(event.delta.ids);
+            e.delta.text.push_str(&event.delta.text);
+            e.delta.finish = event.delta.finish;
+            e.stats = event.stats;
+        }
+        None => events.push(event),
+    }
+}

@@ -1,0 +1,7 @@
+//! Keys and values of earlier positions: the contract the layers write
+//! through ([`cache::KvStore`]), a batch's cache, the scheduler's slots and
+//! the prefix cache shared between requests.
+
+pub mod cache;
+pub mod prefix;
+pub mod slots;

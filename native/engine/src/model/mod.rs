@@ -1,0 +1,6 @@
+//! Model families: Qwen3 and Qwen2 (dense).
+
+mod qwen;
+
+pub use crate::nn::attention::AttentionMask;
+pub use qwen::{default_dtype, LoadOptions, Model};

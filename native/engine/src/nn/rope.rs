@@ -1,0 +1,312 @@
+//! Rotary position embedding for one forward pass.
+//!
+//! On a GPU stream MLX's fused `rope` kernel rotates queries and keys. On a
+//! CPU stream MLX has no such kernel: `rope` expands into about 25 ops that
+//! recompute the angles' cosines and sines at every call, twice per layer.
+//! There the cosines and sines are computed once per forward pass, by MLX's
+//! own `rope`, and every layer applies them to its queries and keys together
+//! with 6 ops of the same float arithmetic, so the values are the same.
+
+use mlx_rs::fast::{rope, rope_dynamic};
+use mlx_rs::ops::indexing::{IndexOp, IntoStrideBy};
+use mlx_rs::ops::{broadcast_to, concatenate, stack, zeros_dtype};
+use mlx_rs::{Array, Dtype};
+use std::sync::Mutex;
+
+use crate::checkpoint::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::kv::cache::RopeOffset;
+
+/// MLX's rotation of every position from 0 as float32 rows `[len,
+/// head_dim]` (cosines, signed sines; see [`Rope::Table`]), made once and
+/// grown as steps reach further: one-token steps on a GPU read their rows'
+/// positions from it, where building each step's rows took eight nodes.
+/// The same rows: MLX's `rope` rotates each position on its own.
+pub struct PositionTable {
+    /// [`probe`] in float32.
+    probe: Array,
+    rows: Mutex<Option<(i32, Array, Array)>>,
+}
+
+impl PositionTable {
+    pub fn new(c: &ModelConfig) -> Result<Self> {
+        Ok(PositionTable {
+            probe: probe(c.head_dim, c.rope_traditional, Dtype::Float32)?,
+            rows: Mutex::new(None),
+        })
+    }
+
+    pub fn probe(&self) -> &Array {
+        &self.probe
+    }
+
+    /// `(cos, signed_sin)`, `[len, head_dim]` with `len > last`.
+    pub fn rows(&self, c: &ModelConfig, last: i32) -> Result<(Array, Array)> {
+        let mut held = self.rows.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((len, cos, sin)) = held.as_ref() {
+            if *len > last {
+                return Ok((cos.clone(), sin.clone()));
+            }
+        }
+        let len = u32::try_from(last)
+            .ok()
+            .and_then(|l| (l + 1).max(256).checked_next_power_of_two())
+            .and_then(|l| i32::try_from(l).ok())
+            .ok_or_else(|| Error::invalid(format!("position {last} out of range")))?;
+        let Rope::Table {
+            rows: (cos, sin), ..
+        } = Rope::new(c, RopeOffset::Scalar(0), 1, len, 1, &self.probe, true)?
+        else {
+            return Err(Error::Mlx("a RoPE table was asked for".into()));
+        };
+        let (cos, sin) = (
+            cos.reshape(&[len, c.head_dim])?,
+            sin.reshape(&[len, c.head_dim])?,
+        );
+        // Evaluated here, once: steps on other streams read it later.
+        mlx_rs::transforms::eval([&cos, &sin])?;
+        *held = Some((len, cos.clone(), sin.clone()));
+        Ok((cos, sin))
+    }
+}
+
+/// The rotation of one forward pass's positions.
+pub enum Rope {
+    /// MLX's `rope` per call (its fused kernel on a GPU).
+    Fused(RopeOffset),
+    /// Per-position factors for `[B, L, heads, head_dim]` arrays, broadcast
+    /// over `heads` query-plus-key heads: `x * cos + swapped(x) * signed_sin`.
+    Table {
+        cos: Array,
+        signed_sin: Array,
+        traditional: bool,
+        /// `cos` and `signed_sin` before the broadcast, `[rows, L, head_dim]`:
+        /// what our CPU kernel reads.
+        rows: (Array, Array),
+    },
+}
+
+/// `[1, 1, 1, head_dim]`: what MLX's rope turns into the cosines and sines of
+/// each position (ones where it reads the first element of each rotated
+/// pair, zeros where it reads the second: `1 * cos - 0 * sin = cos`,
+/// `1 * sin + 0 * cos = sin`).
+pub fn probe(head_dim: i32, traditional: bool, dtype: Dtype) -> Result<Array> {
+    let half = (head_dim / 2) as usize;
+    let values: Vec<f32> = if traditional {
+        (0..head_dim).map(|i| ((i + 1) % 2) as f32).collect()
+    } else {
+        (0..head_dim as usize)
+            .map(|i| (i < half) as u8 as f32)
+            .collect()
+    };
+    Ok(Array::from_slice(&values, &[1, 1, 1, head_dim]).as_dtype(dtype)?)
+}
+
+impl Rope {
+    /// The rotation for `len` new positions of `batch` rows starting at
+    /// `offset`: a table when `table` (for a CPU stream), else MLX's rope;
+    /// `heads` is the number of query plus key heads rotated together,
+    /// `probe` what [`probe`] made for this model.
+    pub fn new(
+        c: &ModelConfig,
+        offset: RopeOffset,
+        batch: i32,
+        len: i32,
+        heads: i32,
+        probe: &Array,
+        table: bool,
+    ) -> Result<Self> {
+        if !table {
+            return Ok(Rope::Fused(offset));
+        }
+        let hd = c.head_dim;
+        let rows = match &offset {
+            RopeOffset::Scalar(_) => 1,
+            RopeOffset::PerRow(_) => batch,
+        };
+        // A buffer of its own, not a broadcast: MLX's CUDA rope gives its
+        // output its input's strides, so every row of a broadcast input
+        // would get the last row's rotation.
+        let ones = zeros_dtype(&[rows, 1, len, hd], probe.dtype())?.add(probe)?;
+        // [rows, 1, len, hd] -> [rows, len, 1, hd]
+        let table = Rope::Fused(offset)
+            .rotate_heads_first(c, &ones)?
+            .transpose_axes(&[0, 2, 1, 3])?;
+        let half = hd / 2;
+        let (cos, signed_sin) = if c.rope_traditional {
+            let cos = table.index((.., .., .., (0..).stride_by(2)));
+            let sin = table.index((.., .., .., (1..).stride_by(2)));
+            let pairs = |a: &Array, b: &Array| -> Result<Array> {
+                Ok(stack(&[a, b], -1)?.reshape(&[rows, len, 1, hd])?)
+            };
+            (pairs(&cos, &cos)?, pairs(&sin.negative()?, &sin)?)
+        } else {
+            let cos = table.index((.., .., .., ..half));
+            let sin = table.index((.., .., .., half..));
+            (
+                concatenate(&[&cos, &cos], -1)?,
+                concatenate(&[&sin.negative()?, &sin], -1)?,
+            )
+        };
+        // Broadcast once here, so that no layer adds a broadcast of its own.
+        let shape = [batch, len, heads, hd];
+        Ok(Rope::Table {
+            cos: broadcast_to(&cos, &shape)?,
+            signed_sin: broadcast_to(&signed_sin, &shape)?,
+            traditional: c.rope_traditional,
+            rows: (
+                cos.reshape(&[rows, len, hd])?,
+                signed_sin.reshape(&[rows, len, hd])?,
+            ),
+        })
+    }
+
+    /// Rotates `x`, laid out `[B, heads, L, head_dim]`, with MLX's `rope`
+    /// (only for [`Rope::Fused`]).
+    pub fn rotate_heads_first(&self, c: &ModelConfig, x: &Array) -> Result<Array> {
+        Ok(match self {
+            Rope::Fused(RopeOffset::Scalar(offset)) => rope(
+                x,
+                c.head_dim,
+                c.rope_traditional,
+                c.rope_theta,
+                c.rope_scale,
+                *offset,
+                None,
+            )?,
+            Rope::Fused(RopeOffset::PerRow(offsets)) => rope_dynamic(
+                x,
+                c.head_dim,
+                c.rope_traditional,
+                c.rope_theta,
+                c.rope_scale,
+                offsets,
+                None,
+            )?,
+            Rope::Table { .. } => {
+                return Err(crate::error::Error::invalid(
+                    "a RoPE table rotates [B, L, heads, head_dim] arrays",
+                ))
+            }
+        })
+    }
+
+    /// Rotates `x`, laid out `[B, L, heads, head_dim]` with the table's shape
+    /// (only for [`Rope::Table`]). MLX's rope computes `x1 * cos - x2 * sin`
+    /// and `x1 * sin + x2 * cos` for each pair `(x1, x2)`; here the first is
+    /// `x1 * cos + x2 * (-sin)` and the second `x2 * cos + x1 * sin`, equal
+    /// in floating point (negation is exact, addition commutes).
+    pub fn rotate_heads_last(&self, x: &Array) -> Result<Array> {
+        let Rope::Table {
+            cos,
+            signed_sin,
+            traditional,
+            ..
+        } = self
+        else {
+            return Err(crate::error::Error::invalid(
+                "MLX's rope rotates [B, heads, L, head_dim] arrays",
+            ));
+        };
+        let shape = x.shape().to_vec();
+        let d = shape[3];
+        let swapped = if *traditional {
+            let pairs = x.reshape(&[shape[0], shape[1], shape[2], d / 2, 2])?;
+            concatenate(
+                &[
+                    pairs.index((.., .., .., .., 1..2)),
+                    pairs.index((.., .., .., .., 0..1)),
+                ],
+                -1,
+            )?
+            .reshape(&shape)?
+        } else {
+            let half = d / 2;
+            concatenate(
+                &[x.index((.., .., .., half..)), x.index((.., .., .., ..half))],
+                -1,
+            )?
+        };
+        Ok(x.multiply(cos)?.add(swapped.multiply(signed_sin)?)?)
+    }
+
+    /// [`Rope::rotate_heads_last`] of `x` normalized by `norm` (per-head
+    /// weight `[heads, head_dim]` and eps, as [`crate::nn::layers::RmsNorm`]
+    /// computes it) or as it is, in one node of our CPU kernels: `None`
+    /// where they do not take it (another dtype, a GPU stream, MLX's rope).
+    pub fn rotate_normed(&self, x: &Array, norm: Option<(&Array, f32)>) -> Result<Option<Array>> {
+        let Rope::Table {
+            traditional,
+            rows: (cos, signed_sin),
+            ..
+        } = self
+        else {
+            return Ok(None);
+        };
+        emlx_axon_kernels::norm_rope(x, norm, cos, signed_sin, *traditional)
+            .map_err(|e| crate::error::Error::Mlx(e.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::config::Arch;
+    use crate::runtime::device::{DeviceKind, Lease};
+
+    fn config(traditional: bool) -> ModelConfig {
+        ModelConfig {
+            arch: Arch::Qwen2,
+            hidden_size: 64,
+            num_layers: 1,
+            intermediate_size: 64,
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 16,
+            rms_norm_eps: 1e-6,
+            rope_theta: 10000.0,
+            rope_scale: 0.5,
+            rope_traditional: traditional,
+            tie_word_embeddings: true,
+            vocab_size: 32,
+            max_position_embeddings: 128,
+            eos_token_ids: vec![],
+            quantization: None,
+        }
+    }
+
+    /// The table rotates exactly as MLX's rope does, both pair layouts, one
+    /// offset for all rows and one per row.
+    #[test]
+    fn the_table_rotates_exactly_as_mlx_rope() {
+        let lease = Lease::new(DeviceKind::Cpu).unwrap();
+        lease.stream().run(|| {
+            let (b, l, heads) = (2, 3, 6);
+            let x = mlx_rs::random::normal::<f32>(&[b, l, heads, 16], None, None, None).unwrap();
+            for traditional in [false, true] {
+                let c = config(traditional);
+                let probe = probe(c.head_dim, traditional, Dtype::Float32).unwrap();
+                let offsets = || {
+                    [
+                        RopeOffset::Scalar(5),
+                        RopeOffset::PerRow(Array::from_slice(&[3i32, 9], &[2])),
+                    ]
+                };
+                for (fused, table) in offsets().into_iter().zip(offsets()) {
+                    let expected = Rope::Fused(fused)
+                        .rotate_heads_first(&c, &x.transpose_axes(&[0, 2, 1, 3]).unwrap())
+                        .unwrap()
+                        .transpose_axes(&[0, 2, 1, 3])
+                        .unwrap();
+                    let got = Rope::new(&c, table, b, l, heads, &probe, true)
+                        .unwrap()
+                        .rotate_heads_last(&x)
+                        .unwrap();
+                    assert_eq!(got.shape(), expected.shape());
+                    let flat = |a: &Array| a.reshape(&[-1]).unwrap().as_slice::<f32>().to_vec();
+                    assert!(flat(&got) == flat(&expected), "traditional={traditional}");
+                }
+            }
+        });
+    }
+}

@@ -1,0 +1,4 @@
+//! What runs the work: MLX streams and their leases, device questions, memory.
+
+pub mod device;
+pub mod memory;

@@ -1,0 +1,249 @@
+//! Token selection from last-position logits, as mlx-lm's `make_sampler`
+//! does it: greedy at temperature 0, otherwise top-p, min-p and top-k filter
+//! the untempered log-probabilities ([`filter`]) and the token is drawn from
+//! what is left, scaled by the temperature. Sampling runs on the device or on
+//! the host; each batch row draws from its own random stream, so a seeded
+//! row's tokens do not depend on the rows it is batched with.
+
+pub mod filter;
+
+use mlx_rs::ops::concatenate;
+use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
+use mlx_rs::{random, Array, Dtype};
+
+use crate::error::{Error, Result};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SamplerKind {
+    Greedy,
+    /// Sampling on the host from logits copied back each step.
+    TopPCpu,
+    /// Sampling as MLX ops, so decoding never waits on the host.
+    TopPGpu,
+}
+
+/// The last axis's argmax as uint32 token ids, lazily: our kernel on a
+/// CUDA stream (one node instead of MLX's two, and faster), else MLX's.
+pub fn greedy(logits: &Array) -> Result<Array> {
+    match crate::backend::cuda::layer::argmax(logits)? {
+        Some(ids) => Ok(ids),
+        None => Ok(argmax_axis(logits, -1, false)?.as_dtype(Dtype::Uint32)?),
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct SamplerConfig {
+    pub kind: SamplerKind,
+    /// 0 samples greedily, whatever the kind.
+    pub temperature: f32,
+    /// 1 disables.
+    pub top_p: f32,
+    /// 0 (or the vocabulary size or more) disables.
+    pub top_k: usize,
+    /// 0 disables.
+    pub min_p: f32,
+    /// Tokens min-p never drops (the most likely ones).
+    pub min_tokens_to_keep: usize,
+    /// Seeds every row without a seed of its own; see [`row_seed`].
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplerConfig {
+    fn default() -> Self {
+        SamplerConfig {
+            kind: SamplerKind::Greedy,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            min_tokens_to_keep: 1,
+            seed: None,
+        }
+    }
+}
+
+impl SamplerConfig {
+    pub fn validate(&self) -> Result<()> {
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(Error::invalid(format!(
+                "temperature must be >= 0 (0 is greedy), got {}",
+                self.temperature
+            )));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(Error::invalid(format!(
+                "top_p must be in (0, 1], got {}",
+                self.top_p
+            )));
+        }
+        if !(self.min_p >= 0.0 && self.min_p <= 1.0) {
+            return Err(Error::invalid(format!(
+                "min_p must be in [0, 1], got {}",
+                self.min_p
+            )));
+        }
+        if self.min_tokens_to_keep == 0 {
+            return Err(Error::invalid("min_tokens_to_keep must be at least 1"));
+        }
+        Ok(())
+    }
+
+    /// Whether tokens are chosen by argmax.
+    pub fn is_greedy(&self) -> bool {
+        self.kind == SamplerKind::Greedy || self.temperature == 0.0
+    }
+}
+
+/// SplitMix64: a tiny, well-distributed generator; enough for sampling and
+/// reproducible from a seed without another dependency.
+#[derive(Debug, Clone)]
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// The seed of row `row` when it has none of its own: the generation's seed
+/// for the first row (so a single prompt samples as it always did), a
+/// distinct stream derived from it for the others.
+pub fn row_seed(generation_seed: u64, row: usize) -> u64 {
+    if row == 0 {
+        generation_seed
+    } else {
+        SplitMix64(generation_seed ^ SplitMix64(row as u64).next_u64()).next_u64()
+    }
+}
+
+pub struct Sampler {
+    config: SamplerConfig,
+    /// One random stream per batch row.
+    rngs: Vec<SplitMix64>,
+}
+
+impl Sampler {
+    /// `row_seeds` holds one entry per batch row (`None`: derived from the
+    /// configuration's seed).
+    pub fn new(config: SamplerConfig, row_seeds: &[Option<u64>]) -> Result<Self> {
+        config.validate()?;
+        let base = config.seed.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0)
+        });
+        let rngs = row_seeds
+            .iter()
+            .enumerate()
+            .map(|(i, seed)| SplitMix64(seed.unwrap_or_else(|| row_seed(base, i))))
+            .collect();
+        Ok(Sampler { config, rngs })
+    }
+
+    /// Whether every row takes the most likely token.
+    pub fn is_greedy(&self) -> bool {
+        self.config.is_greedy()
+    }
+
+    /// Whether `sample_device` applies; otherwise use `sample_host`.
+    pub fn on_device(&self) -> bool {
+        self.config.is_greedy() || self.config.kind != SamplerKind::TopPCpu
+    }
+
+    /// Moves row `row`'s random stream past `draws` draws, as if it had
+    /// sampled that many tokens: a token a grammar forces takes a draw
+    /// whether it is sampled from a one-token mask or taken directly, so a
+    /// seeded row samples the same tokens either way.
+    pub fn skip_draws(&mut self, row: usize, draws: usize) {
+        if self.config.is_greedy() {
+            return;
+        }
+        if let Some(rng) = self.rngs.get_mut(row) {
+            for _ in 0..draws {
+                rng.next_u64();
+            }
+        }
+    }
+
+    fn check_rows(&self, rows: usize) -> Result<()> {
+        if rows != self.rngs.len() {
+            return Err(Error::invalid(format!(
+                "the sampler was made for {} rows, got logits for {rows}",
+                self.rngs.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// `[B, V]` logits -> `[B]` uint32 token ids, as a lazy MLX array.
+    pub fn sample_device(&mut self, logits: &Array) -> Result<Array> {
+        let ids = if self.config.is_greedy() {
+            greedy(logits)?
+        } else {
+            self.check_rows(logits.dim(0) as usize)?;
+            let scaled = filter::filtered_logprobs(&self.config, logits)?
+                .multiply(Array::from_f32(1.0 / self.config.temperature))?;
+            // One draw per row with the row's own key: a batched draw's
+            // noise for a row would depend on the batch's shape.
+            let rows = self
+                .rngs
+                .iter_mut()
+                .enumerate()
+                .map(|(i, rng)| {
+                    let key = random::key(rng.next_u64())?;
+                    let row = scaled.index((i as i32..i as i32 + 1, ..));
+                    random::categorical(&row, -1, None, &key)
+                })
+                .collect::<Result<Vec<Array>, _>>()?;
+            if rows.len() == 1 {
+                rows.into_iter().next().expect("one row")
+            } else {
+                concatenate(&rows, 0)?
+            }
+        };
+        Ok(ids.as_dtype(Dtype::Uint32)?)
+    }
+
+    /// `[B, V]` logits -> token ids, sampled on the host.
+    pub fn sample_host(&mut self, logits: &Array) -> Result<Vec<u32>> {
+        // Contiguous: a view (a broadcast or a slice) has no flat host buffer.
+        let logits = logits.as_dtype(Dtype::Float32)?.contiguous()?;
+        logits.eval()?;
+        let vocab = logits.dim(-1) as usize;
+        self.check_rows(logits.dim(0) as usize)?;
+        let data: &[f32] = logits
+            .try_as_slice()
+            .map_err(|e| Error::Mlx(format!("reading logits back: {e:?}")))?;
+        let config = &self.config;
+        Ok(data
+            .chunks(vocab)
+            .zip(self.rngs.iter_mut())
+            .map(|(row, rng)| draw(&filter::distribution_host(config, row), rng.next_f64()))
+            .collect())
+    }
+}
+
+/// The token whose cumulative probability first reaches `u` (in `[0, 1)`).
+fn draw(probs: &[f64], u: f64) -> u32 {
+    let mut target = u;
+    let mut last = 0;
+    for (i, &p) in probs.iter().enumerate() {
+        if p > 0.0 {
+            last = i;
+            target -= p;
+            if target < 0.0 {
+                return i as u32;
+            }
+        }
+    }
+    last as u32
+}

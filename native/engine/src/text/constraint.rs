@@ -1,0 +1,267 @@
+//! Constrained decoding: a row's output is kept inside a JSON Schema, a
+//! regular expression or a Lark grammar by masking, every step, the tokens
+//! that cannot continue it. The grammar engine is llguidance; this module
+//! builds its token trie from our tokenizer, compiles a row's constraint
+//! and turns its allowed-token set into an additive logit bias.
+
+use std::sync::Arc;
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{SimpleVob, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+use llguidance::{JsonCompileOptions, Matcher, ParserFactory};
+use serde_json::Value;
+
+use crate::error::{Error, Result};
+
+/// What a row's output must match.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConstraintSpec {
+    /// A JSON Schema, as JSON text.
+    JsonSchema(String),
+    /// A regular expression the whole output matches.
+    Regex(String),
+    /// A grammar in llguidance's Lark syntax.
+    Lark(String),
+}
+
+impl ConstraintSpec {
+    fn name(&self) -> &'static str {
+        match self {
+            ConstraintSpec::JsonSchema(_) => "json_schema",
+            ConstraintSpec::Regex(_) => "regex",
+            ConstraintSpec::Lark(_) => "grammar",
+        }
+    }
+
+    fn grammar(&self) -> Result<TopLevelGrammar> {
+        Ok(match self {
+            ConstraintSpec::JsonSchema(text) => {
+                let schema: Value = serde_json::from_str(text).map_err(|e| {
+                    Error::InvalidConstraint(format!("json_schema is not valid JSON: {e}"))
+                })?;
+                if !(schema.is_object() || schema.is_boolean()) {
+                    return Err(Error::InvalidConstraint(format!(
+                        "json_schema must be a JSON object (or a boolean), got: {schema}"
+                    )));
+                }
+                TopLevelGrammar::from_json_schema(compact_layout(schema))
+            }
+            ConstraintSpec::Regex(rx) => TopLevelGrammar::from_regex(rx),
+            ConstraintSpec::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
+        })
+    }
+}
+
+/// Without a layout of its own (llguidance's `x-guidance` key), a schema's
+/// JSON is written as Python's `json.dumps` writes it: `", "` and `": "`
+/// and no other whitespace. Flexible whitespace would let a model pad the
+/// output with blank space for as long as its token budget lasts.
+fn compact_layout(mut schema: Value) -> Value {
+    if schema.is_object() && schema.get("x-guidance").is_none() {
+        JsonCompileOptions {
+            item_separator: ", ".into(),
+            key_separator: ": ".into(),
+            whitespace_flexible: false,
+            ..JsonCompileOptions::default()
+        }
+        .apply_to(&mut schema);
+    }
+    schema
+}
+
+/// The tokenizer as llguidance sees it: every token's bytes in a trie.
+/// Special tokens carry llguidance's marker byte, so grammar text can never
+/// produce them by accident.
+struct TrieEnv {
+    trie: TokTrie,
+    tokenizer: tokenizers::Tokenizer,
+}
+
+impl TokenizerEnv for TrieEnv {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    /// The tokenizer's own tokens for `s`, so text the grammar forces is
+    /// spelled as the model would see it in a prompt. Bytes that are not
+    /// UTF-8, or text the tokenizer would rewrite (its normalizer, or a
+    /// special token's name), are spelled byte for byte from the trie.
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
+        let ids = self.trie.tokenize_with_greedy_fallback(s, |text| {
+            self.tokenizer
+                .encode(text, false)
+                .map(|e| e.get_ids().to_vec())
+                .unwrap_or_default()
+        });
+        if self.trie.decode_raw(&ids) == s {
+            ids
+        } else {
+            self.trie.greedy_tokenize(s)
+        }
+    }
+
+    // With the tokenizer's own tokenization, llguidance may force tokens:
+    // where the grammar allows one spelling only, the mask holds one token
+    // and `RowConstraint::forced_tokens` names it.
+    fn tokenize_is_canonical(&self) -> bool {
+        true
+    }
+}
+
+/// A tokenizer's compiled grammar machinery, built once per tokenizer
+/// (the token trie and the bias slices take a fraction of a second for a
+/// 150k vocabulary).
+pub struct ConstraintFactory {
+    factory: ParserFactory,
+    /// The tokenizer's end-of-sequence ids, as the trie knows them.
+    trie_eos: Vec<u32>,
+}
+
+// The factory is never changed after it is built (parsers are created from
+// it by shared reference), so a panic cannot leave it half-updated for the
+// NIF's panic guard to expose.
+impl std::panic::RefUnwindSafe for ConstraintFactory {}
+impl std::panic::UnwindSafe for ConstraintFactory {}
+
+impl ConstraintFactory {
+    pub fn new(tokenizer: &tokenizers::Tokenizer, eos: &[u32]) -> Result<Self> {
+        let json = tokenizer
+            .to_string(false)
+            .map_err(|e| Error::Tokenizer(format!("serializing the tokenizer: {e}")))?;
+        let json: Value = serde_json::from_str(&json)
+            .map_err(|e| Error::Tokenizer(format!("serializing the tokenizer: {e}")))?;
+        let mut words = llguidance::token_bytes_from_tokenizer_json(&json).map_err(|e| {
+            Error::Unsupported(format!("constrained decoding with this tokenizer: {e}"))
+        })?;
+        let vocab = words.len().max(tokenizer.get_vocab_size(true));
+        words.resize(vocab, vec![]);
+        let trie_eos: Vec<u32> = eos
+            .iter()
+            .copied()
+            .filter(|&e| (e as usize) < vocab)
+            .collect();
+        let info = TokRxInfo::new(vocab as u32, trie_eos.first().copied().unwrap_or(0));
+        let trie = TokTrie::from(&info, &words).with_eos_tokens(&trie_eos);
+        let env: llguidance::toktrie::TokEnv = Arc::new(TrieEnv {
+            trie,
+            tokenizer: tokenizer.clone(),
+        });
+        let mut factory = ParserFactory::new_simple(&env)
+            .map_err(|e| Error::Unsupported(format!("constrained decoding: {e}")))?;
+        factory.quiet();
+        Ok(ConstraintFactory { factory, trie_eos })
+    }
+}
+
+/// One row's constraint: the parser state after the tokens it has taken.
+pub struct RowConstraint {
+    matcher: Matcher,
+    trie_eos: Vec<u32>,
+    /// Nothing but the end of the output can follow.
+    complete: bool,
+}
+
+impl RowConstraint {
+    /// Compiles `spec`; a bad schema, regex or grammar is an
+    /// `InvalidArgument` naming what llguidance rejected.
+    pub fn new(factory: &ConstraintFactory, spec: &ConstraintSpec) -> Result<Self> {
+        let parser = factory
+            .factory
+            .create_parser(spec.grammar()?)
+            .map_err(|e| Error::InvalidConstraint(format!("invalid {}: {e}", spec.name())))?;
+        let mut matcher = Matcher::new(Ok(parser));
+        // Some errors surface only when the grammar first runs.
+        let first = matcher.compute_mask();
+        if let Some(e) = matcher.get_error().or(first.err().map(|e| e.to_string())) {
+            return Err(Error::InvalidConstraint(format!(
+                "invalid {}: {e}",
+                spec.name()
+            )));
+        }
+        Ok(RowConstraint {
+            matcher,
+            trie_eos: factory.trie_eos.clone(),
+            complete: false,
+        })
+    }
+
+    pub fn is_complete(&self) -> bool {
+        self.complete
+    }
+
+    /// Takes the row's sampled `token`; true when the output is complete.
+    pub fn consume(&mut self, token: u32) -> Result<bool> {
+        self.matcher
+            .consume_token(token)
+            .map_err(|e| Error::Constraint(e.to_string()))?;
+        if self.matcher.is_stopped() {
+            self.complete = true;
+        }
+        Ok(self.complete)
+    }
+
+    /// The tokens the grammar forces next, in order: where only one text
+    /// can follow, its tokenization (without a last token that a longer
+    /// token could replace once more text is known). Empty when the next
+    /// token is a choice or the output is complete. Stops before an
+    /// end-of-sequence token: ending is left to the mask and the sampler.
+    /// A row that takes these tokens one at a time, each through
+    /// [`consume`](Self::consume), follows exactly the path its masks would
+    /// force, since a forced step's mask is the first of them alone.
+    pub fn forced_tokens(&mut self) -> Result<Vec<u32>> {
+        if self.complete || self.matcher.is_stopped() {
+            return Ok(vec![]);
+        }
+        let mut tokens = self.matcher.compute_ff_tokens();
+        if let Some(e) = self.matcher.get_error() {
+            return Err(Error::Constraint(e));
+        }
+        if let Some(end) = tokens.iter().position(|t| self.trie_eos.contains(t)) {
+            tokens.truncate(end);
+        }
+        Ok(tokens)
+    }
+
+    /// Writes the row's logit bias into `out` (the model's vocabulary):
+    /// 0 for allowed tokens, -inf for the rest. The end-of-sequence tokens
+    /// allowed are the generation's `eos` (none with `ignore_eos`) whenever
+    /// the grammar could end here. Returns false, and marks the row
+    /// complete, when no token may follow.
+    pub fn write_bias(&mut self, eos: &[u32], ignore_eos: bool, out: &mut [f32]) -> Result<bool> {
+        let mask: SimpleVob = self
+            .matcher
+            .compute_mask()
+            .map_err(|e| Error::Constraint(e.to_string()))?;
+        out.fill(f32::NEG_INFINITY);
+        let mut allowed = 0usize;
+        mask.iter_set_entries(|i| {
+            if let Some(x) = out.get_mut(i) {
+                *x = 0.0;
+                allowed += 1;
+            }
+        });
+        let can_end = self.trie_eos.iter().any(|&e| mask.is_allowed(e));
+        for &e in &self.trie_eos {
+            if let Some(x) = out.get_mut(e as usize) {
+                if *x == 0.0 {
+                    *x = f32::NEG_INFINITY;
+                    allowed -= 1;
+                }
+            }
+        }
+        if can_end && !ignore_eos {
+            for &e in eos {
+                if let Some(x) = out.get_mut(e as usize) {
+                    if *x != 0.0 {
+                        *x = 0.0;
+                        allowed += 1;
+                    }
+                }
+            }
+        }
+        if allowed == 0 {
+            self.complete = true;
+        }
+        Ok(allowed > 0)
+    }
+}
