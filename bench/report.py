@@ -20,14 +20,13 @@ import statistics
 import sys
 from pathlib import Path
 
-PEER_ORDER = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-eager", "rust-compiled", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream",
+PEER_ORDER = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream",
               "mlx-lm-cli", "llama.cpp"]
 PEER_NAMES = {
     "rust": "Rust engine",
     "rust-mlx-steps": "Rust engine, decode steps in MLX's graph (step replay off)",
     "rust-mlx-prompt": "Rust engine, prompts through MLX's ops (prompt kernels off)",
-    "rust-eager": "Rust engine, compiled decode off",
-    "rust-compiled": "Rust engine, compiled decode on (opt-in)",
+    "rust-baseline": "Rust engine, baseline build",
     "rust-ops": "Rust engine, layers from MLX's ops (fused GPU layer kernels off)",
     "rust-mlx-products": "Rust engine, fused GPU layers with MLX's quantized products",
     "mlx-lm-stream": "mlx-lm (stream_generate)",
@@ -39,10 +38,10 @@ PEER_NAMES = {
     "elixir-textgen": "Elixir (TextGeneration.stream)",
     "mlx-lm": "mlx-lm",
 }
-OURS = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-eager", "rust-compiled", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen"]
+OURS = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen"]
 MLX_LM = ["mlx-lm", "mlx-lm-stream", "mlx-lm-cli"]
 # The engine under its GPU-relevant settings, each set against the mlx-lm paths.
-ENGINE_VARIANTS = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-eager", "rust-ops", "rust-mlx-products"]
+ENGINE_VARIANTS = ["rust", "rust-baseline", "rust-mlx-steps", "rust-mlx-prompt", "rust-ops", "rust-mlx-products"]
 BEST_MLX = "best mlx-lm path"
 
 
@@ -255,8 +254,8 @@ def states_section(metrics, peers, trials):
                      f"{len(slow)} ({', '.join(map(str, sorted(slow)))})" if slow else "0", fmt(median(slow.values())),
                      fmt(metrics.med(metric, p)), f"{max(spreads):.2f}x" if spreads else "n/a"])
     out += [table(header, rows), ""]
-    pairs = [(p, q) for p in ENGINE_VARIANTS + ["elixir"] if p in states for q in MLX_LM + ["rust-eager"]
-             if q in states and q != p and not (p == "elixir" and q == "rust-eager")]
+    pairs = [(p, q) for p in ENGINE_VARIANTS + ["elixir"] if p in states for q in MLX_LM + ["rust-baseline"]
+             if q in states and q != p and not (p == "elixir" and q == "rust-baseline")]
     if pairs:
         header = ["ratio", "fast / fast", "slow / slow", "all / all"]
         rows = []
@@ -311,12 +310,12 @@ def model_section(name, folder, settings):
     )
     if best_note:
         lines.append(f"\"{BEST_MLX}\" is, per metric, the best median of the mlx-lm paths ({'; '.join(best_note)}).")
-    # The engine's bench reports whether its decode step ran compiled, where it does.
-    compiled = {p: sorted({str(r["compiled_decode"]).lower() for reps in runs.get(p, {}).values() for r in reps
-                           if "compiled_decode" in r}) for p in ("rust", "rust-eager", "rust-compiled")}
-    if any(compiled.values()):
-        lines.append("Compiled decode step, as the engine reported it: " + "; ".join(
-            f"{PEER_NAMES[p]}: {'/'.join(v) or 'not reported'}" for p, v in compiled.items() if p in runs) + ".")
+    # The engine's bench reports which paths decoded and prefilled, where it does.
+    paths = {p: sorted({f"{r['decode_path']}/{r.get('prefill_path', '?')}" for reps in runs.get(p, {}).values()
+                        for r in reps if "decode_path" in r}) for p in ENGINE_VARIANTS}
+    if any(paths.values()):
+        lines.append("Paths that ran (decode/prefill), as the engine reported them: " + "; ".join(
+            f"{PEER_NAMES.get(p, p)}: {', '.join(v)}" for p, v in paths.items() if v) + ".")
     # And whether its fused GPU layer kernels were built and passed their check.
     fused = {p: sorted({str(r["gpu_layer_kernels"]).lower() for reps in runs.get(p, {}).values()
                         for r in reps if "gpu_layer_kernels" in r}) for p in ("rust", "rust-ops", "rust-mlx-products")}
@@ -364,10 +363,8 @@ def model_section(name, folder, settings):
         ratio_pairs += [(p, "mlx-lm") for p in peers if p in OURS]
     if sum(p in peers for p in MLX_LM) > 1:
         ratio_pairs += [(p, BEST_MLX) for p in ENGINE_VARIANTS if p in peers]
-    if "rust" in peers and "rust-eager" in peers:
-        ratio_pairs.append(("rust", "rust-eager"))
-    if "rust" in peers and "rust-compiled" in peers:
-        ratio_pairs.append(("rust-compiled", "rust"))
+    if "rust" in peers and "rust-baseline" in peers:
+        ratio_pairs.append(("rust", "rust-baseline"))
     if "rust" in peers:
         ratio_pairs += [(p, "rust") for p in peers if p in ("elixir", "elixir-textgen")]
     if "llama.cpp" in peers and "rust" in peers:
@@ -433,7 +430,7 @@ def model_section(name, folder, settings):
 # ids must equal the engine's. llama.cpp runs a Q4_0 requantization of them,
 # and bf16 rounding may flip a near tie, so there a divergence is reported
 # with its position, not failed.
-SAME_WEIGHTS = ["rust-mlx-steps", "rust-mlx-prompt", "rust-eager", "rust-compiled", "rust-ops", "rust-mlx-products", "rust-1t", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream"]
+SAME_WEIGHTS = ["rust-mlx-steps", "rust-mlx-prompt", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream"]
 
 
 def first_divergence(a, b):
@@ -524,10 +521,12 @@ def goals_section(s, settings):
             ok = rb >= goal if higher_is_better(metric) else rb <= goal
             out.append(f"- Engine {what} the best mlx-lm path ({PEER_NAMES.get(path, path)}, {fmt(best)}): "
                        f"{fmt(ours)}, {fmt_ratio(rb)}: {'met' if ok else '**not met**'}.")
-    ce = ratio(rust, m.med("decode, batch 1", "rust-eager"))
-    if ce is not None:
-        out.append(f"- The compiled decode step against the same engine with it off (EMLX_AXON_COMPILED_DECODE=0), "
-                   f"batch-1 decode: {fmt_ratio(ce)}.")
+    for metric in ("decode, batch 1", "prefill"):
+        cb = ratio(m.med(metric, "rust"), m.med(metric, "rust-baseline"))
+        if cb is not None:
+            ok = 0.95 <= cb <= 1.05 or cb > 1.05
+            out.append(f"- The engine against its baseline build, {metric}: {fmt_ratio(cb)} "
+                       f"(within 5% or faster: {'met' if ok else '**not met**'}).")
     lr = ratio(m.med("load time", "rust"), m.med("load time", "mlx-lm"))
     if lr is not None and m.med("load time", "mlx-lm") is not None:
         out.append(f"- Engine load time <= mlx-lm's: {fmt(m.med('load time', 'rust'))} vs "
@@ -729,7 +728,7 @@ def plot(summaries, path):
 
     n = len(summaries)
     fig, axes = plt.subplots(n, 2, figsize=(12, 4.2 * n), squeeze=False, gridspec_kw={"width_ratios": [3, 1]})
-    colors = {"rust": "#c0392b", "rust-mlx-steps": "#641e16", "rust-mlx-prompt": "#a04000", "rust-eager": "#922b21", "rust-compiled": "#6e2c00", "rust-ops": "#ec7063", "rust-mlx-products": "#f5b7b1", "mlx-lm-stream": "#5dade2", "mlx-lm-cli": "#1b4f72",
+    colors = {"rust": "#c0392b", "rust-mlx-steps": "#641e16", "rust-mlx-prompt": "#a04000", "rust-baseline": "#922b21", "rust-ops": "#ec7063", "rust-mlx-products": "#f5b7b1", "mlx-lm-stream": "#5dade2", "mlx-lm-cli": "#1b4f72",
               "rust-1t": "#e59866", "rust-int8": "#f1c40f", "elixir": "#8e44ad", "elixir-textgen": "#bb8fce",
               "mlx-lm": "#2e86c1", "llama.cpp": "#229954"}
     for row, s in enumerate(summaries):
@@ -801,8 +800,8 @@ def extra_paths(summaries):
     """A line on the peers the header's paragraph does not name, where they ran."""
     ran = {p for s in summaries for p in s["peers"]}
     notes = {
-        "rust-eager": "**Rust engine, compiled decode off** is the same bench binary with "
-                      "`EMLX_AXON_COMPILED_DECODE=0`",
+        "rust-baseline": "**Rust engine, baseline build** is another build of the engine's bench binary "
+                         "(`--baseline-bin`), interleaved with the engine's processes",
         "mlx-lm-stream": "**mlx-lm (stream_generate)** is `bench/mlx_lm_bench.py --path stream_generate` "
                          "(`mlx_lm.stream_generate` with the checkpoint's tokenizer, detokenizing as it goes)",
         "mlx-lm-cli": "**mlx-lm (python -m mlx_lm generate)** is `bench/mlx_lm_cli_bench.py` timing the CLI "
