@@ -19,6 +19,22 @@ defmodule EMLXAxon.Telemetry do
       `:prefill_ms`, `:decode_ms`, `:decode_tokens_per_s` and
       `:time_to_first_token_ms` (zeros unless `profile_timing: true`).
 
+    * `[:emlx_axon, :hub, :fetch, :start | :stop | :exception]` - fetching
+      a Hugging Face Hub repository (`EMLXAxon.Hub`). Metadata:
+      `%{repo: repo, revision: revision}`, plus `%{path: dir}` or
+      `%{error: error}` on `:stop`.
+
+    * `[:emlx_axon, :hub, :download, :start | :stop | :exception]` - one
+      file downloaded into the cache (not emitted for files already there).
+      Metadata: `%{repo: repo, revision: revision, file: file, size: bytes}`
+      (`size` may be `nil`). The `:stop` measurements add `:bytes`, the
+      bytes transferred.
+
+    * `[:emlx_axon, :hub, :download, :progress]` - while a file downloads,
+      at most every 250 ms and at its end. Measurements: `%{bytes: done,
+      total: size}` (`total` may be `nil`); metadata: `%{repo: repo,
+      revision: revision, file: file}`.
+
   As with `:telemetry.span/3`, `:start` carries `:system_time` and
   `:monotonic_time`, `:stop` and `:exception` carry `:duration` (native time
   units), and all three share a `:telemetry_span_context`.
@@ -41,7 +57,7 @@ defmodule EMLXAxon.Telemetry do
     start = System.monotonic_time()
     metadata = Map.put(metadata, :telemetry_span_context, make_ref())
 
-    execute(
+    emit(
       event ++ [:start],
       %{system_time: System.system_time(), monotonic_time: start},
       metadata
@@ -53,7 +69,7 @@ defmodule EMLXAxon.Telemetry do
       kind, reason ->
         stop = System.monotonic_time()
 
-        execute(
+        emit(
           event ++ [:exception],
           %{duration: stop - start, monotonic_time: stop},
           Map.merge(metadata, %{kind: kind, reason: reason, stacktrace: __STACKTRACE__})
@@ -64,7 +80,7 @@ defmodule EMLXAxon.Telemetry do
       {result, measurements, stop_metadata} ->
         stop = System.monotonic_time()
 
-        execute(
+        emit(
           event ++ [:stop],
           Map.merge(measurements, %{duration: stop - start, monotonic_time: stop}),
           Map.merge(metadata, stop_metadata)
@@ -74,8 +90,16 @@ defmodule EMLXAxon.Telemetry do
     end
   end
 
+  @doc false
+  # Emits one event, when :telemetry is loaded.
+  @spec execute([atom()], map(), map()) :: :ok
+  def execute(event, measurements, metadata) do
+    if enabled?(), do: emit(event, measurements, metadata)
+    :ok
+  end
+
   # :telemetry is optional: call it dynamically so this compiles without it.
-  defp execute(event, measurements, metadata) do
+  defp emit(event, measurements, metadata) do
     apply(:telemetry, :execute, [event, measurements, metadata])
   end
 

@@ -227,9 +227,11 @@ defmodule EMLXAxon.TextGeneration do
 
   @typedoc """
   A tokenizer: an `EMLXAxon.Tokenizer`, a Bumblebee tokenizer (from
-  `Bumblebee.load_tokenizer/1`) or a `Tokenizers.Tokenizer`.
+  `Bumblebee.load_tokenizer/1`), a `Tokenizers.Tokenizer`, or a Hugging
+  Face Hub repository to load one from (`{:hf, repo}`: see `EMLXAxon.Hub`;
+  loaded on every call, so prefer a loaded tokenizer in `run/4`).
   """
-  @type tokenizer :: Tokenizer.t() | struct()
+  @type tokenizer :: Tokenizer.t() | struct() | EMLXAxon.Hub.repository()
 
   @type finish_reason :: :eos | :stop | :length | :max_len | :timeout
 
@@ -347,7 +349,8 @@ defmodule EMLXAxon.TextGeneration do
 
   @doc """
   Loads the checkpoint at `path` (and its tokenizer) and builds `serving/3`
-  with it.
+  with it. `path` may also be a Hugging Face Hub repository, `{:hf, repo}`
+  or `{:hf, repo, options}` (see `EMLXAxon.Hub`), and so may `tokenizer`.
 
   `tokenizer` may be `nil`, an `EMLXAxon.Tokenizer`, or a Bumblebee or
   `Tokenizers` tokenizer: for the latter two, the same tokenizer is loaded
@@ -365,8 +368,11 @@ defmodule EMLXAxon.TextGeneration do
       {:ok, tokenizer} = Bumblebee.load_tokenizer({:local, "~/models/Qwen3-0.6B-MLX-4bit"})
       serving = EMLXAxon.TextGeneration.from_mlx4bit("~/models/Qwen3-0.6B-MLX-4bit", tokenizer)
 
+      serving = EMLXAxon.TextGeneration.from_mlx4bit({:hf, "mlx-community/Qwen3-0.6B-4bit"})
+
   """
-  @spec from_mlx4bit(Path.t(), tokenizer() | nil, keyword()) :: struct()
+  @spec from_mlx4bit(Path.t() | EMLXAxon.Hub.repository(), tokenizer() | nil, keyword()) ::
+          struct()
   def from_mlx4bit(path, tokenizer \\ nil, opts \\ []) do
     unless Keyword.keyword?(opts) do
       raise ArgumentError,
@@ -378,10 +384,16 @@ defmodule EMLXAxon.TextGeneration do
     # Fail on bad options (or a missing Nx) before spending time loading.
     Config.serving!(serving_opts)
     ensure_nx!()
-    tokenizer = TokenizerSource.resolve!(tokenizer, Path.expand(path))
-    state = Loader.load!(path, load_opts)
+    dir = checkpoint_dir!(path)
+    tokenizer = TokenizerSource.resolve!(tokenizer, dir)
+    state = Loader.load!(dir, load_opts)
     serving(tokenizer, state, serving_opts)
   end
+
+  # A Hub repository is fetched once, for both the weights and the tokenizer.
+  defp checkpoint_dir!({:hf, _} = repository), do: EMLXAxon.Hub.fetch!(repository)
+  defp checkpoint_dir!({:hf, _, _} = repository), do: EMLXAxon.Hub.fetch!(repository)
+  defp checkpoint_dir!(path), do: Path.expand(path)
 
   ## Running directly
 

@@ -41,8 +41,10 @@ defmodule EMLXAxon.Tokenizer do
           | {String.t() | atom(), String.t()}
 
   @doc """
-  Loads a tokenizer from a checkpoint directory (or `{:local, dir}`) or
-  from the path of a `tokenizer.json` file.
+  Loads a tokenizer from a checkpoint directory (or `{:local, dir}`), from
+  the path of a `tokenizer.json` file, or from the Hugging Face Hub as
+  `{:hf, repo}` or `{:hf, repo, options}` (only the tokenizer's files are
+  downloaded: see `EMLXAxon.Hub`).
 
   Returns `{:error, %EMLXAxon.Error{}}` when the files are missing or
   malformed.
@@ -51,11 +53,16 @@ defmodule EMLXAxon.Tokenizer do
 
       {:ok, tokenizer} = EMLXAxon.Tokenizer.load("~/models/Qwen3-0.6B-MLX-4bit")
       {:ok, tokenizer} = EMLXAxon.Tokenizer.load({:local, "/models/qwen3/tokenizer.json"})
+      {:ok, tokenizer} = EMLXAxon.Tokenizer.load({:hf, "mlx-community/Qwen3-0.6B-4bit"})
       {:error, %EMLXAxon.Error{kind: :io}} = EMLXAxon.Tokenizer.load("/nowhere")
 
   """
-  @spec load(Path.t() | {:local, Path.t()}) :: {:ok, t()} | {:error, Error.t()}
+  @spec load(Path.t() | {:local, Path.t()} | EMLXAxon.Hub.repository()) ::
+          {:ok, t()} | {:error, Error.t()}
   def load({:local, path}), do: load(path)
+
+  def load({:hf, _} = repository), do: load_hub(repository)
+  def load({:hf, _, _} = repository), do: load_hub(repository)
 
   def load(path) when is_binary(path) do
     path = Path.expand(path)
@@ -72,7 +79,12 @@ defmodule EMLXAxon.Tokenizer do
 
   def load(other) do
     raise ArgumentError,
-          "expected a path (string) or {:local, path} to load a tokenizer from, got: #{inspect(other)}"
+          "expected a path (string), {:local, path} or {:hf, repo} to load a tokenizer from, " <>
+            "got: #{inspect(other)}"
+  end
+
+  defp load_hub(repository) do
+    with {:ok, dir} <- EMLXAxon.Hub.fetch(repository, :tokenizer), do: load(dir)
   end
 
   @doc """
@@ -83,7 +95,7 @@ defmodule EMLXAxon.Tokenizer do
       tokenizer = EMLXAxon.Tokenizer.load!("~/models/Qwen3-0.6B-MLX-4bit")
 
   """
-  @spec load!(Path.t() | {:local, Path.t()}) :: t()
+  @spec load!(Path.t() | {:local, Path.t()} | EMLXAxon.Hub.repository()) :: t()
   def load!(path) do
     case load(path) do
       {:ok, tokenizer} -> tokenizer

@@ -44,7 +44,8 @@ defmodule EMLXAxon.Qwen3.Loader do
 
   @doc """
   Loads the checkpoint in directory `path` (`~` is expanded; `{:local, path}`
-  is accepted too).
+  is accepted too), or from the Hugging Face Hub as `{:hf, repo}` or
+  `{:hf, repo, options}` (downloaded into a cache first: see `EMLXAxon.Hub`).
 
   ## Options
 
@@ -67,13 +68,18 @@ defmodule EMLXAxon.Qwen3.Loader do
   ## Examples
 
       {:ok, state} = EMLXAxon.Qwen3.Loader.load("~/models/Qwen3-0.6B-MLX-4bit", dtype: :float16)
+      {:ok, state} = EMLXAxon.Qwen3.Loader.load({:hf, "mlx-community/Qwen3-0.6B-4bit"})
       {:error, %EMLXAxon.Error{kind: :io}} = EMLXAxon.Qwen3.Loader.load("/no/such/dir")
 
   """
-  @spec load(Path.t() | {:local, Path.t()}, keyword()) :: {:ok, State.t()} | {:error, Error.t()}
+  @spec load(Path.t() | {:local, Path.t()} | EMLXAxon.Hub.repository(), keyword()) ::
+          {:ok, State.t()} | {:error, Error.t()}
   def load(path, opts \\ [])
 
   def load({:local, path}, opts), do: load(path, opts)
+
+  def load({:hf, _} = repository, opts), do: load_hub(repository, opts)
+  def load({:hf, _, _} = repository, opts), do: load_hub(repository, opts)
 
   def load(path, opts) when is_binary(path) do
     native_opts = validate_opts!(opts)
@@ -100,7 +106,15 @@ defmodule EMLXAxon.Qwen3.Loader do
 
   def load(path, _opts) do
     raise ArgumentError,
-          "expected a checkpoint directory path (string) or {:local, path}, got: #{inspect(path)}"
+          "expected a checkpoint directory path (string), {:local, path} or {:hf, repo}, " <>
+            "got: #{inspect(path)}"
+  end
+
+  # Options are checked before anything is downloaded.
+  defp load_hub(repository, opts) do
+    validate_opts!(opts)
+
+    with {:ok, dir} <- EMLXAxon.Hub.fetch(repository, :checkpoint), do: load(dir, opts)
   end
 
   @doc """
@@ -111,7 +125,8 @@ defmodule EMLXAxon.Qwen3.Loader do
       state = EMLXAxon.Qwen3.Loader.load!("~/models/Qwen3-0.6B-MLX-4bit")
 
   """
-  @spec load!(Path.t() | {:local, Path.t()}, keyword()) :: State.t()
+  @spec load!(Path.t() | {:local, Path.t()} | EMLXAxon.Hub.repository(), keyword()) ::
+          State.t()
   def load!(path, opts \\ []) do
     case load(path, opts) do
       {:ok, state} -> state
