@@ -13,6 +13,9 @@ defmodule EMLXAxon do
     * `EMLXAxon.Qwen3.Generate` - token ids in, token ids out
     * `EMLXAxon.Tokenizer` - Hugging Face tokenizers and chat templates
     * `EMLXAxon.Stream` - MLX streams, to run generations concurrently
+    * `EMLXAxon.Scheduler` - continuous batching: requests join a running
+      batch as slots free up
+    * `EMLXAxon.Result` - the keys of every result and its metadata
     * `EMLXAxon.Telemetry` - telemetry events (with the optional `:telemetry`)
 
   ## Quick start
@@ -33,6 +36,12 @@ defmodule EMLXAxon do
   was built for (`:cpu`, `:cuda` or `:metal`; chosen with `config
   :emlx_axon, backend: ...` or `EMLX_AXON_BACKEND`, see the README).
 
+  Everything else the native part reports is passed through as it gives
+  it: a native part that reports them also has `:paths` (the engine paths
+  this build and device offer, the names a result's `:decode_path` and
+  `:prefill_path` take, see `EMLXAxon.Result`) and `:switches` (the
+  environment switches it read, and their values).
+
   Raises a `RuntimeError` saying why and what to do when the native part
   could not be loaded, for example when it was built for another backend
   than the one asked for at run time.
@@ -45,10 +54,13 @@ defmodule EMLXAxon do
 
   """
   @spec mlx_info() :: %{
-          mlx_version: String.t(),
-          default_device: :cpu | :gpu,
-          gpu_available: boolean(),
-          backend: :cpu | :cuda | :metal | nil
+          required(:mlx_version) => String.t(),
+          required(:default_device) => :cpu | :gpu,
+          required(:gpu_available) => boolean(),
+          required(:backend) => :cpu | :cuda | :metal | nil,
+          optional(:paths) => term(),
+          optional(:switches) => term(),
+          optional(atom()) => term()
         }
   def mlx_info do
     if message = EMLXAxon.Native.load_error(), do: raise(message)

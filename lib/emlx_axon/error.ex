@@ -26,6 +26,8 @@ defmodule EMLXAxon.Error do
     * `:closed_stream` - an `EMLXAxon.Stream` was used after `EMLXAxon.Stream.close/1`
     * `:released` - a generation was used after it was freed
     * `:panic` - the native code panicked (a bug: please report it)
+    * `:not_found`, `:unauthorized`, `:checksum`, `:network`, `:offline` -
+      a download from the Hugging Face Hub failed (see `EMLXAxon.Hub`)
 
   ## Examples
 
@@ -55,6 +57,11 @@ defmodule EMLXAxon.Error do
           | :closed_stream
           | :released
           | :panic
+          | :not_found
+          | :unauthorized
+          | :checksum
+          | :network
+          | :offline
 
   @type t :: %__MODULE__{kind: kind() | atom(), message: String.t()}
 

@@ -24,7 +24,10 @@ defmodule EMLXAxon.Generation do
           decode_ms: float(),
           decode_tokens_per_s: float(),
           time_to_first_token_ms: float(),
-          total_ms: float()
+          total_ms: float(),
+          decode_path: String.t() | nil,
+          prefill_path: String.t() | nil,
+          fallbacks: [String.t()] | nil
         }
 
   @typedoc """
@@ -100,7 +103,12 @@ defmodule EMLXAxon.Generation do
             time_to_first_token_ms: stats.time_to_first_token_ms
           }
 
-          {ok, measurements, %{finish_reasons: Enum.map(rows, & &1.finish_reason)}}
+          stop_metadata =
+            stats
+            |> Map.take([:decode_path, :prefill_path, :fallbacks])
+            |> Map.put(:finish_reasons, Enum.map(rows, & &1.finish_reason))
+
+          {ok, measurements, stop_metadata}
 
         {:error, error} = result ->
           {result, %{}, %{error: error}}
@@ -188,25 +196,29 @@ defmodule EMLXAxon.Generation do
   defp past?(deadline), do: System.monotonic_time() >= deadline
 
   defp normalize_stats(stats, total_ms) do
-    %{
-      prompt_tokens: Map.get(stats, :prompt_tokens, []),
-      generated_tokens: Map.get(stats, :generated_tokens, []),
-      forced_tokens: Map.get(stats, :forced_tokens, []),
-      prefill_ms: float(stats[:prefill_ms]),
-      decode_ms: float(stats[:decode_ms]),
-      decode_tokens_per_s: float(stats[:decode_tokens_per_s]),
-      time_to_first_token_ms: float(stats[:time_to_first_token_ms]),
-      total_ms: total_ms
-    }
+    Map.merge(
+      %{
+        prompt_tokens: Map.get(stats, :prompt_tokens, []),
+        generated_tokens: Map.get(stats, :generated_tokens, []),
+        forced_tokens: Map.get(stats, :forced_tokens, []),
+        prefill_ms: float(stats[:prefill_ms]),
+        decode_ms: float(stats[:decode_ms]),
+        decode_tokens_per_s: float(stats[:decode_tokens_per_s]),
+        time_to_first_token_ms: float(stats[:time_to_first_token_ms]),
+        total_ms: total_ms
+      },
+      EMLXAxon.Result.paths(stats)
+    )
   end
 
   defp float(nil), do: 0.0
   defp float(value) when is_number(value), do: value / 1
 
   @doc """
-  The timings of row `index` of a finished generation, as a flat map.
+  The metadata of row `index` of a finished generation (see
+  `EMLXAxon.Result`), as a flat map.
   """
-  @spec row_timings(stats(), non_neg_integer()) :: map()
+  @spec row_timings(stats(), non_neg_integer()) :: EMLXAxon.Result.metadata()
   def row_timings(stats, index) do
     %{
       prompt_tokens: Enum.at(stats.prompt_tokens, index, 0),
@@ -217,7 +229,10 @@ defmodule EMLXAxon.Generation do
       decode_ms: stats.decode_ms,
       decode_tokens_per_s: stats.decode_tokens_per_s,
       time_to_first_token_ms: stats.time_to_first_token_ms,
-      total_ms: stats.total_ms
+      total_ms: stats.total_ms,
+      decode_path: stats.decode_path,
+      prefill_path: stats.prefill_path,
+      fallbacks: stats.fallbacks
     }
   end
 end

@@ -1,41 +1,397 @@
 defmodule EMLXAxon.Options do
   @moduledoc false
-  # Validation of generation options, shared by EMLXAxon.Qwen3.Generate and
-  # EMLXAxon.TextGeneration, so that users get a clear ArgumentError before
-  # anything reaches the NIF (where a bad type would only be a badarg).
+  # Option schemas: every public entry point declares its options once, as
+  # a schema, and that schema validates them (before anything reaches the
+  # NIF, where a bad type would only be a badarg), holds their defaults and
+  # writes their documentation into the function's @doc. So what a function
+  # documents, accepts and defaults to cannot drift apart.
+  #
+  # A schema is a keyword list of `{key, spec}`, where spec is a keyword
+  # list with:
+  #
+  #   * `:type` - what the option accepts (see `check/2` for the types)
+  #   * `:default` - its value when not given (default `nil`)
+  #   * `:doc` - what it does, for the generated documentation
+  #   * `:default_doc` - the default as documented, when `inspect/1` of
+  #     `:default` would not say it (such as a default computed later)
+  #   * `:required` - `true` when the option must be given
+  #
+  # The generation options shared by several entry points are defined here
+  # once; each entry point adds its own, or overrides a shared option's
+  # `:doc` or `:default` with `put/3`.
 
   @samplers [:greedy, :top_p_cpu, :top_p_gpu]
 
   @doc false
   def samplers, do: @samplers
 
-  # The generation and sampling options every entry point takes, with the
-  # defaults EMLXAxon documents.
-  @generation_defaults [
-    max_new_tokens: 100,
-    max_len: 2048,
-    sampler: :greedy,
-    temperature: 1.0,
-    top_p: 0.9,
-    top_k: 0,
-    min_p: 0.0,
-    seed: nil,
-    stop: [],
-    eos_token_ids: nil,
-    ignore_eos: false
+  ## Shared options
+
+  @generation [
+    max_new_tokens: [
+      type: :pos_integer,
+      default: 100,
+      doc: "the most tokens to generate per prompt; reaching it gives `finish_reason: :length`"
+    ],
+    max_len: [
+      type: :pos_integer,
+      default: 2048,
+      doc:
+        "the KV cache budget per prompt: prompt plus generated tokens; reaching it gives " <>
+          "`finish_reason: :max_len`, and a prompt that leaves no room fails with an " <>
+          "`EMLXAxon.Error` of kind `:prompt_too_long`"
+    ],
+    sampler: [
+      type: {:in, @samplers},
+      default: :greedy,
+      doc: "greedy decoding, or nucleus sampling on the host (`:top_p_cpu`) or the device"
+    ],
+    temperature: [
+      type: {:custom, {__MODULE__, :temperature}, "a number >= 0"},
+      default: 1.0,
+      doc: "sampling temperature; 0 decodes greedily, as in mlx-lm"
+    ],
+    top_p: [
+      type: {:custom, {__MODULE__, :top_p}, "a number greater than 0 and at most 1"},
+      default: 0.9,
+      doc: "nucleus probability mass"
+    ],
+    top_k: [
+      type: :non_neg_integer,
+      default: 0,
+      doc: "keep only the k most likely tokens; 0 disables it"
+    ],
+    min_p: [
+      type: {:custom, {__MODULE__, :min_p}, "a number from 0 up to, but excluding, 1"},
+      default: 0.0,
+      doc: "drop tokens less likely than `min_p` times the most likely one; 0 disables it"
+    ],
+    seed: [
+      type: {:or, [nil, :non_neg_integer]},
+      default: nil,
+      doc: "seed for the sampler's random numbers; `nil` seeds randomly"
+    ],
+    stop: [
+      type:
+        {:custom, {__MODULE__, :stop},
+         "a non-empty string of valid UTF-8 or a list of them (nil: none)"},
+      default: [],
+      doc: "strings ending generation (`finish_reason: :stop`), matched on decoded text"
+    ],
+    eos_token_ids: [
+      type: {:custom, {__MODULE__, :eos_token_ids}, "nil or a list of token ids"},
+      default: nil,
+      default_doc: "the model's and the tokenizer's",
+      doc: "the tokens ending generation (`finish_reason: :eos`)"
+    ],
+    ignore_eos: [type: :boolean, default: false, doc: "keep generating past EOS tokens"]
   ]
 
-  @doc false
-  def generation_defaults, do: @generation_defaults
+  # At most one of them; see "Structured output" in EMLXAxon.TextGeneration.
+  @constraints [
+    json_schema: [
+      type: {:custom, {__MODULE__, :json_schema}, "nil, a map or JSON text"},
+      doc: "constrain the output to JSON valid against this JSON Schema"
+    ],
+    regex: [
+      type: {:custom, {__MODULE__, :regex}, "nil or a string"},
+      doc: "constrain the output to match this regular expression"
+    ],
+    grammar: [
+      type: {:custom, {__MODULE__, :grammar}, "nil or a string"},
+      doc: "constrain the output to this Lark grammar (as llguidance reads it)"
+    ]
+  ]
 
-  # Constrained decoding: at most one of them, for every input.
-  @constraint_keys [:json_schema, :regex, :grammar]
+  @doc "The generation and sampling options every generating entry point takes."
+  def generation, do: @generation
+
+  @doc "The constrained decoding options (at most one of them is given)."
+  def constraints, do: @constraints
 
   @doc false
-  def constraint_defaults, do: Enum.map(@constraint_keys, &{&1, nil})
+  def constraint_keys, do: Keyword.keys(@constraints)
+
+  @doc """
+  `schema` with `key`'s spec updated by `overrides` (such as another
+  `:default` or `:doc` for one entry point).
+  """
+  @spec put(keyword(), atom(), keyword()) :: keyword()
+  def put(schema, key, overrides) do
+    Keyword.update!(schema, key, &Keyword.merge(&1, overrides))
+  end
+
+  @doc "The options' defaults, as a keyword list."
+  @spec defaults(keyword()) :: keyword()
+  def defaults(schema), do: Enum.map(schema, fn {key, spec} -> {key, spec[:default]} end)
+
+  ## Validation
+
+  @doc """
+  Validates the keyword list `opts` against `schema` and returns a map of
+  every option in it: the given ones checked (and normalized, such as a
+  single `:stop` string into a list), the others their defaults. Raises
+  `ArgumentError` naming the option and what it accepts; `where` names
+  the function.
+  """
+  @spec validate!(term(), keyword(), String.t()) :: map()
+  def validate!(opts, schema, where) do
+    unless Keyword.keyword?(opts) do
+      raise ArgumentError,
+            "expected #{where} options to be a keyword list, got: #{inspect(opts)}"
+    end
+
+    validated =
+      Enum.reduce(opts, Map.new(defaults(schema)), fn {key, value}, acc ->
+        case Keyword.fetch(schema, key) do
+          {:ok, spec} ->
+            Map.put(acc, key, check!(key, value, spec[:type], where))
+
+          :error ->
+            raise ArgumentError,
+                  "unknown option #{inspect(key)} for #{where}, valid options are: " <>
+                    Enum.map_join(Keyword.keys(schema), ", ", &inspect/1)
+        end
+      end)
+
+    for {key, spec} <- schema, spec[:required], not Keyword.has_key?(opts, key) do
+      raise ArgumentError,
+            "missing the required option #{inspect(key)} (#{describe(spec[:type])}) for #{where}"
+    end
+
+    validated
+  end
+
+  defp check!(key, value, type, where) do
+    case check(type, value) do
+      {:ok, value} ->
+        value
+
+      # A message of its own, shared with the checks of input maps.
+      {:error, {:message, message}} ->
+        raise ArgumentError, message
+
+      {:error, detail} ->
+        raise ArgumentError,
+              "expected #{inspect(key)} to be #{describe(type)}, got: #{inspect(value)}" <>
+                if(detail, do: " (#{detail})", else: "") <> " in #{where}"
+    end
+  end
+
+  @doc """
+  Checks `value` against `type`: `{:ok, normalized}` or `{:error, detail}`
+  (`detail` is `nil` or what exactly is wrong). Types:
+
+    * `nil`, `:boolean`, `:string` (valid UTF-8), `:map` (not a struct),
+      `:pos_integer`, `:non_neg_integer`, `:keyword_list`, `:any`
+    * `{:in, values}` - one of `values`
+    * `{:struct, module, description}` - a `module` struct
+    * `{:fun, arity}` - a function of that arity
+    * `{:or, types}` - any of `types`, the first that accepts it
+    * `{:custom, {module, fun}, description}` - `module.fun(value)` returns
+      `{:ok, normalized}`, `:error`, `{:error, detail}` or
+      `{:error, {:message, message}}` (the whole error message)
+  """
+  @spec check(term(), term()) ::
+          {:ok, term()} | {:error, nil | String.t() | {:message, String.t()}}
+  def check(nil, nil), do: {:ok, nil}
+  def check(:boolean, value) when is_boolean(value), do: {:ok, value}
+  def check(:pos_integer, value) when is_integer(value) and value > 0, do: {:ok, value}
+  def check(:non_neg_integer, value) when is_integer(value) and value >= 0, do: {:ok, value}
+  def check(:map, value) when is_map(value) and not is_struct(value), do: {:ok, value}
+  def check(:any, value), do: {:ok, value}
+
+  def check(:string, value) when is_binary(value) do
+    if String.valid?(value), do: {:ok, value}, else: {:error, "not valid UTF-8"}
+  end
+
+  def check(:keyword_list, value) when is_list(value) do
+    if Keyword.keyword?(value), do: {:ok, value}, else: {:error, nil}
+  end
+
+  def check({:in, values}, value) do
+    if value in values, do: {:ok, value}, else: {:error, nil}
+  end
+
+  def check({:struct, module, _description}, %module{} = value), do: {:ok, value}
+  def check({:fun, arity}, value) when is_function(value, arity), do: {:ok, value}
+
+  def check({:or, types}, value) do
+    Enum.reduce_while(types, {:error, nil}, fn type, error ->
+      case check(type, value) do
+        {:ok, _} = ok -> {:halt, ok}
+        # A more precise reason wins over none.
+        {:error, nil} -> {:cont, error}
+        {:error, _detail} = detailed -> {:cont, detailed}
+      end
+    end)
+  end
+
+  def check({:custom, {module, fun}, _description}, value) do
+    case apply(module, fun, [value]) do
+      {:ok, _} = ok -> ok
+      :error -> {:error, nil}
+      {:error, _detail} = error -> error
+    end
+  end
+
+  def check(_type, _value), do: {:error, nil}
+
+  @doc "What `type` accepts, in words (for errors and documentation)."
+  @spec describe(term()) :: String.t()
+  def describe(nil), do: "nil"
+  def describe(:boolean), do: "a boolean"
+  def describe(:string), do: "a string"
+  def describe(:map), do: "a map"
+  def describe(:pos_integer), do: "a positive integer"
+  def describe(:non_neg_integer), do: "a non-negative integer"
+  def describe(:keyword_list), do: "a keyword list"
+  def describe(:any), do: "any term"
+  def describe({:in, [value]}), do: inspect(value)
+  def describe({:in, values}), do: "one of " <> Enum.map_join(values, ", ", &inspect/1)
+  def describe({:struct, _module, description}), do: description
+  def describe({:fun, 1}), do: "a function of one argument"
+  def describe({:fun, arity}), do: "a function of #{arity} arguments"
+  def describe({:custom, _fun, description}), do: description
+
+  def describe({:or, types}) do
+    {first, [last]} = Enum.split(Enum.map(types, &describe/1), -1)
+    if first == [], do: last, else: Enum.join(first, ", ") <> " or " <> last
+  end
+
+  ## Documentation
+
+  @doc """
+  The Markdown list documenting `schema`'s options: each one's `:doc`,
+  what it accepts and its default, so the documentation says exactly what
+  `validate!/3` checks.
+  """
+  @spec docs(keyword()) :: String.t()
+  def docs(schema) do
+    Enum.map_join(schema, "\n", fn {key, spec} ->
+      default =
+        cond do
+          spec[:required] -> "required"
+          text = spec[:default_doc] -> "default: " <> text
+          true -> "default: `#{inspect(spec[:default])}`"
+        end
+
+      text = "`#{inspect(key)}` - #{spec[:doc]} (#{describe(spec[:type])}; #{default})"
+      wrap("  * " <> text, "    ")
+    end)
+  end
+
+  # Wraps `text` at 78 columns, continuing with `indent`.
+  defp wrap(text, indent) do
+    text
+    |> String.split(" ")
+    |> Enum.reduce([], fn
+      word, [] ->
+        [word]
+
+      word, [line | lines] ->
+        if String.length(line) + 1 + String.length(word) > 78,
+          do: [indent <> word, line | lines],
+          else: [line <> " " <> word | lines]
+    end)
+    |> Enum.reverse()
+    |> Enum.join("\n")
+  end
+
+  ## Custom types of the shared options
 
   @doc false
-  def constraint_keys, do: @constraint_keys
+  def temperature(value) when is_number(value) and value >= 0, do: {:ok, value / 1}
+  def temperature(_value), do: :error
+
+  @doc false
+  def top_p(value) when is_number(value) and value > 0 and value <= 1, do: {:ok, value / 1}
+  def top_p(_value), do: :error
+
+  @doc false
+  def min_p(value) when is_number(value) and value >= 0 and value < 1, do: {:ok, value / 1}
+  def min_p(_value), do: :error
+
+  @doc false
+  def stop(nil), do: {:ok, []}
+  def stop(value) when is_binary(value), do: stop([value])
+
+  def stop(value) when is_list(value) do
+    if Enum.all?(value, &(is_binary(&1) and &1 != "" and String.valid?(&1))),
+      do: {:ok, value},
+      else: :error
+  end
+
+  def stop(_value), do: :error
+
+  @doc false
+  def eos_token_ids(nil), do: {:ok, nil}
+  def eos_token_ids(value) when is_integer(value), do: eos_token_ids([value])
+
+  def eos_token_ids(value) when is_list(value) do
+    if Enum.all?(value, &(is_integer(&1) and &1 >= 0)), do: {:ok, value}, else: :error
+  end
+
+  def eos_token_ids(_value), do: :error
+
+  @doc false
+  # A timeout in milliseconds; nil means none.
+  def timeout(value) when value in [nil, :infinity], do: {:ok, :infinity}
+  def timeout(value) when is_integer(value) and value >= 0, do: {:ok, value}
+  def timeout(_value), do: :error
+
+  @doc false
+  def tools(nil), do: {:ok, nil}
+
+  def tools(tools) when is_list(tools) do
+    tools
+    |> Enum.with_index()
+    |> Enum.find_value({:ok, tools}, fn {tool, index} ->
+      case EMLXAxon.ToolCalls.check_tool(tool) do
+        :ok -> nil
+        {:error, reason} -> {:error, "tool #{index}: #{reason}"}
+      end
+    end)
+  end
+
+  def tools(_other), do: :error
+
+  @doc false
+  # The `:tools` option, as the chat template and the grammar take it.
+  def tools_spec(doc) do
+    [
+      type:
+        {:custom, {__MODULE__, :tools},
+         "nil or a list of tools, each a map such as `%{type: \"function\", function: " <>
+           "%{name: \"get_weather\", description: \"...\", parameters: json_schema}}` " <>
+           "(or the inner function map)"},
+      default: nil,
+      doc: doc
+    ]
+  end
+
+  ## Constraints
+
+  @doc false
+  def json_schema(value) when is_map(value) and not is_struct(value), do: {:ok, value}
+  def json_schema(value) when is_boolean(value), do: {:ok, value}
+  def json_schema(value), do: constraint_text(:json_schema, value)
+
+  @doc false
+  def regex(value), do: constraint_text(:regex, value)
+
+  @doc false
+  def grammar(value), do: constraint_text(:grammar, value)
+
+  defp constraint_text(_key, nil), do: {:ok, nil}
+
+  defp constraint_text(key, value) do
+    case constraint!(%{key => value}, "the options") do
+      {^key, _text} -> {:ok, value}
+    end
+  rescue
+    error in ArgumentError -> {:error, {:message, error.message}}
+  end
 
   @doc """
   The constraint `opts` (a map or keyword list with any of `:json_schema`,
@@ -46,7 +402,7 @@ defmodule EMLXAxon.Options do
   """
   @spec constraint!(map() | keyword(), String.t()) :: nil | {atom(), String.t()}
   def constraint!(opts, where) do
-    given = for key <- @constraint_keys, (value = opts[key]) != nil, do: {key, value}
+    given = for key <- constraint_keys(), (value = opts[key]) != nil, do: {key, value}
 
     case given do
       [] ->
@@ -79,227 +435,6 @@ defmodule EMLXAxon.Options do
   end
 
   @doc """
-  Validates the keyword list `opts` against `defaults` (a keyword list of
-  every accepted option and its default) and returns a map with all of
-  them. `where` names the function for error messages.
-  """
-  @spec validate!(term(), keyword(), String.t()) :: map()
-  def validate!(opts, defaults, where) do
-    unless Keyword.keyword?(opts) do
-      raise ArgumentError,
-            "expected #{where} options to be a keyword list, got: #{inspect(opts)}"
-    end
-
-    valid = Keyword.keys(defaults)
-
-    opts
-    |> Enum.reduce(Map.new(defaults), fn {key, value}, acc ->
-      unless Keyword.has_key?(defaults, key) do
-        raise ArgumentError,
-              "unknown option #{inspect(key)} for #{where}, valid options are: " <>
-                Enum.map_join(valid, ", ", &inspect/1)
-      end
-
-      Map.put(acc, key, value)
-    end)
-    |> Map.new(fn {key, value} -> {key, validate_value!(key, value)} end)
-  end
-
-  defp validate_value!(:max_new_tokens, value), do: pos_integer!(:max_new_tokens, value)
-  defp validate_value!(:max_len, value), do: pos_integer!(:max_len, value)
-  defp validate_value!(:chunk_size, nil), do: nil
-  defp validate_value!(:chunk_size, value), do: pos_integer!(:chunk_size, value)
-
-  defp validate_value!(:sampler, value) when value in @samplers, do: value
-
-  defp validate_value!(:sampler, value) do
-    raise ArgumentError,
-          "expected :sampler to be one of #{Enum.map_join(@samplers, ", ", &inspect/1)}, " <>
-            "got: #{inspect(value)}"
-  end
-
-  # 0 means greedy decoding, as in mlx-lm.
-  defp validate_value!(:temperature, value) when is_number(value) and value >= 0, do: value / 1
-
-  defp validate_value!(:temperature, value) do
-    raise ArgumentError,
-          "expected :temperature to be a number >= 0 (0 decodes greedily), got: #{inspect(value)}"
-  end
-
-  defp validate_value!(:top_p, value) when is_number(value) and value > 0 and value <= 1,
-    do: value / 1
-
-  defp validate_value!(:top_p, value) do
-    raise ArgumentError,
-          "expected :top_p to be a number greater than 0 and at most 1, got: #{inspect(value)}"
-  end
-
-  defp validate_value!(:top_k, value) when is_integer(value) and value >= 0, do: value
-
-  defp validate_value!(:top_k, value) do
-    raise ArgumentError,
-          "expected :top_k to be a non-negative integer (0 disables it), got: #{inspect(value)}"
-  end
-
-  defp validate_value!(:min_p, value) when is_number(value) and value >= 0 and value < 1,
-    do: value / 1
-
-  defp validate_value!(:min_p, value) do
-    raise ArgumentError,
-          "expected :min_p to be a number from 0 (disabled) up to, but excluding, 1, " <>
-            "got: #{inspect(value)}"
-  end
-
-  defp validate_value!(:seed, nil), do: nil
-  defp validate_value!(:seed, value) when is_integer(value) and value >= 0, do: value
-
-  defp validate_value!(:seed, value) do
-    raise ArgumentError,
-          "expected :seed to be nil or a non-negative integer, got: #{inspect(value)}"
-  end
-
-  defp validate_value!(:stop, nil), do: []
-  defp validate_value!(:stop, value) when is_binary(value), do: validate_value!(:stop, [value])
-
-  defp validate_value!(:stop, value) when is_list(value) do
-    if Enum.all?(value, &(is_binary(&1) and &1 != "" and String.valid?(&1))) do
-      value
-    else
-      raise ArgumentError,
-            "expected :stop to be a non-empty string of valid UTF-8 or a list of them, " <>
-              "got: #{inspect(value)}"
-    end
-  end
-
-  defp validate_value!(:stop, value) do
-    raise ArgumentError,
-          "expected :stop to be a non-empty string or a list of them, got: #{inspect(value)}"
-  end
-
-  defp validate_value!(:eos_token_ids, nil), do: nil
-
-  defp validate_value!(:eos_token_ids, value) when is_integer(value),
-    do: validate_value!(:eos_token_ids, [value])
-
-  defp validate_value!(:eos_token_ids, value) when is_list(value) do
-    if Enum.all?(value, &(is_integer(&1) and &1 >= 0)) do
-      value
-    else
-      raise ArgumentError,
-            "expected :eos_token_ids to be nil or a list of token ids, got: #{inspect(value)}"
-    end
-  end
-
-  defp validate_value!(:eos_token_ids, value) do
-    raise ArgumentError,
-          "expected :eos_token_ids to be nil or a list of token ids, got: #{inspect(value)}"
-  end
-
-  defp validate_value!(:timeout, value) when value in [nil, :infinity], do: :infinity
-  defp validate_value!(:timeout, value) when is_integer(value) and value >= 0, do: value
-
-  defp validate_value!(:timeout, value) do
-    raise ArgumentError,
-          "expected :timeout to be a non-negative integer (milliseconds) or :infinity, " <>
-            "got: #{inspect(value)}"
-  end
-
-  defp validate_value!(:enable_thinking, value) when value == nil or is_boolean(value),
-    do: value
-
-  defp validate_value!(:enable_thinking, value) do
-    raise ArgumentError,
-          "expected :enable_thinking to be a boolean or nil, got: #{inspect(value)}"
-  end
-
-  defp validate_value!(:tokenizer, nil), do: nil
-  defp validate_value!(:tokenizer, %EMLXAxon.Tokenizer{} = tokenizer), do: tokenizer
-
-  defp validate_value!(:tokenizer, value) do
-    raise ArgumentError,
-          "expected :tokenizer to be an EMLXAxon.Tokenizer (from EMLXAxon.Tokenizer.load/1), " <>
-            "got: #{inspect(value)}"
-  end
-
-  defp validate_value!(:mlx_stream, nil), do: nil
-  defp validate_value!(:mlx_stream, %EMLXAxon.Stream{} = stream), do: stream
-
-  defp validate_value!(:mlx_stream, value) do
-    raise ArgumentError,
-          "expected :mlx_stream to be an EMLXAxon.Stream, got: #{inspect(value)}"
-  end
-
-  defp validate_value!(:defn_options, value) when is_list(value), do: value
-
-  defp validate_value!(:defn_options, value) do
-    raise ArgumentError, "expected :defn_options to be a keyword list, got: #{inspect(value)}"
-  end
-
-  defp validate_value!(:compile, nil), do: nil
-
-  defp validate_value!(:compile, value) when is_list(value) do
-    unless Keyword.keyword?(value) do
-      raise ArgumentError, compile_message(value)
-    end
-
-    Enum.each(value, fn
-      {:batch_size, size} when is_integer(size) and size > 0 ->
-        :ok
-
-      {:sequence_length, length} when is_integer(length) and length > 0 ->
-        :ok
-
-      {:sequence_length, [_ | _] = lengths} ->
-        unless Enum.all?(lengths, &(is_integer(&1) and &1 > 0)) do
-          raise ArgumentError, compile_message(value)
-        end
-
-      _ ->
-        raise ArgumentError, compile_message(value)
-    end)
-
-    value
-  end
-
-  defp validate_value!(:compile, value), do: raise(ArgumentError, compile_message(value))
-
-  # :stream's meaning depends on the function: it is checked by the caller.
-  defp validate_value!(:stream, value), do: value
-
-  defp validate_value!(key, value)
-       when key in [
-              :ignore_eos,
-              :profile_timing,
-              :chat,
-              :stream_done,
-              :add_special_tokens,
-              :skip_special_tokens,
-              :add_generation_prompt,
-              :preallocate_params
-            ] do
-    if is_boolean(value) do
-      value
-    else
-      raise ArgumentError, "expected #{inspect(key)} to be a boolean, got: #{inspect(value)}"
-    end
-  end
-
-  # Options specific to one function (validated there).
-  defp validate_value!(_key, value), do: value
-
-  defp compile_message(value) do
-    "expected :compile to be a keyword list with :batch_size (a positive integer) and/or " <>
-      ":sequence_length (a positive integer or a list of them), got: #{inspect(value)}"
-  end
-
-  defp pos_integer!(_key, value) when is_integer(value) and value > 0, do: value
-
-  defp pos_integer!(key, value) do
-    raise ArgumentError,
-          "expected #{inspect(key)} to be a positive integer, got: #{inspect(value)}"
-  end
-
-  @doc """
   Checks that `stop` strings come with a tokenizer (the engine matches them
   on decoded text).
   """
@@ -311,6 +446,8 @@ defmodule EMLXAxon.Options do
   end
 
   def check_stop_needs_tokenizer!(_opts, _tokenizer, _where), do: :ok
+
+  ## To the engine
 
   @doc """
   The map of generation options the NIF's `generation_start/5` expects (all

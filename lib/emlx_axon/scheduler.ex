@@ -43,7 +43,10 @@ defmodule EMLXAxon.Scheduler do
       `:cached_tokens` (reused from the prefix cache), `:generated_tokens`,
       `:queue_ms`, `:prefill_ms`, `:time_to_first_token_ms`,
       `:decode_tokens_per_s` and `:constraint_ms` (host time spent on the
-      request's constraint, 0 without one)
+      request's constraint, 0 without one), and the engine's
+      `:decode_path`, `:prefill_path` and `:fallbacks` where it reports
+      them (see `EMLXAxon.Result`); only `:prompt_tokens` after a
+      `:timeout`
     * `{EMLXAxon.Scheduler, ref, {:error, %EMLXAxon.Error{}}}` - the
       request failed (also the last message)
 
@@ -54,11 +57,9 @@ defmodule EMLXAxon.Scheduler do
 
   ## Telemetry
 
-  When `:telemetry` is loaded: `[:emlx_axon, :scheduler, :request]` when a
-  request ends (measurements: the `stats` above; metadata:
-  `%{finish_reason: atom}`) and `[:emlx_axon, :scheduler, :step]` after
-  every step (measurements: `:duration_ms`, `:running`, `:waiting`, `:slots`,
-  `:tokens`).
+  `[:emlx_axon, :scheduler, :step]` after every step and
+  `[:emlx_axon, :scheduler, :request]` when a request ends: see
+  `EMLXAxon.Telemetry`.
 
   ## Example
 
@@ -67,24 +68,83 @@ defmodule EMLXAxon.Scheduler do
 
   """
 
-  use GenServer
-
-  alias EMLXAxon.{Error, Native, Options, Tokenizer}
+  alias EMLXAxon.{Error, Options, Result, Tokenizer}
   alias EMLXAxon.Qwen3.Model.State
+  alias EMLXAxon.Scheduler.Server
 
-  @server_defaults [
-    model: nil,
-    tokenizer: nil,
-    name: nil,
-    slots: 8,
-    capacity: 2048,
-    prefill_chunk: :auto,
-    steps_per_call: 64,
-    step_budget_ms: 20,
-    max_queue: 64,
-    prefix_cache_bytes: 256 * 1024 * 1024,
-    prefix_min_tokens: 16
+  @start_schema [
+    model: [
+      type: {:struct, State, "an EMLXAxon.Qwen3.Model.State"},
+      required: true,
+      doc: "the loaded model"
+    ],
+    tokenizer: [
+      type: {:or, [{:struct, Tokenizer, "an EMLXAxon.Tokenizer"}, nil]},
+      default: nil,
+      doc: "for text prompts, text output, stop strings and constraints"
+    ],
+    slots: [type: :pos_integer, default: 8, doc: "rows decoded together"],
+    capacity: [
+      type: :pos_integer,
+      default: 2048,
+      doc:
+        "positions (prompt plus generated tokens) per row; a request's `:max_len` is " <>
+          "capped at it"
+    ],
+    prefill_chunk: [
+      type: {:or, [{:in, [:auto]}, :pos_integer]},
+      default: :auto,
+      doc:
+        "most prompt tokens run between two decode steps, also the most padded tokens of " <>
+          "short prompts prefilled together; `:auto` is 512 where MLX's default device is a " <>
+          "GPU, whose prefill pass costs about the same for 128 tokens as for 512, and 128 on " <>
+          "the CPU, where it costs in proportion and running rows would wait"
+    ],
+    steps_per_call: [type: :pos_integer, default: 64, doc: "most decode steps per NIF call"],
+    step_budget_ms: [
+      type: :non_neg_integer,
+      default: 20,
+      doc:
+        "no further decode step starts in a NIF call once this many milliseconds have " <>
+          "passed (at least one runs; `0`: always `:steps_per_call` steps). A call then takes " <>
+          "about the same time whatever a step costs: many short GPU steps share one call's " <>
+          "fixed cost, while long CPU steps still leave room every few milliseconds for new " <>
+          "requests, cancellations and streaming"
+    ],
+    max_queue: [
+      type: :non_neg_integer,
+      default: 64,
+      doc: "requests that may wait for a slot, past the `:slots` running ones"
+    ],
+    prefix_cache_bytes: [
+      type: :non_neg_integer,
+      default: 256 * 1024 * 1024,
+      default_doc: "256 MiB",
+      doc: "budget of the prefix cache; `0` turns it off"
+    ],
+    prefix_min_tokens: [
+      type: :non_neg_integer,
+      default: 16,
+      doc: "shortest prompt prefix stored or reused"
+    ],
+    name: [
+      type: {:custom, {__MODULE__, :name_option}, "nil or a GenServer name"},
+      default: nil,
+      doc: "a name to register the process under"
+    ]
   ]
+
+  @submit_schema Options.generation() ++
+                   Options.constraints() ++
+                   [
+                     timeout: [
+                       type:
+                         {:custom, {Options, :timeout},
+                          "a non-negative integer (milliseconds) or :infinity"},
+                       default: :infinity,
+                       doc: "time after which the request ends with finish reason `:timeout`"
+                     ]
+                   ]
 
   @type server :: GenServer.server()
   @type event ::
@@ -97,37 +157,13 @@ defmodule EMLXAxon.Scheduler do
 
   ## Options
 
-    * `:model` - the `EMLXAxon.Qwen3.Model.State` (required)
-    * `:tokenizer` - an `EMLXAxon.Tokenizer`, for text prompts, text
-      output and stop strings (default `nil`)
-    * `:slots` - rows decoded together (default 8)
-    * `:capacity` - positions (prompt plus generated tokens) per row
-      (default 2048); a request's `:max_len` is capped at it
-    * `:prefill_chunk` - most prompt tokens run between two decode steps,
-      also the most padded tokens of short prompts prefilled together
-      (default `:auto`: 512 where MLX's default device is a GPU, whose
-      prefill pass costs about the same for 128 tokens as for 512, and 128
-      on the CPU, where it costs in proportion and running rows would wait)
-    * `:steps_per_call` - most decode steps per NIF call (default 64)
-    * `:step_budget_ms` - no further decode step starts in a NIF call once
-      this many milliseconds have passed (at least one runs; default 20;
-      `0`: always `:steps_per_call` steps). A call then takes about the same
-      time whatever a step costs: many short GPU steps share one call's
-      fixed cost, while long CPU steps still leave room every few
-      milliseconds for new requests, cancellations and streaming
-    * `:max_queue` - requests that may wait for a slot, past the `:slots`
-      running ones (default 64)
-    * `:prefix_cache_bytes` - budget of the prefix cache; `0` turns it off
-      (default 256 MiB)
-    * `:prefix_min_tokens` - shortest prompt prefix stored or reused
-      (default 16)
-    * `:name` - a name to register the process under
+  #{Options.docs(@start_schema)}
   """
   @spec start_link(keyword()) :: GenServer.on_start()
   def start_link(opts) do
-    opts = validate_server_opts!(opts)
+    opts = Options.validate!(opts, @start_schema, "EMLXAxon.Scheduler.start_link/1")
     gen_opts = if opts.name, do: [name: opts.name], else: []
-    GenServer.start_link(__MODULE__, opts, gen_opts)
+    Server.start_link(opts, gen_opts)
   end
 
   @doc false
@@ -137,25 +173,26 @@ defmodule EMLXAxon.Scheduler do
 
   @doc """
   Submits a request. `prompt` is a list of token ids, or a string when the
-  scheduler has a tokenizer. `opts` are the generation options of
-  `EMLXAxon.Qwen3.Generate.generate/3` (`:max_new_tokens`, `:max_len`,
-  `:sampler`, `:temperature`, `:top_p`, `:top_k`, `:min_p`, `:seed`,
-  `:stop`, `:eos_token_ids`, `:ignore_eos`), `:timeout` (milliseconds
-  or `:infinity`, the default) and at most one of `:json_schema` (a map or
-  JSON text), `:regex` and `:grammar` (a Lark grammar), which constrain
-  the output.
+  scheduler has a tokenizer.
 
   Returns `{:ok, ref}`; the tokens arrive as messages to the calling process
   (see the module documentation). `{:error, :overloaded}` when the queue is
   full; `{:error, %EMLXAxon.Error{}}` when the engine refuses the request.
   Invalid options, and a schema, regex or grammar the engine refuses, raise
   `ArgumentError` before the request is queued.
+
+  ## Options
+
+  The generation options of `EMLXAxon.Qwen3.Generate.generate/3`, at most
+  one constraint (`:json_schema`, `:regex` or `:grammar`, which need a
+  scheduler started with a `:tokenizer`) and `:timeout`:
+
+  #{Options.docs(@submit_schema)}
   """
   @spec submit(server(), [non_neg_integer()] | String.t(), keyword()) ::
           {:ok, reference()} | {:error, :overloaded | Error.t()}
   def submit(server, prompt, opts \\ []) do
-    {timeout, opts} = Keyword.pop(opts, :timeout, :infinity)
-    native = validate_request_opts!(opts, timeout)
+    {native, timeout} = validate_request_opts!(opts)
     check_prompt!(prompt)
 
     case GenServer.call(server, {:submit, self(), prompt, native, timeout}, :infinity) do
@@ -188,30 +225,41 @@ defmodule EMLXAxon.Scheduler do
   end
 
   @doc """
-  Submits a request and waits for its end. Returns `{:ok, %{ids: ids,
-  text: text, finish_reason: reason, stats: stats}}`.
+  Submits a request and waits for its end. Returns `{:ok, result}`: an
+  `EMLXAxon.Result` with its `:metadata`, and also `:ids` (the same as
+  `:token_ids`) and `:stats` (the `:done` message's).
   """
   @spec generate(server(), [non_neg_integer()] | String.t(), keyword()) ::
           {:ok, map()} | {:error, :overloaded | Error.t()}
   def generate(server, prompt, opts \\ []) do
+    started = System.monotonic_time()
+
     with {:ok, ref} <- submit(server, prompt, opts) do
-      collect(ref, [], [])
+      collect(ref, [], [], started)
     end
   end
 
-  defp collect(ref, ids, text) do
+  defp collect(ref, ids, text, started) do
     receive do
       {__MODULE__, ^ref, {:tokens, new_ids, new_text}} ->
-        collect(ref, [new_ids | ids], [text, new_text])
+        collect(ref, [new_ids | ids], [text, new_text], started)
 
       {__MODULE__, ^ref, {:done, reason, stats}} ->
-        {:ok,
-         %{
-           ids: ids |> Enum.reverse() |> Enum.concat(),
-           text: IO.iodata_to_binary(text),
-           finish_reason: reason,
-           stats: stats
-         }}
+        ids = ids |> Enum.reverse() |> Enum.concat()
+        text = IO.iodata_to_binary(text)
+
+        total_ms =
+          System.convert_time_unit(System.monotonic_time() - started, :native, :microsecond) /
+            1000
+
+        metadata = Result.scheduled_metadata(stats, length(ids), 1, total_ms)
+
+        result =
+          ids
+          |> Result.new(text, reason, metadata.prompt_tokens, 0)
+          |> Map.merge(%{ids: ids, stats: stats, metadata: metadata})
+
+        {:ok, result}
 
       {__MODULE__, ^ref, {:error, error}} ->
         {:error, error}
@@ -273,347 +321,28 @@ defmodule EMLXAxon.Scheduler do
 
   ## Options
 
-  defp validate_server_opts!(opts) do
-    unless Keyword.keyword?(opts) do
-      raise ArgumentError,
-            "expected EMLXAxon.Scheduler.start_link/1 options to be a keyword list, got: #{inspect(opts)}"
-    end
+  @doc false
+  # The option schemas, for tests and tools that read them.
+  def __schema__(:start_link), do: @start_schema
+  def __schema__(:submit), do: @submit_schema
 
-    case Keyword.keys(opts) -- Keyword.keys(@server_defaults) do
-      [] ->
-        :ok
+  @doc false
+  def name_option(name) when is_atom(name), do: {:ok, name}
+  def name_option({:global, _} = name), do: {:ok, name}
+  def name_option({:via, module, _} = name) when is_atom(module), do: {:ok, name}
+  def name_option(_other), do: :error
 
-      unknown ->
-        raise ArgumentError,
-              "unknown options #{inspect(unknown)} for EMLXAxon.Scheduler.start_link/1, valid options are: " <>
-                Enum.map_join(Keyword.keys(@server_defaults), ", ", &inspect/1)
-    end
-
-    opts = Map.new(Keyword.merge(@server_defaults, opts))
-
-    unless match?(%State{}, opts.model) do
-      raise ArgumentError,
-            "expected :model to be an EMLXAxon.Qwen3.Model.State, got: #{inspect(opts.model)}"
-    end
-
-    unless is_nil(opts.tokenizer) or match?(%Tokenizer{}, opts.tokenizer) do
-      raise ArgumentError,
-            "expected :tokenizer to be an EMLXAxon.Tokenizer or nil, got: #{inspect(opts.tokenizer)}"
-    end
-
-    for key <- [:slots, :capacity, :steps_per_call] do
-      pos_integer!(key, Map.fetch!(opts, key))
-    end
-
-    unless opts.prefill_chunk == :auto, do: pos_integer!(:prefill_chunk, opts.prefill_chunk)
-
-    for key <- [:max_queue, :prefix_cache_bytes, :prefix_min_tokens, :step_budget_ms] do
-      value = Map.fetch!(opts, key)
-
-      unless is_integer(value) and value >= 0 do
-        raise ArgumentError,
-              "expected #{inspect(key)} to be a non-negative integer, got: #{inspect(value)}"
-      end
-    end
-
-    opts
-  end
-
-  defp prefill_chunk(:auto) do
-    if EMLXAxon.mlx_info().default_device == :gpu, do: 512, else: 128
-  end
-
-  defp prefill_chunk(tokens), do: tokens
-
-  defp pos_integer!(key, value) do
-    unless is_integer(value) and value > 0 do
-      raise ArgumentError,
-            "expected #{inspect(key)} to be a positive integer, got: #{inspect(value)}"
-    end
-  end
-
-  defp validate_request_opts!(opts, timeout) do
-    unless timeout == :infinity or (is_integer(timeout) and timeout >= 0) do
-      raise ArgumentError,
-            "expected :timeout to be a non-negative integer or :infinity, got: #{inspect(timeout)}"
-    end
-
+  defp validate_request_opts!(opts) do
     where = "EMLXAxon.Scheduler.submit/3"
-    defaults = Options.generation_defaults() ++ Options.constraint_defaults()
-    opts = Options.validate!(opts, defaults, where)
+    opts = Options.validate!(opts, @submit_schema, where)
 
-    opts
-    |> Map.put(:profile_timing, false)
-    |> Options.native()
-    |> Map.drop([:profile_timing, :row_seeds])
-    |> Map.put(:constraint, Options.constraint!(opts, where))
-  end
+    native =
+      opts
+      |> Map.put(:profile_timing, false)
+      |> Options.native()
+      |> Map.drop([:profile_timing, :row_seeds])
+      |> Map.put(:constraint, Options.constraint!(opts, where))
 
-  ## Server
-
-  @impl true
-  def init(opts) do
-    tokenizer_ref = if opts.tokenizer, do: opts.tokenizer.ref
-
-    native_opts = %{
-      slots: opts.slots,
-      capacity: opts.capacity,
-      prefill_chunk: prefill_chunk(opts.prefill_chunk),
-      prefix_cache_bytes: opts.prefix_cache_bytes,
-      prefix_min_tokens: opts.prefix_min_tokens
-    }
-
-    case Error.wrap(Native.scheduler_new(opts.model.ref, tokenizer_ref, native_opts)) do
-      {:ok, resource} ->
-        Process.flag(:trap_exit, true)
-
-        {:ok,
-         %{
-           resource: resource,
-           model: opts.model,
-           tokenizer: opts.tokenizer,
-           slots: opts.slots,
-           max_queue: opts.max_queue,
-           steps: opts.steps_per_call,
-           budget_us: opts.step_budget_ms * 1000,
-           # native id -> request; ref -> native id
-           requests: %{},
-           ids: %{},
-           stepping: false
-         }}
-
-      {:error, error} ->
-        {:stop, error}
-    end
-  end
-
-  @impl true
-  def handle_call({:submit, pid, prompt, native_opts, timeout}, _from, state) do
-    with :ok <- check_load(state),
-         :ok <- check_constraint(native_opts, state.tokenizer),
-         {:ok, ids} <- prompt_ids(prompt, state.tokenizer),
-         {:ok, id} <- admit(state.resource, ids, native_opts) do
-      ref = make_ref()
-
-      request = %{
-        ref: ref,
-        pid: pid,
-        monitor: Process.monitor(pid),
-        deadline: deadline(timeout)
-      }
-
-      state = %{
-        state
-        | requests: Map.put(state.requests, id, request),
-          ids: Map.put(state.ids, ref, id)
-      }
-
-      {:reply, {:ok, ref}, schedule_step(state)}
-    else
-      {:error, _} = error -> {:reply, error, state}
-      {:raise, _} = raise -> {:reply, raise, state}
-    end
-  end
-
-  def handle_call({:cancel, ref}, _from, state) do
-    {:reply, :ok, drop(state, Map.get(state.ids, ref))}
-  end
-
-  def handle_call(:occupancy, _from, state) do
-    reply =
-      case Error.wrap(Native.scheduler_occupancy(state.resource)) do
-        {:ok, occupancy} -> occupancy
-        {:error, error} -> raise error
-      end
-
-    {:reply, reply, state}
-  end
-
-  def handle_call(:model, _from, state) do
-    {:reply, %{model: state.model, tokenizer: state.tokenizer}, state}
-  end
-
-  def handle_call(:clear_prefix_cache, _from, state) do
-    {:ok, :ok} = Error.wrap(Native.scheduler_clear_prefix_cache(state.resource))
-    {:reply, :ok, state}
-  end
-
-  @impl true
-  def handle_info(:step, state) do
-    state = %{state | stepping: false}
-    state = expire(state)
-
-    if map_size(state.requests) == 0 do
-      {:noreply, state}
-    else
-      started = System.monotonic_time()
-
-      case Error.wrap(Native.scheduler_step(state.resource, state.steps, state.budget_us)) do
-        {:ok, {events, occupancy}} ->
-          state = Enum.reduce(events, state, &deliver/2)
-          emit_step(started, events, occupancy)
-          {:noreply, schedule_step(state)}
-
-        {:error, error} ->
-          # A failed step leaves the batch in an unknown state: every
-          # request ends with the error.
-          for {id, request} <- state.requests do
-            send(request.pid, {__MODULE__, request.ref, {:error, error}})
-            Native.scheduler_cancel(state.resource, [id])
-          end
-
-          {:noreply, %{state | requests: %{}, ids: %{}}}
-      end
-    end
-  end
-
-  def handle_info({:DOWN, monitor, :process, _pid, _reason}, state) do
-    case Enum.find(state.requests, fn {_id, r} -> r.monitor == monitor end) do
-      {id, _request} -> {:noreply, drop(state, id)}
-      nil -> {:noreply, state}
-    end
-  end
-
-  def handle_info({:EXIT, _pid, reason}, state), do: {:stop, reason, state}
-  def handle_info(_other, state), do: {:noreply, state}
-
-  @impl true
-  def terminate(_reason, state) do
-    error = Error.exception(kind: :released, message: "the scheduler stopped")
-
-    for {_id, request} <- state.requests do
-      send(request.pid, {__MODULE__, request.ref, {:error, error}})
-    end
-
-    Native.scheduler_free(state.resource)
-    :ok
-  end
-
-  # Up to `slots` requests run and `max_queue` more wait.
-  defp check_load(state) do
-    if map_size(state.requests) >= state.slots + state.max_queue,
-      do: {:error, :overloaded},
-      else: :ok
-  end
-
-  defp check_constraint(%{constraint: {kind, _text}}, nil),
-    do: {:raise, "#{inspect(kind)} needs a scheduler started with a :tokenizer"}
-
-  defp check_constraint(_native_opts, _tokenizer), do: :ok
-
-  # A schema, regex or grammar the engine refuses is the caller's argument
-  # error; the engine compiles it before queueing anything.
-  defp admit(resource, ids, native_opts) do
-    case Error.wrap(Native.scheduler_admit(resource, ids, native_opts)) do
-      {:error, %Error{kind: :invalid_constraint, message: message}} -> {:raise, message}
-      result -> result
-    end
-  end
-
-  defp prompt_ids(text, %Tokenizer{} = tokenizer) when is_binary(text),
-    do: Tokenizer.encode(tokenizer, text)
-
-  defp prompt_ids(text, nil) when is_binary(text),
-    do: {:raise, "a text prompt needs a scheduler started with a :tokenizer"}
-
-  defp prompt_ids(ids, _tokenizer), do: {:ok, ids}
-
-  defp deadline(:infinity), do: nil
-
-  defp deadline(ms),
-    do: System.monotonic_time() + System.convert_time_unit(ms, :millisecond, :native)
-
-  defp schedule_step(%{stepping: true} = state), do: state
-
-  defp schedule_step(state) do
-    if map_size(state.requests) > 0 do
-      send(self(), :step)
-      %{state | stepping: true}
-    else
-      state
-    end
-  end
-
-  defp deliver(event, state) do
-    case Map.fetch(state.requests, event.id) do
-      {:ok, request} ->
-        if event.ids != [] or event.text != "" do
-          send(request.pid, {__MODULE__, request.ref, {:tokens, event.ids, event.text}})
-        end
-
-        case event.finish_reason do
-          nil ->
-            state
-
-          reason ->
-            send(request.pid, {__MODULE__, request.ref, {:done, reason, event.stats}})
-            emit_request(reason, event.stats)
-            forget(state, event.id)
-        end
-
-      # Cancelled while the step ran.
-      :error ->
-        state
-    end
-  end
-
-  defp expire(state) do
-    now = System.monotonic_time()
-
-    expired =
-      for {id, %{deadline: deadline}} <- state.requests, deadline != nil, now >= deadline, do: id
-
-    Enum.reduce(expired, state, fn id, state ->
-      request = state.requests[id]
-      send(request.pid, {__MODULE__, request.ref, {:done, :timeout, %{}}})
-      drop(state, id)
-    end)
-  end
-
-  defp drop(state, nil), do: state
-
-  defp drop(state, id) do
-    Native.scheduler_cancel(state.resource, [id])
-    forget(state, id)
-  end
-
-  defp forget(state, id) do
-    case Map.pop(state.requests, id) do
-      {nil, _} ->
-        state
-
-      {request, requests} ->
-        Process.demonitor(request.monitor, [:flush])
-        %{state | requests: requests, ids: Map.delete(state.ids, request.ref)}
-    end
-  end
-
-  ## Telemetry (optional dependency)
-
-  defp emit_step(started, events, occupancy) do
-    duration = System.monotonic_time() - started
-
-    execute([:emlx_axon, :scheduler, :step], fn ->
-      {%{
-         duration_ms: System.convert_time_unit(duration, :native, :microsecond) / 1000,
-         running: occupancy.running,
-         waiting: occupancy.waiting,
-         slots: occupancy.slots,
-         tokens: Enum.reduce(events, 0, &(length(&1.ids) + &2))
-       }, %{}}
-    end)
-  end
-
-  defp emit_request(reason, stats) do
-    execute([:emlx_axon, :scheduler, :request], fn -> {stats || %{}, %{finish_reason: reason}} end)
-  end
-
-  defp execute(event, fun) do
-    if Code.ensure_loaded?(:telemetry) and function_exported?(:telemetry, :execute, 3) do
-      {measurements, metadata} = fun.()
-      apply(:telemetry, :execute, [event, measurements, metadata])
-    end
-
-    :ok
+    {native, opts.timeout}
   end
 end

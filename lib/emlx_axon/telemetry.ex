@@ -3,25 +3,61 @@ defmodule EMLXAxon.Telemetry do
   Telemetry events emitted by emlx_axon.
 
   `:telemetry` is an optional dependency: the events below are emitted when
-  it is loaded, and cost nothing otherwise. They follow `:telemetry.span/3`'s
-  conventions.
+  it is loaded, and cost nothing otherwise. Durations are in native time
+  units (`System.monotonic_time/0` differences; convert them with
+  `System.convert_time_unit/3`), as in `:telemetry.span/3`.
 
-    * `[:emlx_axon, :load, :start | :stop | :exception]` - loading a model
-      (`EMLXAxon.Qwen3.Loader.load/2`). Metadata: `%{path: path}`, plus
-      `%{model_type: ..., quantization: ..., dtype: ...}` on `:stop`.
-      The `:stop` measurements add `:weight_bytes` and `:load_ms`.
+  | Event | Measurements | Metadata |
+  | --- | --- | --- |
+  | `[:emlx_axon, :load, :start]` | `:system_time`, `:monotonic_time` | `:path` |
+  | `[:emlx_axon, :load, :stop]` | `:duration`, `:monotonic_time`, `:weight_bytes`, `:load_ms` | `:path`, and `:model_type`, `:quantization`, `:dtype` (or `:error`) |
+  | `[:emlx_axon, :load, :exception]` | `:duration`, `:monotonic_time` | `:path`, `:kind`, `:reason`, `:stacktrace` |
+  | `[:emlx_axon, :generate, :start]` | `:system_time`, `:monotonic_time` | `:batch_size`, `:sampler`, `:max_new_tokens` |
+  | `[:emlx_axon, :generate, :stop]` | `:duration`, `:monotonic_time`, `:prompt_tokens`, `:generated_tokens`, `:prefill_ms`, `:decode_ms`, `:decode_tokens_per_s`, `:time_to_first_token_ms` | `:start`'s, and `:finish_reasons`, `:decode_path`, `:prefill_path`, `:fallbacks` (or `:error`) |
+  | `[:emlx_axon, :generate, :exception]` | `:duration`, `:monotonic_time` | `:start`'s, and `:kind`, `:reason`, `:stacktrace` |
+  | `[:emlx_axon, :scheduler, :step]` | `:duration`, `:running`, `:waiting`, `:slots`, `:tokens` | `%{}` |
+  | `[:emlx_axon, :scheduler, :request]` | `:prompt_tokens`, `:cached_tokens`, `:generated_tokens`, `:queue_ms`, `:prefill_ms`, `:time_to_first_token_ms`, `:decode_tokens_per_s`, `:constraint_ms` | `:finish_reason`, `:decode_path`, `:prefill_path`, `:fallbacks` |
 
-    * `[:emlx_axon, :generate, :start | :stop | :exception]` - one batched
-      generation (`EMLXAxon.Qwen3.Generate`, `EMLXAxon.TextGeneration`).
-      Metadata: `%{batch_size: n, sampler: atom, max_new_tokens: n}`, plus
-      `%{finish_reasons: [atom]}` on `:stop`. The `:stop` measurements add
-      `:prompt_tokens` and `:generated_tokens` (summed over the batch),
-      `:prefill_ms`, `:decode_ms`, `:decode_tokens_per_s` and
-      `:time_to_first_token_ms` (zeros unless `profile_timing: true`).
+    * `:load` - loading a model (`EMLXAxon.Qwen3.Loader.load/2`), a span.
+      `:load_ms` is the engine's own measure; `:quantization` is the
+      checkpoint's.
+    * `:generate` - one batched generation (`EMLXAxon.Qwen3.Generate`,
+      `EMLXAxon.TextGeneration` and its serving, without a scheduler), a
+      span. Token counts are summed over the batch; the `_ms` timings are
+      zeros unless `profile_timing: true`. `:finish_reasons` has one per
+      row. A generation that fails with an `EMLXAxon.Error` ends with
+      `:stop` and `:error` in its metadata.
+    * `:scheduler, :step` - after every step of an `EMLXAxon.Scheduler`
+      (one NIF call: a prompt chunk and up to `:steps_per_call` decode
+      steps): its `:duration`, the rows `:running` and `:waiting`, the
+      scheduler's `:slots` and the `:tokens` the step produced.
+    * `:scheduler, :request` - when a scheduler's request ends (not when it
+      is cancelled): its stats, as in its `:done` message (empty when it
+      timed out).
 
-  As with `:telemetry.span/3`, `:start` carries `:system_time` and
-  `:monotonic_time`, `:stop` and `:exception` carry `:duration` (native time
-  units), and all three share a `:telemetry_span_context`.
+    * `[:emlx_axon, :hub, :fetch, :start | :stop | :exception]` - fetching
+      a Hugging Face Hub repository (`EMLXAxon.Hub`). Metadata:
+      `%{repo: repo, revision: revision}`, plus `%{path: dir}` or
+      `%{error: error}` on `:stop`.
+
+    * `[:emlx_axon, :hub, :download, :start | :stop | :exception]` - one
+      file downloaded into the cache (not emitted for files already there).
+      Metadata: `%{repo: repo, revision: revision, file: file, size: bytes}`
+      (`size` may be `nil`). The `:stop` measurements add `:bytes`, the
+      bytes transferred.
+
+    * `[:emlx_axon, :hub, :download, :progress]` - while a file downloads,
+      at most every 250 ms and at its end. Measurements: `%{bytes: done,
+      total: size}` (`total` may be `nil`); metadata: `%{repo: repo,
+      revision: revision, file: file}`.
+
+  `:decode_path` and `:prefill_path` name the engine path that decoded
+  and prefilled (such as `"cuda_replay"`, `"cuda_layers"`, `"cpu_layers"`
+  or `"mlx"`) and `:fallbacks` lists why a faster path was not taken, as in
+  a result's metadata (see `EMLXAxon.Result`); all three are `nil` where
+  the engine does not report them.
+
+  The spans' three events share a `:telemetry_span_context`.
   """
 
   @doc false
@@ -41,7 +77,7 @@ defmodule EMLXAxon.Telemetry do
     start = System.monotonic_time()
     metadata = Map.put(metadata, :telemetry_span_context, make_ref())
 
-    execute(
+    emit(
       event ++ [:start],
       %{system_time: System.system_time(), monotonic_time: start},
       metadata
@@ -53,7 +89,7 @@ defmodule EMLXAxon.Telemetry do
       kind, reason ->
         stop = System.monotonic_time()
 
-        execute(
+        emit(
           event ++ [:exception],
           %{duration: stop - start, monotonic_time: stop},
           Map.merge(metadata, %{kind: kind, reason: reason, stacktrace: __STACKTRACE__})
@@ -64,7 +100,7 @@ defmodule EMLXAxon.Telemetry do
       {result, measurements, stop_metadata} ->
         stop = System.monotonic_time()
 
-        execute(
+        emit(
           event ++ [:stop],
           Map.merge(measurements, %{duration: stop - start, monotonic_time: stop}),
           Map.merge(metadata, stop_metadata)
@@ -74,8 +110,29 @@ defmodule EMLXAxon.Telemetry do
     end
   end
 
+  @doc false
+  # Emits one event, when :telemetry is loaded.
+  @spec execute([atom()], map(), map()) :: :ok
+  def execute(event, measurements, metadata) do
+    if enabled?(), do: emit(event, measurements, metadata)
+    :ok
+  end
+
+  @doc false
+  # Emits one event; `fun` returns `{measurements, metadata}` and runs
+  # only when :telemetry is loaded.
+  @spec execute([atom()], (() -> {map(), map()})) :: :ok
+  def execute(event, fun) do
+    if enabled?() do
+      {measurements, metadata} = fun.()
+      emit(event, measurements, metadata)
+    end
+
+    :ok
+  end
+
   # :telemetry is optional: call it dynamically so this compiles without it.
-  defp execute(event, measurements, metadata) do
+  defp emit(event, measurements, metadata) do
     apply(:telemetry, :execute, [event, measurements, metadata])
   end
 

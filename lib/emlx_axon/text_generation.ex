@@ -61,37 +61,28 @@ defmodule EMLXAxon.TextGeneration do
 
   ## Output
 
-  For one input:
+  For one input, Bumblebee's output around an `EMLXAxon.Result` (see
+  there for every key):
 
       %{
         results: [
           %{
-            generated_text: "...",
             text: "...",
-            num_tokens: 17,
+            generated_text: "...",
             token_ids: [...],
+            num_tokens: 17,
             finish_reason: :eos | :stop | :length | :max_len | :timeout,
             token_summary: %{input: 12, output: 17, padding: 0}
           }
         ],
-        metadata: %{prompt_tokens: 12, generated_tokens: 17, batch_size: 1, prefill_ms: ..., ...}
+        metadata: %{prompt_tokens: 12, generated_tokens: 17, batch_size: 1, prefill_ms: ...,
+                    decode_path: ..., prefill_path: ..., fallbacks: ..., ...}
       }
 
-  `text` equals `generated_text` and `token_summary` is Bumblebee's: the
-  prompt's tokens, the generated tokens (`num_tokens`) and the left padding
-  the prompt was given to share its batch with longer prompts.
-
-  `finish_reason` says why generation ended: `:eos` (the model's end of
-  sequence; `token_ids` include it, the text does not), `:stop` (a `:stop`
-  string, the text ending just before it, or a constrained output that is
-  complete), `:length` (`:max_new_tokens`),
-  `:max_len` (the `:max_len` KV budget) or `:timeout`. `metadata` holds the
-  token counts and timings described in `EMLXAxon.Qwen3.Generate` (its
-  `t:EMLXAxon.Qwen3.Generate.timings/0`), of the batch the input was
-  decoded in: when the serving splits a list of inputs over several
-  executions, each output describes its own. With `profile_timing: false`
-  only the token counts, `batch_size` and `total_ms` are measured; the
-  other timings are 0.0.
+  `metadata` describes the batch the input was decoded in: when the
+  serving splits a list of inputs over several executions, each output
+  describes its own. With `profile_timing: false` only the token counts,
+  `batch_size` and `total_ms` are measured; the other timings are 0.0.
 
   ## Structured output
 
@@ -123,7 +114,8 @@ defmodule EMLXAxon.TextGeneration do
 
   ## Tool calls
 
-  With `tools:` (a list of tool definitions, as transformers takes them),
+  With `tools:` (a list of tool definitions, as transformers takes them;
+  see `EMLXAxon.ToolCalls.check_tool/1`),
   chat inputs are rendered with the tools offered (see
   `EMLXAxon.Tokenizer.apply_chat_template/3`), and each result gets
   `tool_calls: [%{name: name, arguments: map}]` (the answer's
@@ -133,74 +125,28 @@ defmodule EMLXAxon.TextGeneration do
 
   ## Options
 
-    * `:max_new_tokens` - the most tokens to generate per input (default 100)
-    * `:max_len` - the KV cache budget per input, prompt included (default 2048)
-    * `:sampler` - `:greedy` (default), `:top_p_cpu` or `:top_p_gpu`
-    * `:temperature` - sampling temperature, >= 0; 0 decodes greedily
-      (default 1.0)
-    * `:top_p` - nucleus probability mass, in (0, 1] (default 0.9)
-    * `:top_k` - keep only the k most likely tokens, 0 disables (default 0)
-    * `:min_p` - min-p filtering, 0.0 disables (default 0.0)
-    * `:seed` - seed for sampling (default `nil`: random)
-    * `:stop` - a string or list of strings that end generation
-    * `:eos_token_ids` - the tokens ending generation (default: the model's
-      and tokenizer's)
-    * `:ignore_eos` - generate past EOS (default `false`)
-    * `:chat` - render string inputs with the chat template, as a user
-      message (default `false`)
-    * `:enable_thinking` - Qwen3's thinking switch for the chat template
-      (default `nil`: the template's default)
-    * `:json_schema`, `:regex`, `:grammar` - constrain the output (see
-      "Structured output")
-    * `:tools` - tools offered to chat inputs (see "Tool calls")
-    * `:profile_timing` - measure the prefill and decode timings (default
-      `true`)
-    * `:timeout` - milliseconds after which generation stops with
-      `finish_reason: :timeout` (default `:infinity`)
-    * `:chunk_size` - tokens decoded per native call, which is also how
-      often a timeout is checked and streamed text is delivered (default 16,
-      or 4 when streaming)
-    * `:stream` - in `serving/3`: `true` for a streaming serving (see below);
-      anywhere: an `EMLXAxon.Stream` to run on
-    * `:mlx_stream` - an `EMLXAxon.Stream` to run on (for a streaming
-      serving, where `:stream` is `true`)
-    * `:scheduler` - in `run/4` and `stream/5` (for `serving/3`, see its
-      "With a scheduler"): the pid or name of an
-      `EMLXAxon.Scheduler` serving the same `state` (and started with a
-      `:tokenizer`). Each input is then submitted as its own request, joining
-      the scheduler's running batch, with its own seed (its input's `:seed`,
-      else the `:seed` option), its own constraint (its input's
-      `:json_schema`, `:regex` or `:grammar`, else the option's) and the
-      generation options above; `:timeout` applies to each request. Outputs
-      have the usual shape, without padding (`token_summary.padding` is 0),
-      and `metadata` holds the request's own counts and timings (with
-      `:queue_ms`, `:cached_tokens`, the prompt tokens reused from the
-      scheduler's prefix cache, and `:constraint_ms`). `:chunk_size` and
-      `:profile_timing` do not apply (the scheduler's own `:steps_per_call`
-      sets how often text arrives). An `EMLXAxon.Stream` and a `state`
-      other than the scheduler's raise `ArgumentError`; a full queue raises
-      `EMLXAxon.Error` (kind `:overloaded`). When the call ends early (an `emit_fun` that
-      raises, an error), its requests are cancelled (default `nil`)
-    * `:stream_done` - with a streaming serving, end the stream with
-      `{:done, %{token_summary: summary, results: [result], metadata: metadata}}`
-      (Bumblebee's final event, with the output `run/4` gives) (default
-      `false`)
+  `run/4`, `stream/5`, `serving/3` and `from_mlx4bit/3` each list the
+  options they take; the options of one input (`:seed`, `:json_schema`,
+  `:regex`, `:grammar`) go in the input map.
 
-  Bumblebee's serving options, for `serving/3` and `from_mlx4bit/3`:
+  ## Through a scheduler
 
-    * `:compile` - `[batch_size: n, sequence_length: len]`, either or both.
-      `:batch_size` is the serving's batch size (`Nx.Serving.batch_size/2`):
-      the most inputs one execution decodes. `:sequence_length` (an integer
-      or a list) sets the prompt length buckets: a prompt is sent padded to
-      the smallest bucket it fits in, only prompts of one bucket are
-      batched together, and a prompt longer than every bucket raises
-      `EMLXAxon.Error` (kind `:prompt_too_long`). Without it, the buckets
-      are the powers of two from 16 up to `:max_len`. Nothing is compiled
-      ahead: MLX needs no fixed shapes.
-    * `:defn_options` - only `:max_concurrency` is used, as the number of
-      partitions a serving started with `partitions: true` runs
-    * `:preallocate_params` - accepted and ignored: the weights are on the
-      device from the moment the model is loaded
+  With `scheduler:` (the pid or name of an `EMLXAxon.Scheduler` serving
+  the same `state`, started with a `:tokenizer`), `run/4` and `stream/5`
+  submit each input as its own request, joining the scheduler's running
+  batch, with its own seed (its input's `:seed`, else the `:seed` option),
+  its own constraint (its input's `:json_schema`, `:regex` or `:grammar`,
+  else the option's) and the generation options; `:timeout` applies to
+  each request. Outputs have the usual shape, without padding
+  (`token_summary.padding` is 0), and `metadata` holds the request's own
+  counts and timings (with `:queue_ms`, `:cached_tokens` and
+  `:constraint_ms`). `:chunk_size` and `:profile_timing` do not apply (the
+  scheduler's own `:steps_per_call` sets how often text arrives). An
+  `EMLXAxon.Stream` and a `state` other than the scheduler's raise
+  `ArgumentError`; a full queue raises `EMLXAxon.Error` (kind
+  `:overloaded`). When the call ends early (an `emit_fun` that raises, an
+  error), its requests are cancelled. For `serving/3`, see its "With a
+  scheduler".
 
   Unknown options and out-of-range values raise `ArgumentError`.
   """
@@ -227,29 +173,16 @@ defmodule EMLXAxon.TextGeneration do
 
   @typedoc """
   A tokenizer: an `EMLXAxon.Tokenizer`, a Bumblebee tokenizer (from
-  `Bumblebee.load_tokenizer/1`) or a `Tokenizers.Tokenizer`.
+  `Bumblebee.load_tokenizer/1`), a `Tokenizers.Tokenizer`, or a Hugging
+  Face Hub repository to load one from (`{:hf, repo}`: see `EMLXAxon.Hub`;
+  loaded on every call, so prefer a loaded tokenizer in `run/4`).
   """
-  @type tokenizer :: Tokenizer.t() | struct()
+  @type tokenizer :: Tokenizer.t() | struct() | EMLXAxon.Hub.repository()
 
-  @type finish_reason :: :eos | :stop | :length | :max_len | :timeout
+  @type finish_reason :: EMLXAxon.Result.finish_reason()
 
-  @type output :: %{
-          results: [
-            %{
-              generated_text: String.t(),
-              text: String.t(),
-              num_tokens: pos_integer(),
-              token_ids: [non_neg_integer()],
-              finish_reason: finish_reason(),
-              token_summary: %{
-                input: non_neg_integer(),
-                output: non_neg_integer(),
-                padding: non_neg_integer()
-              }
-            }
-          ],
-          metadata: map()
-        }
+  @typedoc "The output for one input: see `EMLXAxon.Result`."
+  @type output :: %{results: [EMLXAxon.Result.t()], metadata: EMLXAxon.Result.metadata()}
 
   ## Serving
 
@@ -257,7 +190,8 @@ defmodule EMLXAxon.TextGeneration do
   Builds an `Nx.Serving` that generates text with `state` and `tokenizer`.
 
   Requires Nx in your application (`{:nx, "~> 0.9"}`); without it this
-  raises. Takes the options described in the module documentation.
+  raises. Takes the options listed below (Bumblebee's serving options
+  among them).
 
   `tokenizer` is an `EMLXAxon.Tokenizer`, or the tokenizer a Bumblebee
   application already has: the struct `Bumblebee.load_tokenizer/1` returns
@@ -320,6 +254,10 @@ defmodule EMLXAxon.TextGeneration do
       there reads the whole stream and outlives the caller), so its
       requests run to their end
 
+  ## Options
+
+  #{EMLXAxon.Options.docs(Config.serving_schema())}
+
   ## Examples
 
       serving = EMLXAxon.TextGeneration.serving(tokenizer, state, max_new_tokens: 64)
@@ -347,14 +285,20 @@ defmodule EMLXAxon.TextGeneration do
 
   @doc """
   Loads the checkpoint at `path` (and its tokenizer) and builds `serving/3`
-  with it.
+  with it. `path` may also be a Hugging Face Hub repository, `{:hf, repo}`
+  or `{:hf, repo, options}` (see `EMLXAxon.Hub`), and so may `tokenizer`.
 
   `tokenizer` may be `nil`, an `EMLXAxon.Tokenizer`, or a Bumblebee or
   `Tokenizers` tokenizer: for the latter two, the same tokenizer is loaded
   from `path` (with its chat template), since the directory is at hand.
 
-  Besides the serving options, takes `EMLXAxon.Qwen3.Loader.load/2`'s
-  `:dtype` and `:quantize`. Raises `EMLXAxon.Error` when loading fails.
+  Raises `EMLXAxon.Error` when loading fails.
+
+  ## Options
+
+  Every option of `serving/3`, and `EMLXAxon.Qwen3.Loader.load/2`'s:
+
+  #{EMLXAxon.Options.docs(Keyword.drop(Config.from_mlx4bit_schema(), Keyword.keys(Config.serving_schema())))}
 
   ## Examples
 
@@ -365,23 +309,25 @@ defmodule EMLXAxon.TextGeneration do
       {:ok, tokenizer} = Bumblebee.load_tokenizer({:local, "~/models/Qwen3-0.6B-MLX-4bit"})
       serving = EMLXAxon.TextGeneration.from_mlx4bit("~/models/Qwen3-0.6B-MLX-4bit", tokenizer)
 
-  """
-  @spec from_mlx4bit(Path.t(), tokenizer() | nil, keyword()) :: struct()
-  def from_mlx4bit(path, tokenizer \\ nil, opts \\ []) do
-    unless Keyword.keyword?(opts) do
-      raise ArgumentError,
-            "expected EMLXAxon.TextGeneration.from_mlx4bit/3 options to be a keyword list, " <>
-              "got: #{inspect(opts)}"
-    end
+      serving = EMLXAxon.TextGeneration.from_mlx4bit({:hf, "mlx-community/Qwen3-0.6B-4bit"})
 
-    {load_opts, serving_opts} = Keyword.split(opts, Config.loader_options())
+  """
+  @spec from_mlx4bit(Path.t() | EMLXAxon.Hub.repository(), tokenizer() | nil, keyword()) ::
+          struct()
+  def from_mlx4bit(path, tokenizer \\ nil, opts \\ []) do
     # Fail on bad options (or a missing Nx) before spending time loading.
-    Config.serving!(serving_opts)
+    {load_opts, serving_opts} = Config.from_mlx4bit!(opts)
     ensure_nx!()
-    tokenizer = TokenizerSource.resolve!(tokenizer, Path.expand(path))
-    state = Loader.load!(path, load_opts)
+    dir = checkpoint_dir!(path)
+    tokenizer = TokenizerSource.resolve!(tokenizer, dir)
+    state = Loader.load!(dir, load_opts)
     serving(tokenizer, state, serving_opts)
   end
+
+  # A Hub repository is fetched once, for both the weights and the tokenizer.
+  defp checkpoint_dir!({:hf, _} = repository), do: EMLXAxon.Hub.fetch!(repository)
+  defp checkpoint_dir!({:hf, _, _} = repository), do: EMLXAxon.Hub.fetch!(repository)
+  defp checkpoint_dir!(path), do: Path.expand(path)
 
   ## Running directly
 
@@ -397,6 +343,10 @@ defmodule EMLXAxon.TextGeneration do
 
   Raises `ArgumentError` for bad options or inputs, and `EMLXAxon.Error`
   when generation fails (such as `:prompt_too_long`).
+
+  ## Options
+
+  #{EMLXAxon.Options.docs(Config.run_schema())}
 
   ## Examples
 
@@ -430,6 +380,12 @@ defmodule EMLXAxon.TextGeneration do
   If `emit_fun` raises (or throws, or exits), generation stops, its memory
   is freed, and the exception propagates. To stop early on purpose, throw
   from `emit_fun` and catch around this call.
+
+  ## Options
+
+  The options of `run/4`:
+
+  #{EMLXAxon.Options.docs(Config.run_schema())}
 
   ## Examples
 

@@ -22,6 +22,45 @@ defmodule EMLXAxon.Tokenizer do
 
   alias EMLXAxon.{Error, Native, Options}
 
+  @encode_schema [
+    add_special_tokens: [
+      type: :boolean,
+      default: false,
+      doc:
+        "add the tokenizer's special tokens (such as a BOS token) around the text " <>
+          "(Qwen tokenizers add none)"
+    ]
+  ]
+
+  @decode_schema [
+    skip_special_tokens: [
+      type: :boolean,
+      default: true,
+      doc: "leave special tokens such as `<|im_end|>` out of the text"
+    ]
+  ]
+
+  @chat_schema [
+    add_generation_prompt: [
+      type: :boolean,
+      default: true,
+      doc: "end with the assistant turn's header so the model answers"
+    ],
+    enable_thinking: [
+      type: {:or, [:boolean, nil]},
+      default: nil,
+      doc:
+        "Qwen3's switch for the thinking block: `false` renders an empty " <>
+          "`<think></think>` so the model answers directly; `nil` leaves the template's " <>
+          "own default"
+    ],
+    tools:
+      Options.tools_spec(
+        "functions the model may call, as transformers takes them, rendered by the " <>
+          "template (Qwen's lists them in the system turn and asks for `<tool_call>` answers)"
+      )
+  ]
+
   @enforce_keys [:ref, :path]
   defstruct [:ref, :path, :vocab_size]
 
@@ -41,8 +80,10 @@ defmodule EMLXAxon.Tokenizer do
           | {String.t() | atom(), String.t()}
 
   @doc """
-  Loads a tokenizer from a checkpoint directory (or `{:local, dir}`) or
-  from the path of a `tokenizer.json` file.
+  Loads a tokenizer from a checkpoint directory (or `{:local, dir}`), from
+  the path of a `tokenizer.json` file, or from the Hugging Face Hub as
+  `{:hf, repo}` or `{:hf, repo, options}` (only the tokenizer's files are
+  downloaded: see `EMLXAxon.Hub`).
 
   Returns `{:error, %EMLXAxon.Error{}}` when the files are missing or
   malformed.
@@ -51,11 +92,16 @@ defmodule EMLXAxon.Tokenizer do
 
       {:ok, tokenizer} = EMLXAxon.Tokenizer.load("~/models/Qwen3-0.6B-MLX-4bit")
       {:ok, tokenizer} = EMLXAxon.Tokenizer.load({:local, "/models/qwen3/tokenizer.json"})
+      {:ok, tokenizer} = EMLXAxon.Tokenizer.load({:hf, "mlx-community/Qwen3-0.6B-4bit"})
       {:error, %EMLXAxon.Error{kind: :io}} = EMLXAxon.Tokenizer.load("/nowhere")
 
   """
-  @spec load(Path.t() | {:local, Path.t()}) :: {:ok, t()} | {:error, Error.t()}
+  @spec load(Path.t() | {:local, Path.t()} | EMLXAxon.Hub.repository()) ::
+          {:ok, t()} | {:error, Error.t()}
   def load({:local, path}), do: load(path)
+
+  def load({:hf, _} = repository), do: load_hub(repository)
+  def load({:hf, _, _} = repository), do: load_hub(repository)
 
   def load(path) when is_binary(path) do
     path = Path.expand(path)
@@ -72,7 +118,12 @@ defmodule EMLXAxon.Tokenizer do
 
   def load(other) do
     raise ArgumentError,
-          "expected a path (string) or {:local, path} to load a tokenizer from, got: #{inspect(other)}"
+          "expected a path (string), {:local, path} or {:hf, repo} to load a tokenizer from, " <>
+            "got: #{inspect(other)}"
+  end
+
+  defp load_hub(repository) do
+    with {:ok, dir} <- EMLXAxon.Hub.fetch(repository, :tokenizer), do: load(dir)
   end
 
   @doc """
@@ -83,7 +134,7 @@ defmodule EMLXAxon.Tokenizer do
       tokenizer = EMLXAxon.Tokenizer.load!("~/models/Qwen3-0.6B-MLX-4bit")
 
   """
-  @spec load!(Path.t() | {:local, Path.t()}) :: t()
+  @spec load!(Path.t() | {:local, Path.t()} | EMLXAxon.Hub.repository()) :: t()
   def load!(path) do
     case load(path) do
       {:ok, tokenizer} -> tokenizer
@@ -96,8 +147,7 @@ defmodule EMLXAxon.Tokenizer do
 
   ## Options
 
-    * `:add_special_tokens` - add the tokenizer's special tokens (such as a
-      BOS token) around the text (default `false`; Qwen tokenizers add none)
+  #{Options.docs(@encode_schema)}
 
   ## Examples
 
@@ -106,7 +156,7 @@ defmodule EMLXAxon.Tokenizer do
   """
   @spec encode(t(), String.t(), keyword()) :: {:ok, [non_neg_integer()]} | {:error, Error.t()}
   def encode(%__MODULE__{ref: ref}, text, opts \\ []) do
-    opts = Options.validate!(opts, [add_special_tokens: false], "EMLXAxon.Tokenizer.encode/3")
+    opts = Options.validate!(opts, @encode_schema, "EMLXAxon.Tokenizer.encode/3")
 
     unless is_binary(text) do
       raise ArgumentError, "expected the text to encode to be a string, got: #{inspect(text)}"
@@ -124,8 +174,7 @@ defmodule EMLXAxon.Tokenizer do
 
   ## Options
 
-    * `:skip_special_tokens` - leave special tokens such as `<|im_end|>`
-      out of the text (default `true`)
+  #{Options.docs(@decode_schema)}
 
   ## Examples
 
@@ -134,7 +183,7 @@ defmodule EMLXAxon.Tokenizer do
   """
   @spec decode(t(), [non_neg_integer()], keyword()) :: {:ok, String.t()} | {:error, Error.t()}
   def decode(%__MODULE__{ref: ref}, ids, opts \\ []) do
-    opts = Options.validate!(opts, [skip_special_tokens: true], "EMLXAxon.Tokenizer.decode/3")
+    opts = Options.validate!(opts, @decode_schema, "EMLXAxon.Tokenizer.decode/3")
 
     unless is_list(ids) and Enum.all?(ids, &(is_integer(&1) and &1 >= 0)) do
       raise ArgumentError, "expected a list of non-negative token ids, got: #{inspect(ids)}"
@@ -155,15 +204,7 @@ defmodule EMLXAxon.Tokenizer do
 
   ## Options
 
-    * `:add_generation_prompt` - end with the assistant turn's header so the
-      model answers (default `true`)
-    * `:enable_thinking` - Qwen3's switch for the thinking block: `false`
-      renders an empty `<think></think>` so the model answers directly;
-      `nil` (default) leaves the template's own default
-    * `:tools` - functions the model may call, as transformers takes them:
-      a list of `%{type: "function", function: %{name: ..., description:
-      ..., parameters: json_schema}}` maps, rendered by the template (Qwen's
-      lists them in the system turn and asks for `<tool_call>` answers)
+  #{Options.docs(@chat_schema)}
 
   ## Examples
 
@@ -180,12 +221,7 @@ defmodule EMLXAxon.Tokenizer do
   @spec apply_chat_template(t(), [message()], keyword()) ::
           {:ok, String.t()} | {:error, Error.t()}
   def apply_chat_template(%__MODULE__{ref: ref}, messages, opts \\ []) do
-    opts =
-      Options.validate!(
-        opts,
-        [add_generation_prompt: true, enable_thinking: nil, tools: nil],
-        "EMLXAxon.Tokenizer.apply_chat_template/3"
-      )
+    opts = Options.validate!(opts, @chat_schema, "EMLXAxon.Tokenizer.apply_chat_template/3")
 
     messages =
       messages
@@ -227,18 +263,9 @@ defmodule EMLXAxon.Tokenizer do
           | {:error, Error.t()}
   def info(%__MODULE__{ref: ref}), do: Error.wrap(Native.tokenizer_info(ref))
 
+  # Checked by the schema.
   defp tools!(nil), do: nil
-
-  defp tools!(tools) when is_list(tools) do
-    unless Enum.all?(tools, &(is_map(&1) and not is_struct(&1))) do
-      raise ArgumentError, "expected :tools to be a list of maps, got: #{inspect(tools)}"
-    end
-
-    EMLXAxon.JSON.encode!(tools)
-  end
-
-  defp tools!(other),
-    do: raise(ArgumentError, "expected :tools to be a list of maps, got: #{inspect(other)}")
+  defp tools!(tools), do: EMLXAxon.JSON.encode!(tools)
 
   @doc false
   # Validates and normalizes chat messages into `[{role, content}]`, or

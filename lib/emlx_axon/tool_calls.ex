@@ -96,6 +96,53 @@ defmodule EMLXAxon.ToolCalls do
     do: {:error, "a tool call's \"arguments\" are not a JSON object: #{inspect(json)}"}
 
   @doc """
+  Checks one tool definition, as the chat template and `grammar/1` take
+  it: a map `%{type: "function", function: function}` or the inner
+  `function` map itself, where `function` has a non-empty string `name`,
+  and optionally a string `description` and a JSON Schema map
+  `parameters` (keys may be atoms or strings). Returns `:ok` or
+  `{:error, reason}`.
+
+  ## Examples
+
+      iex> EMLXAxon.ToolCalls.check_tool(%{type: "function", function: %{name: "f"}})
+      :ok
+      iex> {:error, reason} = EMLXAxon.ToolCalls.check_tool(%{"bad" => 1})
+      iex> reason =~ "non-empty string name"
+      true
+
+  """
+  @spec check_tool(term()) :: :ok | {:error, String.t()}
+  def check_tool(tool) when is_map(tool) and not is_struct(tool) do
+    function = field(tool, :function) || tool
+    type = field(tool, :type)
+
+    cond do
+      type not in [nil, "function", :function] ->
+        {:error, "a tool's type must be \"function\", got: #{inspect(tool)}"}
+
+      not is_map(function) or is_struct(function) ->
+        {:error, "a tool's function must be a map, got: #{inspect(tool)}"}
+
+      not (is_binary(name = field(function, :name)) and name != "") ->
+        {:error, "a tool needs a non-empty string name, got: #{inspect(tool)}"}
+
+      not (is_nil(field(function, :description)) or is_binary(field(function, :description))) ->
+        {:error, "a tool's description must be a string, got: #{inspect(tool)}"}
+
+      not (is_nil(field(function, :parameters)) or schema?(field(function, :parameters))) ->
+        {:error, "a tool's parameters must be a JSON Schema map, got: #{inspect(tool)}"}
+
+      true ->
+        :ok
+    end
+  end
+
+  def check_tool(other), do: {:error, "a tool must be a map, got: #{inspect(other)}"}
+
+  defp schema?(schema), do: is_map(schema) and not is_struct(schema)
+
+  @doc """
   A Lark grammar (for the `:grammar` option) whose sentences are one or
   more Qwen tool calls to the given `tools` (as given to the chat template:
   `%{type: "function", function: %{name: ..., parameters: schema}}` or the
@@ -126,12 +173,12 @@ defmodule EMLXAxon.ToolCalls do
 
     schemas =
       Enum.map(tools, fn tool ->
+        with {:error, reason} <- check_tool(tool) do
+          raise ArgumentError, "expected each tool to be a tool definition: #{reason}"
+        end
+
         function = field(tool, :function) || tool
         name = field(function, :name)
-
-        unless is_binary(name) do
-          raise ArgumentError, "expected each tool to have a string name, got: #{inspect(tool)}"
-        end
 
         # Written by hand: "name" must come before "arguments", and an
         # Elixir map would order its keys.

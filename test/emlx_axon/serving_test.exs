@@ -852,15 +852,20 @@ defmodule EMLXAxon.TextGeneration.ServingLogicTest do
       # A caller whose rows sit in the middle of an execution.
       [row] = Results.decode(slice(first, 2, 1), 8)
 
+      # No forced tokens nor engine paths in these stats.
       assert row.metadata == %{
                prompt_tokens: 4,
                generated_tokens: 4,
+               forced_tokens: 0,
                batch_size: 4,
                prefill_ms: 10.0,
                decode_ms: 11.0,
                decode_tokens_per_s: 12.0,
                time_to_first_token_ms: 13.0,
-               total_ms: 14.0
+               total_ms: 14.0,
+               decode_path: nil,
+               prefill_path: nil,
+               fallbacks: nil
              }
     end
 

@@ -1,9 +1,10 @@
-# Runs only where the optional :telemetry dependency is available.
+# Runs where the optional :telemetry dependency is available (or the
+# stand-in of test/support/telemetry_stand_in.ex, where it is not).
 if Code.ensure_loaded?(:telemetry) do
   defmodule EMLXAxon.TelemetryTest do
     use ExUnit.Case, async: false
 
-    alias EMLXAxon.{TestFixtures, TextGeneration}
+    alias EMLXAxon.{Scheduler, TestFixtures, TextGeneration}
     alias EMLXAxon.Qwen3.Loader
 
     @moduletag :fixtures
@@ -14,9 +15,11 @@ if Code.ensure_loaded?(:telemetry) do
       id = "emlx_axon_test_#{System.unique_integer([:positive])}"
 
       events =
-        for prefix <- [[:emlx_axon, :load], [:emlx_axon, :generate]],
-            suffix <- [:start, :stop, :exception],
-            do: prefix ++ [suffix]
+        for(
+          prefix <- [[:emlx_axon, :load], [:emlx_axon, :generate]],
+          suffix <- [:start, :stop, :exception],
+          do: prefix ++ [suffix]
+        ) ++ [[:emlx_axon, :scheduler, :step], [:emlx_axon, :scheduler, :request]]
 
       :ok =
         :telemetry.attach_many(
@@ -69,9 +72,12 @@ if Code.ensure_loaded?(:telemetry) do
                          prompt_tokens: prompt_tokens,
                          prefill_ms: _,
                          decode_tokens_per_s: _
-                       }, %{finish_reasons: [:length, :length]}}
+                       }, %{finish_reasons: [:length, :length]} = metadata}
 
       assert prompt_tokens > 2
+
+      # Which engine paths ran: binaries once the engine reports them.
+      TestFixtures.assert_paths(metadata, TestFixtures.native_stats(state))
 
       assert_raise RuntimeError, fn ->
         TextGeneration.stream(tokenizer, state, "Hello", fn _ -> raise "boom" end,
@@ -81,6 +87,32 @@ if Code.ensure_loaded?(:telemetry) do
 
       assert_received {:telemetry, [:emlx_axon, :generate, :exception], _,
                        %{kind: :error, reason: %RuntimeError{}}}
+    end
+
+    test "scheduler events" do
+      state = TestFixtures.model("qwen3-4bit-g64")
+      server = start_supervised!({Scheduler, model: state, prefix_cache_bytes: 0})
+
+      {:ok, result} =
+        Scheduler.generate(server, [785, 6722, 315, 9625, 374],
+          max_new_tokens: 6,
+          ignore_eos: true
+        )
+
+      # Every step reports its duration in native units, as spans do.
+      assert_received {:telemetry, [:emlx_axon, :scheduler, :step],
+                       %{duration: duration, running: _, waiting: _, slots: 8, tokens: _}, %{}}
+
+      assert is_integer(duration) and duration > 0
+
+      assert_received {:telemetry, [:emlx_axon, :scheduler, :request], measurements,
+                       %{finish_reason: :length} = metadata}
+
+      assert %{prompt_tokens: 5, generated_tokens: 6, queue_ms: _, constraint_ms: _} =
+               measurements
+
+      assert Enum.all?(Map.values(measurements), &is_number/1)
+      TestFixtures.assert_paths(metadata, result.stats)
     end
   end
 end

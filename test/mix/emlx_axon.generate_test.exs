@@ -126,6 +126,55 @@ defmodule Mix.Tasks.EmlxAxon.GenerateTest do
     assert length(first["generated_ids"]) <= 8
   end
 
+  test "--help prints every option" do
+    output = run_task(["--help"])
+    assert output =~ "Usage: mix emlx_axon.generate [options]"
+
+    for {switch, _type} <- [help: nil, model: nil, max_len: nil, max_new_tokens: nil, json: nil] do
+      assert output =~ "--#{switch |> Atom.to_string() |> String.replace("_", "-")}"
+    end
+
+    assert run_task(["-h"]) == output
+  end
+
+  test "--max-len is the KV cache length" do
+    %{"prompt_ids" => prompt_ids} = TestFixtures.reference("qwen3-4bit-g64")["prompts"]["plain"]
+    ids = Enum.join(prompt_ids, ",")
+    args = ["--prompt-ids", ids, "--max-new-tokens", "16", "--json" | @exact]
+
+    # Room for the prompt and 3 more tokens: generation stops at the cache's end.
+    max_len = length(prompt_ids) + 3
+    json = TestJSON.decode!(run_task(args ++ ["--max-len", "#{max_len}"]))
+    assert %{"finish_reason" => "max_len", "generated_ids" => generated} = json
+    assert length(generated) == 3
+
+    assert_raise Mix.Error, ~r/prompt/, fn ->
+      run_task(args ++ ["--max-len", "#{length(prompt_ids)}"])
+    end
+
+    assert_raise Mix.Error, ~r/max_len/, fn -> run_task(args ++ ["--max-len", "0"]) end
+
+    assert_raise Mix.Error, ~r/invalid option --max-len x: --max-len takes an integer/, fn ->
+      run_task(["--max-len", "x"])
+    end
+  end
+
+  test "a bad flag is named, with the accepted ones" do
+    error = assert_raise Mix.Error, fn -> run_task(["--max-tokens", "3"]) end
+    assert error.message =~ "invalid option --max-tokens: unknown option"
+    assert error.message =~ "--max-new-tokens"
+    assert error.message =~ "--max-len"
+    assert error.message =~ "--help"
+
+    assert_raise Mix.Error, ~r/--temperature takes a number/, fn ->
+      run_task(["--temperature", "warm"])
+    end
+
+    assert_raise Mix.Error, ~r/--offline applies to --model hf:REPO/, fn ->
+      run_task(["--offline"])
+    end
+  end
+
   test "errors are Mix errors" do
     assert_raise Mix.Error, ~r/does not exist/, fn -> run_task(["--model", "/no/such/model"]) end
     assert_raise Mix.Error, ~r/invalid option/, fn -> run_task(["--max-new-tokens", "many"]) end

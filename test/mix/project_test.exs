@@ -3,7 +3,11 @@ defmodule EMLXAxon.MixProjectTest do
 
   @root EMLXAxon.TestFixtures.root()
 
-  @optional_deps [{:nx, "~> 0.9", optional: true}, {:telemetry, "~> 1.0", optional: true}]
+  @optional_deps [
+    {:nx, "~> 0.9", optional: true},
+    {:telemetry, "~> 1.0", optional: true},
+    {:ex_doc, "~> 0.34", only: :dev, runtime: false, optional: true}
+  ]
 
   test "Nx and telemetry are optional dependencies, declared only where Hex is" do
     hex? =

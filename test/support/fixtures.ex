@@ -148,6 +148,58 @@ defmodule EMLXAxon.TestFixtures do
     term
   end
 
+  @doc """
+  The stats map `EMLXAxon.Native.generation_stats/1` gives for a short
+  greedy generation on `state`, as the engine reports it (before any
+  Elixir code reads it).
+  """
+  def native_stats(state) do
+    alias EMLXAxon.{Error, Native}
+
+    {:ok, generation} =
+      Error.wrap(Native.generation_start(state.ref, nil, nil, [[1, 2, 3]], native_opts()))
+
+    try do
+      finish = fn finish ->
+        case Error.wrap(Native.generation_next(generation, 4)) do
+          {:ok, {:done, _chunk}} -> :ok
+          {:ok, {_running, _chunk}} -> finish.(finish)
+        end
+      end
+
+      finish.(finish)
+      {:ok, stats} = Error.wrap(Native.generation_stats(generation))
+      stats
+    after
+      Native.generation_free(generation)
+    end
+  end
+
+  @doc """
+  Asserts that `metadata` (of a result or an event) names the engine paths
+  that ran: `:decode_path` and `:prefill_path` binaries and `:fallbacks` a
+  list of binaries. An engine whose stats (`native_stats`, a map as it
+  reports them) do not have these keys yet reports none of them: the keys
+  must then be there, `nil`.
+  """
+  def assert_paths(metadata, native_stats) do
+    import ExUnit.Assertions
+
+    for key <- [:decode_path, :prefill_path, :fallbacks] do
+      assert Map.has_key?(metadata, key), "#{inspect(key)} missing from #{inspect(metadata)}"
+
+      value = Map.fetch!(metadata, key)
+
+      cond do
+        not Map.has_key?(native_stats, key) -> assert value == nil
+        key == :fallbacks -> assert is_list(value) and Enum.all?(value, &is_binary/1)
+        true -> assert is_binary(value) and value != ""
+      end
+    end
+
+    :ok
+  end
+
   # Caches in :persistent_term; concurrent first calls may both load, which
   # is harmless.
   defp cached(key, fun) do

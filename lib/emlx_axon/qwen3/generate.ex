@@ -19,36 +19,93 @@ defmodule EMLXAxon.Qwen3.Generate do
       {:ok, tokenizer} = EMLXAxon.Tokenizer.load(model_path)
       {:ok, input_ids} = EMLXAxon.Tokenizer.encode(tokenizer, "The capital of France is")
 
-      {:ok, %{token_ids: ids, finish_reason: :length, timings: timings}} =
-        EMLXAxon.Qwen3.Generate.generate(state, input_ids, max_new_tokens: 16)
+      {:ok, %{token_ids: ids, text: text, finish_reason: :length, metadata: metadata}} =
+        EMLXAxon.Qwen3.Generate.generate(state, input_ids, max_new_tokens: 16, tokenizer: tokenizer)
 
+  The result's keys are those of every API (see `EMLXAxon.Result`).
   """
 
-  alias EMLXAxon.{Error, Generation, Options}
+  alias EMLXAxon.{Error, Generation, Options, Result}
   alias EMLXAxon.Qwen3.Model.State
 
-  @defaults Options.generation_defaults() ++
-              Options.constraint_defaults() ++
-              [
-                tokenizer: nil,
-                profile_timing: false,
-                stream: nil,
-                timeout: :infinity,
-                chunk_size: 16,
-                on_chunk: nil
-              ]
+  @schema (Options.generation() ++
+             Options.constraints() ++
+             [
+               tokenizer: [
+                 type:
+                   {:or,
+                    [
+                      {:struct, EMLXAxon.Tokenizer,
+                       "an EMLXAxon.Tokenizer (from EMLXAxon.Tokenizer.load/1)"},
+                      nil
+                    ]},
+                 default: nil,
+                 doc:
+                   "enables `:stop` and the constraints, decodes `:text`, and adds the " <>
+                     "tokenizer's EOS tokens"
+               ],
+               profile_timing: [
+                 type: :boolean,
+                 default: false,
+                 doc:
+                   "measure the prefill and decode timings (see `t:timings/0`); without it " <>
+                     "the engine takes no timestamps at all"
+               ],
+               stream: [
+                 type: {:or, [{:struct, EMLXAxon.Stream, "an EMLXAxon.Stream"}, nil]},
+                 default: nil,
+                 default_doc:
+                   "the process's `EMLXAxon.Stream.with_stream/2` stream, else MLX's default",
+                 doc: "the `EMLXAxon.Stream` to run on"
+               ],
+               timeout: [
+                 type:
+                   {:custom, {Options, :timeout},
+                    "a non-negative integer (milliseconds) or :infinity"},
+                 default: :infinity,
+                 doc:
+                   "time after which unfinished rows stop with `finish_reason: :timeout`, " <>
+                     "checked between chunks"
+               ],
+               chunk_size: [
+                 type: :pos_integer,
+                 default: 16,
+                 doc: "tokens decoded per native call"
+               ],
+               on_chunk: [
+                 type: {:or, [{:fun, 1}, nil]},
+                 default: nil,
+                 doc:
+                   "called in the calling process after each native call with one map per " <>
+                     "prompt, in order: `%{ids: [integer], text: binary, finish_reason: atom | nil}` " <>
+                     "(the new ids and text). The first call comes after the first token alone, " <>
+                     "so it marks the time to first token as the caller sees it. Raising in it " <>
+                     "stops generation and frees its memory"
+               ]
+             ])
+          |> Options.put(:stop,
+            doc: "strings ending generation (`finish_reason: :stop`); needs `:tokenizer`"
+          )
 
-  @typedoc "The result of generating from one prompt."
+  @typedoc """
+  The result of generating from one prompt: an `EMLXAxon.Result` with its
+  `:metadata`, also under `:timings`.
+  """
   @type result :: %{
-          token_ids: [non_neg_integer()],
-          text: String.t(),
-          finish_reason: :eos | :stop | :length | :max_len | :timeout,
-          timings: timings()
+          required(:token_ids) => [non_neg_integer()],
+          required(:text) => String.t(),
+          required(:generated_text) => String.t(),
+          required(:num_tokens) => non_neg_integer(),
+          required(:finish_reason) => :eos | :stop | :length | :max_len | :timeout,
+          required(:token_summary) => map(),
+          required(:metadata) => timings(),
+          required(:timings) => timings()
         }
 
   @typedoc """
-  Token counts and timings. `prompt_tokens` and `generated_tokens` are this
-  prompt's; the times are the whole batch's.
+  Token counts, timings and engine paths (see `EMLXAxon.Result`).
+  `prompt_tokens` and `generated_tokens` are this prompt's; the times are
+  the whole batch's.
 
   Always measured: the token counts, `batch_size` and `total_ms` (the wall
   time of the call, measured in Elixir). Measured only with
@@ -65,7 +122,11 @@ defmodule EMLXAxon.Qwen3.Generate do
           decode_ms: float(),
           decode_tokens_per_s: float(),
           time_to_first_token_ms: float(),
-          total_ms: float()
+          total_ms: float(),
+          forced_tokens: non_neg_integer(),
+          decode_path: String.t() | nil,
+          prefill_path: String.t() | nil,
+          fallbacks: [String.t()] | nil
         }
 
   @doc """
@@ -80,47 +141,12 @@ defmodule EMLXAxon.Qwen3.Generate do
   on one (`finish_reason: :eos`); `text` never includes it, nor the
   matched stop string. At least one token is always generated.
 
+  The result is an `EMLXAxon.Result` (see there for its keys) with its
+  `:metadata` (`t:timings/0`), which is also under `:timings`.
+
   ## Options
 
-    * `:max_new_tokens` - the most tokens to generate (default 100);
-      reaching it gives `finish_reason: :length`
-    * `:max_len` - the KV cache budget: prompt plus generated tokens
-      (default 2048); reaching it gives `finish_reason: :max_len`. A prompt
-      that leaves no room fails with an `EMLXAxon.Error` of kind
-      `:prompt_too_long`
-    * `:sampler` - `:greedy` (default), `:top_p_cpu` or `:top_p_gpu`
-      (nucleus sampling on the host or on the device)
-    * `:temperature` - sampling temperature, >= 0; 0 decodes greedily
-      (default 1.0)
-    * `:top_p` - nucleus probability mass, in (0, 1] (default 0.9)
-    * `:top_k` - keep only the k most likely tokens; 0 disables (default 0)
-    * `:min_p` - drop tokens less likely than `min_p` times the most likely
-      one; 0.0 disables (default 0.0)
-    * `:seed` - seed for the sampler's random numbers; `nil` (default)
-      seeds randomly
-    * `:stop` - a string or list of strings ending generation
-      (`finish_reason: :stop`); needs `:tokenizer`
-    * `:tokenizer` - an `EMLXAxon.Tokenizer`: enables `:stop`, decodes
-      `:text`, and adds the tokenizer's EOS tokens
-    * `:eos_token_ids` - the tokens ending generation (default: the model's
-      and the tokenizer's)
-    * `:ignore_eos` - keep generating past EOS tokens (default `false`)
-    * `:profile_timing` - measure the prefill and decode timings (default
-      `false`; see `t:timings/0`)
-    * `:stream` - the `EMLXAxon.Stream` to run on (default: the process's
-      `EMLXAxon.Stream.with_stream/2` stream, else MLX's default)
-    * `:timeout` - milliseconds after which unfinished rows stop with
-      `finish_reason: :timeout`, checked between chunks (default `:infinity`)
-    * `:chunk_size` - tokens decoded per native call (default 16)
-    * `:on_chunk` - a function of one argument, called in the calling
-      process after each native call with one map per prompt, in order:
-      `%{ids: [integer], text: binary, finish_reason: atom | nil}` (the
-      new ids and text). The first call comes after the first token alone,
-      so it marks the time to first token as the caller sees it. Raising
-      in it stops generation and frees its memory (default `nil`)
-    * `:json_schema`, `:regex`, `:grammar` - constrain every row's output
-      (needs `:tokenizer`); see "Structured output" in
-      `EMLXAxon.TextGeneration`
+  #{Options.docs(@schema)}
 
   ## Examples
 
@@ -144,8 +170,7 @@ defmodule EMLXAxon.Qwen3.Generate do
   def generate(state, input_ids, opts \\ [])
 
   def generate(%State{} = state, input_ids, opts) do
-    opts = Options.validate!(opts, @defaults, "EMLXAxon.Qwen3.Generate.generate/3")
-    stream = stream_option!(opts.stream)
+    opts = Options.validate!(opts, @schema, "EMLXAxon.Qwen3.Generate.generate/3")
 
     Options.check_stop_needs_tokenizer!(
       opts,
@@ -157,27 +182,27 @@ defmodule EMLXAxon.Qwen3.Generate do
     prompts = Generation.validate_prompts!(prompts, state)
     opts = put_constraints(opts, length(prompts))
 
-    on_chunk = on_chunk_option!(opts.on_chunk)
-
     with {:ok, %{rows: rows, stats: stats}} <-
            Generation.run(
              state,
              opts.tokenizer,
-             EMLXAxon.Stream.resolve(stream),
+             EMLXAxon.Stream.resolve(opts.stream),
              prompts,
              opts,
-             on_chunk
+             opts.on_chunk
            ) do
+      paddings = Result.paddings(stats.prompt_tokens)
+
       results =
         rows
         |> Enum.with_index()
         |> Enum.map(fn {row, index} ->
-          %{
-            token_ids: row.ids,
-            text: row.text,
-            finish_reason: row.finish_reason,
-            timings: Generation.row_timings(stats, index)
-          }
+          metadata = Generation.row_timings(stats, index)
+          padding = Enum.at(paddings, index)
+
+          row.ids
+          |> Result.new(row.text, row.finish_reason, metadata.prompt_tokens, padding)
+          |> Map.merge(%{metadata: metadata, timings: metadata})
         end)
 
       {:ok, if(multi?, do: results, else: hd(results))}
@@ -189,6 +214,10 @@ defmodule EMLXAxon.Qwen3.Generate do
           "expected an EMLXAxon.Qwen3.Model.State (from EMLXAxon.Qwen3.Loader.load/2), " <>
             "got: #{inspect(state)}"
   end
+
+  @doc false
+  # The option schema, for tests and tools that read it.
+  def __schema__(:generate), do: @schema
 
   defp put_constraints(opts, rows) do
     case Options.constraint!(opts, "EMLXAxon.Qwen3.Generate.generate/3") do
@@ -204,21 +233,6 @@ defmodule EMLXAxon.Qwen3.Generate do
 
         Map.put(opts, :row_constraints, List.duplicate(constraint, rows))
     end
-  end
-
-  defp on_chunk_option!(nil), do: nil
-  defp on_chunk_option!(fun) when is_function(fun, 1), do: fun
-
-  defp on_chunk_option!(other) do
-    raise ArgumentError,
-          "expected :on_chunk to be a function of one argument, got: #{inspect(other)}"
-  end
-
-  defp stream_option!(nil), do: nil
-  defp stream_option!(%EMLXAxon.Stream{} = stream), do: stream
-
-  defp stream_option!(other) do
-    raise ArgumentError, "expected :stream to be an EMLXAxon.Stream, got: #{inspect(other)}"
   end
 
   defp prompts!(%{__struct__: Nx.Tensor} = tensor) do

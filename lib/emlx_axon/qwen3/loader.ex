@@ -37,27 +37,51 @@ defmodule EMLXAxon.Qwen3.Loader do
 
   """
 
-  alias EMLXAxon.{Error, Native, Telemetry}
+  alias EMLXAxon.{Error, Native, Options, Telemetry}
   alias EMLXAxon.Qwen3.Model.State
 
   @dtypes [:float32, :bfloat16, :float16]
 
+  @schema [
+    dtype: [
+      type: {:in, [nil | @dtypes]},
+      default: nil,
+      default_doc: "`:float32` on the CPU, `:bfloat16` on the GPU",
+      doc:
+        "the compute dtype; quantized weights stay quantized, their scales and the " <>
+          "other weights use it"
+    ],
+    quantize: [
+      type:
+        {:custom, {__MODULE__, :quantize_option},
+         "nil or a keyword list like [bits: 4, group_size: 64]"},
+      default: nil,
+      doc:
+        "quantize a dense checkpoint while loading, with `:bits` 2, 3, 4, 5, 6 or 8 and " <>
+          "`:group_size` 32, 64 (the default) or 128, as the engine reports them; `nil` " <>
+          "loads as stored"
+    ],
+    strict: [
+      type: :boolean,
+      default: true,
+      doc:
+        "refuse a checkpoint holding tensors the model does not use (an `EMLXAxon.Error` " <>
+          "of kind `:unexpected_tensor` naming them), as mlx-lm's loader does; `false` " <>
+          "ignores them"
+    ]
+  ]
+
+  @doc false
+  def schema, do: @schema
+
   @doc """
   Loads the checkpoint in directory `path` (`~` is expanded; `{:local, path}`
-  is accepted too).
+  is accepted too), or from the Hugging Face Hub as `{:hf, repo}` or
+  `{:hf, repo, options}` (downloaded into a cache first: see `EMLXAxon.Hub`).
 
   ## Options
 
-    * `:dtype` - the compute dtype: `:float32`, `:bfloat16` or `:float16`
-      (default: `:float32` on the CPU, `:bfloat16` on the GPU). Quantized
-      weights stay quantized; their scales and the other weights use it.
-    * `:quantize` - quantize a dense checkpoint while loading, as
-      `[bits: 4, group_size: 64]` (`:bits` 2, 3, 4, 5, 6 or 8, `:group_size`
-      32, 64 or 128, as the engine reports them; default group size 64).
-      Default `nil`: load as stored.
-    * `:strict` - refuse a checkpoint holding tensors the model does not use
-      (an `EMLXAxon.Error` of kind `:unexpected_tensor` naming them), as
-      mlx-lm's loader does. Default `true`; `false` ignores them.
+  #{EMLXAxon.Options.docs(@schema)}
 
   Returns `{:error, %EMLXAxon.Error{}}` when the directory or its files are
   missing or do not match the configuration.
@@ -67,13 +91,18 @@ defmodule EMLXAxon.Qwen3.Loader do
   ## Examples
 
       {:ok, state} = EMLXAxon.Qwen3.Loader.load("~/models/Qwen3-0.6B-MLX-4bit", dtype: :float16)
+      {:ok, state} = EMLXAxon.Qwen3.Loader.load({:hf, "mlx-community/Qwen3-0.6B-4bit"})
       {:error, %EMLXAxon.Error{kind: :io}} = EMLXAxon.Qwen3.Loader.load("/no/such/dir")
 
   """
-  @spec load(Path.t() | {:local, Path.t()}, keyword()) :: {:ok, State.t()} | {:error, Error.t()}
+  @spec load(Path.t() | {:local, Path.t()} | EMLXAxon.Hub.repository(), keyword()) ::
+          {:ok, State.t()} | {:error, Error.t()}
   def load(path, opts \\ [])
 
   def load({:local, path}, opts), do: load(path, opts)
+
+  def load({:hf, _} = repository, opts), do: load_hub(repository, opts)
+  def load({:hf, _, _} = repository, opts), do: load_hub(repository, opts)
 
   def load(path, opts) when is_binary(path) do
     native_opts = validate_opts!(opts)
@@ -100,7 +129,15 @@ defmodule EMLXAxon.Qwen3.Loader do
 
   def load(path, _opts) do
     raise ArgumentError,
-          "expected a checkpoint directory path (string) or {:local, path}, got: #{inspect(path)}"
+          "expected a checkpoint directory path (string), {:local, path} or {:hf, repo}, " <>
+            "got: #{inspect(path)}"
+  end
+
+  # Options are checked before anything is downloaded.
+  defp load_hub(repository, opts) do
+    validate_opts!(opts)
+
+    with {:ok, dir} <- EMLXAxon.Hub.fetch(repository, :checkpoint), do: load(dir, opts)
   end
 
   @doc """
@@ -111,7 +148,8 @@ defmodule EMLXAxon.Qwen3.Loader do
       state = EMLXAxon.Qwen3.Loader.load!("~/models/Qwen3-0.6B-MLX-4bit")
 
   """
-  @spec load!(Path.t() | {:local, Path.t()}, keyword()) :: State.t()
+  @spec load!(Path.t() | {:local, Path.t()} | EMLXAxon.Hub.repository(), keyword()) ::
+          State.t()
   def load!(path, opts \\ []) do
     case load(path, opts) do
       {:ok, state} -> state
@@ -136,72 +174,42 @@ defmodule EMLXAxon.Qwen3.Loader do
   end
 
   defp validate_opts!(opts) do
-    unless Keyword.keyword?(opts) do
-      raise ArgumentError,
-            "expected EMLXAxon.Qwen3.Loader.load/2 options to be a keyword list, got: #{inspect(opts)}"
-    end
+    opts = Options.validate!(opts, @schema, "EMLXAxon.Qwen3.Loader.load/2")
+    {bits, group_size} = opts.quantize || {nil, nil}
 
-    initial = %{dtype: nil, quantize_bits: nil, quantize_group_size: nil, strict: true}
-
-    Enum.reduce(opts, initial, fn
-      {:dtype, nil}, acc ->
-        acc
-
-      {:dtype, dtype}, acc when dtype in @dtypes ->
-        %{acc | dtype: Atom.to_string(dtype)}
-
-      {:dtype, other}, _acc ->
-        raise ArgumentError,
-              "expected :dtype to be one of #{inspect(@dtypes)}, got: #{inspect(other)}"
-
-      {:quantize, quantize}, acc ->
-        {bits, group_size} = quantize!(quantize)
-        %{acc | quantize_bits: bits, quantize_group_size: group_size}
-
-      {:strict, strict}, acc when is_boolean(strict) ->
-        %{acc | strict: strict}
-
-      {:strict, other}, _acc ->
-        raise ArgumentError, "expected :strict to be a boolean, got: #{inspect(other)}"
-
-      {key, _value}, _acc ->
-        raise ArgumentError,
-              "unknown option #{inspect(key)} for EMLXAxon.Qwen3.Loader.load/2, " <>
-                "valid options are: :dtype, :quantize, :strict"
-    end)
+    %{
+      dtype: opts.dtype && Atom.to_string(opts.dtype),
+      quantize_bits: bits,
+      quantize_group_size: group_size,
+      strict: opts.strict
+    }
   end
 
-  defp quantize!(nil), do: {nil, nil}
-  defp quantize!(false), do: {nil, nil}
+  @doc false
+  # `:quantize` as `{bits, group_size}`, checked against the engine's own
+  # list so the two cannot drift apart.
+  def quantize_option(quantize) when quantize in [nil, false], do: {:ok, nil}
 
-  defp quantize!(quantize) when is_list(quantize) do
-    unless Keyword.keyword?(quantize) and Keyword.keys(quantize) -- [:bits, :group_size] == [] do
-      raise ArgumentError,
-            "expected :quantize to be a keyword list with :bits and :group_size, got: #{inspect(quantize)}"
+  def quantize_option(quantize) when is_list(quantize) do
+    if Keyword.keyword?(quantize) and Keyword.keys(quantize) -- [:bits, :group_size] == [] do
+      bits = Keyword.get(quantize, :bits, 4)
+      group_size = Keyword.get(quantize, :group_size, 64)
+      supported = Native.quantization_support()
+
+      cond do
+        not (is_integer(bits) and bits in supported.bits) ->
+          {:error, "expected :bits to be one of #{inspect(supported.bits)}"}
+
+        not (is_integer(group_size) and group_size in supported.group_sizes) ->
+          {:error, "expected :group_size to be one of #{inspect(supported.group_sizes)}"}
+
+        true ->
+          {:ok, {bits, group_size}}
+      end
+    else
+      :error
     end
-
-    bits = Keyword.get(quantize, :bits, 4)
-    group_size = Keyword.get(quantize, :group_size, 64)
-    # The engine's own list, so the two cannot drift apart.
-    supported = Native.quantization_support()
-
-    unless is_integer(bits) and bits in supported.bits do
-      raise ArgumentError,
-            "expected :quantize :bits to be one of #{inspect(supported.bits)}, got: #{inspect(bits)}"
-    end
-
-    unless is_integer(group_size) and group_size in supported.group_sizes do
-      raise ArgumentError,
-            "expected :quantize :group_size to be one of #{inspect(supported.group_sizes)}, " <>
-              "got: #{inspect(group_size)}"
-    end
-
-    {bits, group_size}
   end
 
-  defp quantize!(other) do
-    raise ArgumentError,
-          "expected :quantize to be nil or a keyword list like [bits: 4, group_size: 64], " <>
-            "got: #{inspect(other)}"
-  end
+  def quantize_option(_other), do: :error
 end

@@ -1,8 +1,9 @@
 defmodule EMLXAxon.TextGeneration.Output do
   @moduledoc false
-  # Builds the outputs of EMLXAxon.TextGeneration: one map per input, with
-  # both EMLXAxon's result keys and Bumblebee's (`text`, `token_summary`), so
-  # code written against either library reads them unchanged.
+  # Builds the outputs of EMLXAxon.TextGeneration: one map per input, in
+  # Bumblebee's shape around an EMLXAxon.Result (which has both EMLXAxon's
+  # keys and Bumblebee's), so code written against either library reads
+  # them unchanged.
 
   alias EMLXAxon.Tokenizer
 
@@ -20,24 +21,16 @@ defmodule EMLXAxon.TextGeneration.Output do
           required(:padding) => non_neg_integer()
         }
 
-  @doc "The output for one finished row with its `metadata`."
+  @doc """
+  The output for one finished row with its `metadata`: Bumblebee's shape
+  around an `EMLXAxon.Result`.
+  """
   @spec build(row(), map()) :: map()
   def build(row, metadata) do
-    output = length(row.ids)
+    result =
+      EMLXAxon.Result.new(row.ids, row.text, row.finish_reason, row.prompt_tokens, row.padding)
 
-    %{
-      results: [
-        %{
-          generated_text: row.text,
-          text: row.text,
-          num_tokens: output,
-          token_ids: row.ids,
-          finish_reason: row.finish_reason,
-          token_summary: %{input: row.prompt_tokens, output: output, padding: row.padding}
-        }
-      ],
-      metadata: metadata
-    }
+    %{results: [result], metadata: metadata}
   end
 
   @doc """
@@ -54,15 +47,8 @@ defmodule EMLXAxon.TextGeneration.Output do
     %{output | results: [Map.merge(result, %{tool_calls: calls, tool_call_errors: errors})]}
   end
 
-  @doc """
-  The left padding of each of a batch's rows: the engine aligns prompts of
-  different lengths on the right.
-  """
-  @spec paddings([non_neg_integer()]) :: [non_neg_integer()]
-  def paddings(prompt_lengths) do
-    longest = Enum.max(prompt_lengths, fn -> 0 end)
-    Enum.map(prompt_lengths, &(longest - &1))
-  end
+  @doc "See `EMLXAxon.Result.paddings/1`."
+  defdelegate paddings(prompt_lengths), to: EMLXAxon.Result
 
   @doc """
   Decodes generated `ids` into the row's text the way the engine does while

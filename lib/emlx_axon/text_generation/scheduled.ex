@@ -5,7 +5,7 @@ defmodule EMLXAxon.TextGeneration.Scheduled do
   # own seed and constraint), its tokens are gathered (and streamed) from
   # the scheduler's messages, and the outputs have the shape of a direct run.
 
-  alias EMLXAxon.{Error, Scheduler}
+  alias EMLXAxon.{Error, Result, Scheduler}
   alias EMLXAxon.TextGeneration.Output
 
   @request_keys [
@@ -167,30 +167,15 @@ defmodule EMLXAxon.TextGeneration.Scheduled do
 
   defp finish(request, {ids, text, reason, stats}, batch_size, total_ms) do
     ids = ids |> Enum.reverse() |> Enum.concat()
-    stats = stats || %{}
-    prompt_tokens = Map.get(stats, :prompt_tokens, length(request.ids))
-    generated = Map.get(stats, :generated_tokens, length(ids))
-    rate = float(stats[:decode_tokens_per_s])
-
-    metadata = %{
-      prompt_tokens: prompt_tokens,
-      generated_tokens: generated,
-      batch_size: batch_size,
-      prefill_ms: float(stats[:prefill_ms]),
-      decode_ms: if(rate > 0, do: max(generated - 1, 0) / rate * 1000, else: 0.0),
-      decode_tokens_per_s: rate,
-      time_to_first_token_ms: float(stats[:time_to_first_token_ms]),
-      total_ms: total_ms,
-      queue_ms: float(stats[:queue_ms]),
-      cached_tokens: Map.get(stats, :cached_tokens, 0),
-      constraint_ms: float(stats[:constraint_ms])
-    }
+    # A request that timed out has no stats: its prompt is known here.
+    stats = Map.put_new(stats || %{}, :prompt_tokens, length(request.ids))
+    metadata = Result.scheduled_metadata(stats, length(ids), batch_size, total_ms)
 
     row = %{
       ids: ids,
       text: IO.iodata_to_binary(text),
       finish_reason: reason,
-      prompt_tokens: prompt_tokens,
+      prompt_tokens: metadata.prompt_tokens,
       padding: 0
     }
 
@@ -198,7 +183,4 @@ defmodule EMLXAxon.TextGeneration.Scheduled do
   end
 
   defp ms(native), do: System.convert_time_unit(native, :native, :microsecond) / 1000
-
-  defp float(nil), do: 0.0
-  defp float(value) when is_number(value), do: value / 1
 end

@@ -23,6 +23,8 @@ defmodule EMLXAxon.TextGeneration.TokenizerSource do
   def resolve!(tokenizer, dir \\ nil)
 
   def resolve!(%Tokenizer{} = tokenizer, _dir), do: tokenizer
+  def resolve!({:hf, _} = repository, _dir), do: Tokenizer.load!(repository)
+  def resolve!({:hf, _, _} = repository, _dir), do: Tokenizer.load!(repository)
   def resolve!(nil, dir) when is_binary(dir), do: Tokenizer.load!(dir)
 
   def resolve!(tokenizer, dir) do
@@ -71,6 +73,7 @@ defmodule EMLXAxon.TextGeneration.TokenizerSource do
 
   defp error(other) do
     "expected an EMLXAxon.Tokenizer (from EMLXAxon.Tokenizer.load/1), a Bumblebee tokenizer " <>
-      "(from Bumblebee.load_tokenizer/1) or a Tokenizers.Tokenizer, got: #{inspect(other)}"
+      "(from Bumblebee.load_tokenizer/1), a Tokenizers.Tokenizer or {:hf, repo}, " <>
+      "got: #{inspect(other)}"
   end
 end

@@ -1,34 +1,49 @@
 defmodule Mix.Tasks.EmlxAxon.Generate do
   @shortdoc "Generates text with a Qwen checkpoint"
 
-  @moduledoc """
-  Generates text with a Qwen checkpoint, printing it as it is generated,
-  then a timing line.
-
-      mix emlx_axon.generate
-      mix emlx_axon.generate --model ~/models/Qwen3-0.6B-MLX-4bit --chat --prompt "Name three rivers."
-      mix emlx_axon.generate --prompt-ids 785,6722,315,9625,374 --max-new-tokens 8 --json
-
-  ## Options
-
+  @options_doc """
     * `--model DIR` - the checkpoint directory (default: the small test
-      checkpoint `.cache/fixtures/qwen3-4bit-g64` that `scripts/setup` builds)
+      checkpoint `.cache/fixtures/qwen3-4bit-g64` that `scripts/setup` builds),
+      or `hf:ORG/NAME` (`hf:ORG/NAME@REVISION`) for a Hugging Face Hub
+      repository, downloaded into the cache first (see `EMLXAxon.Hub`;
+      `HF_ENDPOINT`, `HF_TOKEN`, `HF_HUB_OFFLINE` and `EMLX_AXON_CACHE_DIR`
+      apply)
+    * `--offline` - with `hf:`, use only the cache
     * `--prompt TEXT` - the prompt (default: `"The capital of France is"`)
     * `--prompt-ids 1,2,3` - a tokenized prompt, instead of `--prompt`
     * `--chat` - render the prompt with the chat template, as a user message
     * `--dtype float32|bfloat16|float16` - the compute dtype (default:
       float32 on the CPU, bfloat16 on a GPU)
     * `--max-new-tokens N` - default 32
+    * `--max-len N` - the KV cache length per prompt, prompt included
+      (default 2048)
     * `--sampler greedy|top_p_cpu|top_p_gpu` - default `greedy`
     * `--seed N`, `--temperature F`, `--top-p F`, `--top-k N`
     * `--json` - print exactly one JSON object instead, with the keys
       `prompt_ids`, `generated_ids`, `text`, `finish_reason`, `prefill_ms`,
       `decode_tokens_per_s` and `time_to_first_token_ms`
+    * `--help` - print these options
+  """
+
+  @moduledoc """
+  Generates text with a Qwen checkpoint, printing it as it is generated,
+  then a timing line.
+
+      mix emlx_axon.generate
+      mix emlx_axon.generate --model ~/models/Qwen3-0.6B-MLX-4bit --chat --prompt "Name three rivers."
+      mix emlx_axon.generate --model hf:mlx-community/Qwen3-0.6B-4bit --prompt "Hello"
+      mix emlx_axon.generate --prompt-ids 785,6722,315,9625,374 --max-new-tokens 8 --json
+
+  ## Options
+
+  #{@options_doc}
   """
 
   use Mix.Task
 
-  alias EMLXAxon.{JSON, TextGeneration, Tokenizer}
+  require Logger
+
+  alias EMLXAxon.{Hub, JSON, TextGeneration, Tokenizer}
   alias EMLXAxon.Qwen3.Loader
 
   @default_model ".cache/fixtures/qwen3-4bit-g64"
@@ -41,21 +56,36 @@ defmodule Mix.Tasks.EmlxAxon.Generate do
     chat: :boolean,
     dtype: :string,
     max_new_tokens: :integer,
+    max_len: :integer,
     sampler: :string,
     seed: :integer,
     temperature: :float,
     top_p: :float,
     top_k: :integer,
-    json: :boolean
+    json: :boolean,
+    offline: :boolean,
+    help: :boolean
   ]
+
+  # What each valued option takes, for the error naming a bad value.
+  @expects %{
+    string: "a value",
+    integer: "an integer",
+    float: "a number"
+  }
 
   @impl Mix.Task
   def run(argv) do
-    {opts, args, invalid} = OptionParser.parse(argv, strict: @switches)
+    {opts, args, invalid} = OptionParser.parse(argv, strict: @switches, aliases: [h: :help])
 
     cond do
+      opts[:help] ->
+        Mix.shell().info(
+          "Usage: mix emlx_axon.generate [options]\n\nOptions:\n\n" <> @options_doc
+        )
+
       invalid != [] ->
-        Mix.raise("invalid option(s): #{Enum.map_join(invalid, ", ", &format_invalid/1)}")
+        Mix.raise(Enum.map_join(invalid, "\n", &format_invalid/1))
 
       args != [] ->
         Mix.raise(
@@ -63,23 +93,15 @@ defmodule Mix.Tasks.EmlxAxon.Generate do
         )
 
       true ->
-        :ok
+        generate(opts)
     end
+  end
 
+  defp generate(opts) do
     json? = Keyword.get(opts, :json, false)
     start_app(json?)
 
-    model = opts |> Keyword.get_lazy(:model, &default_model/0) |> Path.expand()
-
-    unless File.dir?(model) do
-      Mix.raise(
-        "model directory #{model} does not exist. " <>
-          if(opts[:model],
-            do: "Pass --model with a checkpoint directory.",
-            else: "Run scripts/setup to build the test checkpoints, or pass --model DIR."
-          )
-      )
-    end
+    model = model_dir!(opts, json?)
 
     load_opts = if dtype = opts[:dtype], do: [dtype: parse_dtype!(dtype)], else: []
     tokenizer = ok!(Tokenizer.load(model), "loading the tokenizer from #{model}")
@@ -100,6 +122,7 @@ defmodule Mix.Tasks.EmlxAxon.Generate do
     gen_opts =
       [
         max_new_tokens: Keyword.get(opts, :max_new_tokens, 32),
+        max_len: Keyword.get(opts, :max_len, 2048),
         sampler: parse_sampler!(Keyword.get(opts, :sampler, "greedy")),
         profile_timing: true
       ] ++ Keyword.take(opts, [:seed, :temperature, :top_p, :top_k])
@@ -161,6 +184,72 @@ defmodule Mix.Tasks.EmlxAxon.Generate do
     end
   end
 
+  defp model_dir!(opts, json?) do
+    case Keyword.get_lazy(opts, :model, &default_model/0) do
+      "hf:" <> name ->
+        {repo, revision} =
+          case String.split(name, "@", parts: 2) do
+            [repo, revision] when revision != "" -> {repo, revision}
+            [repo | _] -> {repo, "main"}
+          end
+
+        hub_opts = [revision: revision, progress: &progress/1]
+        hub_opts = if opts[:offline], do: [offline: true] ++ hub_opts, else: hub_opts
+
+        fetch = fn ->
+          try do
+            Hub.fetch({:hf, repo, hub_opts})
+          rescue
+            e in ArgumentError -> Mix.raise("--model #{name}: #{Exception.message(e)}")
+          end
+        end
+
+        # With --json, stdout holds only the JSON object: no log lines.
+        case quiet_logger(json?, fetch) do
+          {:ok, dir} -> dir
+          {:error, error} -> Mix.raise("fetching #{repo}: #{Exception.message(error)}")
+        end
+
+      dir ->
+        if opts[:offline], do: Mix.raise("--offline applies to --model hf:REPO")
+        model = Path.expand(dir)
+
+        unless File.dir?(model) do
+          Mix.raise(
+            "model directory #{model} does not exist. " <>
+              if(opts[:model],
+                do: "Pass --model with a checkpoint directory (or hf:ORG/NAME).",
+                else: "Run scripts/setup to build the test checkpoints, or pass --model DIR."
+              )
+          )
+        end
+
+        model
+    end
+  end
+
+  defp quiet_logger(false, fun), do: fun.()
+
+  defp quiet_logger(true, fun) do
+    level = Logger.level()
+    Logger.configure(level: :warning)
+
+    try do
+      fun.()
+    after
+      Logger.configure(level: level)
+    end
+  end
+
+  # One line per file on stderr, rewritten as the file downloads.
+  defp progress(%{file: file, bytes: bytes, total: total}) do
+    done = if total, do: "#{mib(bytes)}/#{mib(total)} MiB", else: "#{mib(bytes)} MiB"
+    ending = if total != nil and bytes >= total, do: "\n", else: ""
+    IO.write(:stderr, "\rDownloading #{file}: #{done}#{ending}")
+  end
+
+  defp mib(bytes), do: :erlang.float_to_binary(bytes / 1_048_576, decimals: 1)
+
   defp prompt_ids(tokenizer, state, input) do
     opts = %{chat: false, enable_thinking: nil}
     {[%{ids: ids}], false} = TextGeneration.Input.requests!(tokenizer, state, input, opts)
@@ -194,14 +283,13 @@ defmodule Mix.Tasks.EmlxAxon.Generate do
     end
   end
 
-  @dtypes ~w(float32 bfloat16 float16)
+  # Atoms written out here: in a fresh VM the modules naming them may not
+  # be loaded yet, so String.to_existing_atom/1 could fail.
+  @dtypes [:float32, :bfloat16, :float16]
 
   defp parse_dtype!(name) do
-    if name in @dtypes do
-      String.to_existing_atom(name)
-    else
+    Enum.find(@dtypes, &(Atom.to_string(&1) == name)) ||
       Mix.raise("--dtype must be one of #{Enum.join(@dtypes, ", ")}, got: #{name}")
-    end
   end
 
   defp parse_sampler!(name) do
@@ -224,6 +312,24 @@ defmodule Mix.Tasks.EmlxAxon.Generate do
   defp fmt(number) when is_float(number), do: :erlang.float_to_binary(number, decimals: 1)
   defp fmt(number), do: to_string(number)
 
-  defp format_invalid({name, nil}), do: name
-  defp format_invalid({name, value}), do: "#{name} #{value}"
+  defp format_invalid({name, value}) do
+    switch = name |> String.trim_leading("-") |> String.replace("-", "_")
+    type = Enum.find_value(@switches, fn {key, type} -> Atom.to_string(key) == switch && type end)
+
+    cond do
+      type != nil and value != nil ->
+        "invalid option #{name} #{value}: #{name} takes #{@expects[type]}"
+
+      type != nil ->
+        "invalid option #{name}: #{name} takes #{@expects[type]}"
+
+      true ->
+        accepted = Enum.map_join(@switches, ", ", fn {key, _} -> "--#{dashed(key)}" end)
+
+        "invalid option #{name}: unknown option; the options are #{accepted} " <>
+          "(see mix emlx_axon.generate --help)"
+    end
+  end
+
+  defp dashed(key), do: key |> Atom.to_string() |> String.replace("_", "-")
 end

@@ -1,8 +1,6 @@
 //! Generate text from a checkpoint folder with the engine alone.
 //!
-//! cargo run --release --example generate -- --model DIR [--prompt TEXT | --prompt-ids 1,2,3]
-//!     [--chat] [--max-new-tokens N] [--sampler greedy|top_p_cpu|top_p_gpu] [--temperature T]
-//!     [--top-p P] [--top-k K] [--min-p P] [--seed S] [--ignore-eos] [--quantize BITS:GROUP] [--json]
+//! cargo run --release --example generate -- --model DIR [options]; `--help` lists them.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -13,6 +11,25 @@ use emlx_axon_engine::{
     GenerateOptions, Generation, LoadOptions, Model, QuantSpec, SamplerKind, Tokenizer,
 };
 use serde_json::json;
+
+const USAGE: &str = "\
+Usage: generate --model DIR [options]
+
+Options:
+  --model DIR              checkpoint folder (config.json, *.safetensors, tokenizer.json)
+  --prompt TEXT            the prompt (default: \"The quick brown fox\")
+  --prompt-ids 1,2,3       a tokenized prompt, instead of --prompt
+  --chat                   render the prompt with the chat template, as a user message
+  --max-new-tokens N       tokens to generate (default 32)
+  --max-len N              KV cache length per prompt, prompt included (default 2048)
+  --sampler NAME           greedy (default), top_p_cpu or top_p_gpu
+  --temperature T          sampling temperature
+  --top-p P, --top-k K, --min-p P, --seed S
+  --ignore-eos             generate past the end-of-sequence token
+  --quantize BITS:GROUP    quantize a dense checkpoint while loading, e.g. 4:64
+  --json                   print one JSON object (ids, text, finish reason, timings)
+  --help                   print this
+";
 
 struct Args {
     model: PathBuf,
@@ -59,7 +76,12 @@ fn parse() -> Result<Args, String> {
             "--chat" => args.chat = true,
             "--json" => args.json = true,
             "--ignore-eos" => args.options.ignore_eos = true,
+            "--help" | "-h" => {
+                print!("{USAGE}");
+                std::process::exit(0);
+            }
             "--max-new-tokens" => args.options.max_new_tokens = num(it.next(), &flag)? as usize,
+            "--max-len" => args.options.max_len = num(it.next(), &flag)? as usize,
             "--temperature" => s.temperature = num(it.next(), &flag)? as f32,
             "--top-p" => s.top_p = num(it.next(), &flag)? as f32,
             "--top-k" => s.top_k = num(it.next(), &flag)? as usize,
@@ -70,7 +92,12 @@ fn parse() -> Result<Args, String> {
                     Some("greedy") => SamplerKind::Greedy,
                     Some("top_p_cpu") => SamplerKind::TopPCpu,
                     Some("top_p_gpu") => SamplerKind::TopPGpu,
-                    _ => return Err("--sampler is greedy, top_p_cpu or top_p_gpu".into()),
+                    other => {
+                        return Err(format!(
+                            "--sampler takes greedy, top_p_cpu or top_p_gpu, got {}",
+                            other.unwrap_or("nothing")
+                        ))
+                    }
                 }
             }
             "--quantize" => {
@@ -84,11 +111,11 @@ fn parse() -> Result<Args, String> {
                 };
                 args.quantize = Some(QuantSpec::new(b, g).map_err(|e| e.to_string())?);
             }
-            other => return Err(format!("unknown argument {other}")),
+            other => return Err(format!("unknown flag {other}\n\n{USAGE}")),
         }
     }
     if args.model.as_os_str().is_empty() {
-        return Err("--model DIR is required".into());
+        return Err(format!("--model DIR is required\n\n{USAGE}"));
     }
     Ok(args)
 }

@@ -10,14 +10,14 @@ defmodule EMLXAxon.TextGeneration.Serving.Results do
   # timings): each row carries its own execution's, so split inputs report
   # the execution that actually ran them.
 
-  alias EMLXAxon.Generation
+  alias EMLXAxon.{Generation, Result}
   alias EMLXAxon.TextGeneration.Output
 
   @pad -1
   @finish_codes %{eos: 0, stop: 1, length: 2, max_len: 3, timeout: 4}
   @finish_reasons Map.new(@finish_codes, fn {reason, code} -> {code, reason} end)
 
-  @int_fields [:num_tokens, :prompt_tokens, :padding, :batch_size]
+  @int_fields [:num_tokens, :prompt_tokens, :padding, :batch_size, :forced_tokens]
   @float_fields [
     :prefill_ms,
     :decode_ms,
@@ -25,6 +25,11 @@ defmodule EMLXAxon.TextGeneration.Serving.Results do
     :time_to_first_token_ms,
     :total_ms
   ]
+
+  # The engine paths (`EMLXAxon.Result.paths/1`) travel as one row of bytes
+  # per request, of one width whatever the execution, so rows of several
+  # executions concatenate: their external term format, zero-padded.
+  @paths_width 1024
 
   @typedoc "A field: its Nx type, its shape and its native-endian data."
   @type field :: {{atom(), pos_integer()}, tuple(), binary()}
@@ -47,7 +52,8 @@ defmodule EMLXAxon.TextGeneration.Serving.Results do
       num_tokens: Enum.map(rows, &length(&1.ids)),
       prompt_tokens: stats.prompt_tokens,
       padding: Output.paddings(stats.prompt_tokens),
-      batch_size: List.duplicate(n, n)
+      batch_size: List.duplicate(n, n),
+      forced_tokens: Map.get(stats, :forced_tokens, []) |> pad_list(n)
     }
 
     fields =
@@ -61,10 +67,39 @@ defmodule EMLXAxon.TextGeneration.Serving.Results do
 
     codes = for %{finish_reason: reason} <- rows, into: <<>>, do: <<@finish_codes[reason]::8>>
 
+    {paths, paths_size} = encode_paths(Result.paths(stats))
+
     Map.merge(fields, %{
       token_ids: {{:s, 32}, {n, max_new_tokens}, token_ids},
-      finish_reason: {{:u, 8}, {n}, codes}
+      finish_reason: {{:u, 8}, {n}, codes},
+      paths: {{:u, 8}, {n, @paths_width}, :binary.copy(paths, n)},
+      paths_size: {{:s, 32}, {n}, s32(List.duplicate(paths_size, n))}
     })
+  end
+
+  defp pad_list(list, n), do: Enum.take(list ++ List.duplicate(0, n), n)
+
+  # Fallback reasons are dropped from the end in the unlikely case they do
+  # not fit; the paths themselves are short names.
+  defp encode_paths(paths) do
+    binary = :erlang.term_to_binary(paths)
+
+    cond do
+      byte_size(binary) <= @paths_width ->
+        {binary <> :binary.copy(<<0>>, @paths_width - byte_size(binary)), byte_size(binary)}
+
+      is_list(paths.fallbacks) and paths.fallbacks != [] ->
+        encode_paths(%{paths | fallbacks: Enum.drop(paths.fallbacks, -1)})
+
+      true ->
+        encode_paths(%{paths | decode_path: nil, prefill_path: nil, fallbacks: nil})
+    end
+  end
+
+  defp decode_paths(paths, sizes) do
+    for {size, row} <- Enum.with_index(from_s32(sizes)) do
+      paths |> binary_part(row * @paths_width, size) |> :erlang.binary_to_term([:safe])
+    end
   end
 
   @doc """
@@ -81,8 +116,10 @@ defmodule EMLXAxon.TextGeneration.Serving.Results do
     columns = Map.merge(ints, floats)
     names = Map.keys(columns)
 
-    [ids, reasons | Enum.map(names, &Map.fetch!(columns, &1))]
-    |> Enum.zip_with(fn [ids, reason | values] ->
+    paths = decode_paths(fields.paths, fields.paths_size)
+
+    [ids, reasons, paths | Enum.map(names, &Map.fetch!(columns, &1))]
+    |> Enum.zip_with(fn [ids, reason, paths | values] ->
       values = Map.new(Enum.zip(names, values))
       count = values.num_tokens
 
@@ -91,16 +128,18 @@ defmodule EMLXAxon.TextGeneration.Serving.Results do
         finish_reason: reason,
         prompt_tokens: values.prompt_tokens,
         padding: values.padding,
-        metadata: %{
-          prompt_tokens: values.prompt_tokens,
-          generated_tokens: count,
-          batch_size: values.batch_size,
-          prefill_ms: values.prefill_ms,
-          decode_ms: values.decode_ms,
-          decode_tokens_per_s: values.decode_tokens_per_s,
-          time_to_first_token_ms: values.time_to_first_token_ms,
-          total_ms: values.total_ms
-        }
+        metadata:
+          Map.merge(paths, %{
+            prompt_tokens: values.prompt_tokens,
+            generated_tokens: count,
+            forced_tokens: values.forced_tokens,
+            batch_size: values.batch_size,
+            prefill_ms: values.prefill_ms,
+            decode_ms: values.decode_ms,
+            decode_tokens_per_s: values.decode_tokens_per_s,
+            time_to_first_token_ms: values.time_to_first_token_ms,
+            total_ms: values.total_ms
+          })
       }
     end)
   end
