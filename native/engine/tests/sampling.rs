@@ -117,6 +117,152 @@ fn device_filters_match_mlx_lm() {
     }
 }
 
+/// The ids a top-k candidate set leaves finite, ascending.
+fn candidates_kept(config: &SamplerConfig, logits: &Array) -> Option<Vec<usize>> {
+    let (ids, lp) = filter::filtered_candidates(config, logits).unwrap()?;
+    mlx_rs::transforms::eval([&ids, &lp]).unwrap();
+    let mut kept: Vec<usize> = ids
+        .as_slice::<u32>()
+        .iter()
+        .zip(lp.as_slice::<f32>())
+        .filter(|(_, x)| x.is_finite())
+        .map(|(&i, _)| i as usize)
+        .collect();
+    kept.sort_unstable();
+    Some(kept)
+}
+
+/// With top-k, the device filters work on the `k` most likely tokens only:
+/// they keep what mlx-lm keeps.
+#[test]
+fn device_candidates_match_mlx_lm() {
+    let mut checked = 0;
+    for case in &cases() {
+        let logits = Array::from_slice(&case.logits, &[1, case.logits.len() as i32]);
+        if let Some(kept) = candidates_kept(&case.config, &logits) {
+            assert_eq!(kept, case.kept, "{} (device candidates)", case.name);
+            checked += 1;
+        }
+    }
+    assert!(checked > 20, "only {checked} cases with top-k");
+}
+
+/// The host's ranked selection keeps exactly what the device's full sort
+/// keeps, at a real vocabulary's size, where the kept tokens are a few of
+/// 151,936: filters that settle within the first ranked tokens, and ones
+/// (a wide nucleus, a low min-p floor) that make it rank further.
+#[test]
+fn host_selection_keeps_what_a_full_sort_keeps_at_vocabulary_size() {
+    const VOCAB: usize = 151_936;
+    // Peaked like a language model's logits: a few large values over noise.
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut uniform = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let logits: Vec<f32> = (0..VOCAB)
+        .map(|i| {
+            let noise = (uniform() * 8.0 - 4.0) as f32;
+            if i % 9973 == 0 {
+                noise + 14.0
+            } else {
+                noise
+            }
+        })
+        .collect();
+    let row = Array::from_slice(&logits, &[1, VOCAB as i32]);
+    let configs = [
+        (0.95, 0.0, 1, 20),
+        (0.95, 0.0, 1, 0),
+        (0.999, 0.0, 1, 0),
+        (1.0, 0.05, 1, 0),
+        (1.0, 0.0001, 1, 0),
+        (1.0, 0.5, 300, 0),
+        (0.8, 0.02, 1, 50),
+        (1.0, 0.0, 1, 1),
+        (0.7, 0.0, 1, 4000),
+    ];
+    for (top_p, min_p, keep, top_k) in configs {
+        let config = SamplerConfig {
+            kind: SamplerKind::TopPCpu,
+            temperature: 0.6,
+            top_p,
+            min_p,
+            min_tokens_to_keep: keep,
+            top_k,
+            seed: Some(1),
+        };
+        let host = finite(filter::filtered_logprobs_host(&config, &logits));
+        let lp = filter::filtered_logprobs(&config, &row).unwrap();
+        lp.eval().unwrap();
+        let device = finite(lp.as_slice::<f32>().iter().copied());
+        assert!(!host.is_empty());
+        let only_host = host
+            .iter()
+            .filter(|i| device.binary_search(i).is_err())
+            .count();
+        let only_device = device
+            .iter()
+            .filter(|i| host.binary_search(i).is_err())
+            .count();
+        let case = format!("top_p={top_p} min_p={min_p} keep={keep} top_k={top_k}");
+        assert_eq!(
+            host,
+            full_sort(&config, &logits),
+            "{case}: against a full sort"
+        );
+        if let Some(kept) = candidates_kept(&config, &row) {
+            assert_eq!(kept, host, "{case}: the device's candidates");
+        }
+        // A nucleus of a large part of the vocabulary ends where float32 sums
+        // of 10^4 tiny masses (MLX's) lose their last tokens' mass.
+        if host.len() < 1_000 {
+            assert!(
+                only_host + only_device == 0,
+                "{case}: {only_host} kept by the host only, {only_device} by the device only"
+            );
+        }
+    }
+}
+
+/// The kept tokens by the filters' definitions over the whole vocabulary
+/// sorted, masses added in float64.
+fn full_sort(c: &SamplerConfig, logits: &[f32]) -> Vec<usize> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = max + logits.iter().map(|&x| (x - max).exp()).sum::<f32>().ln();
+    let lp: Vec<f32> = logits.iter().map(|&x| x - lse).collect();
+    let mut order: Vec<usize> = (0..lp.len()).collect();
+    order.sort_by(|&a, &b| lp[b].total_cmp(&lp[a]).then(a.cmp(&b)));
+    let mut kept = vec![true; lp.len()];
+    if c.top_p < 1.0 {
+        let total: f64 = lp.iter().map(|&x| x.exp() as f64).sum();
+        let mut above = 0f64;
+        let mut threshold = f32::NEG_INFINITY;
+        for (j, &i) in order.iter().enumerate() {
+            if above >= c.top_p as f64 * total {
+                threshold = lp[order[j - 1]];
+                break;
+            }
+            above += lp[i].exp() as f64;
+        }
+        (0..lp.len()).for_each(|i| kept[i] &= lp[i] >= threshold);
+    }
+    if c.min_p > 0.0 {
+        let floor = lp[order[0]] + c.min_p.ln();
+        let alive: Vec<usize> = order.iter().copied().filter(|&i| kept[i]).collect();
+        for (rank, &i) in alive.iter().enumerate() {
+            kept[i] = rank < c.min_tokens_to_keep || lp[i] >= floor;
+        }
+    }
+    if c.top_k > 0 {
+        let alive: Vec<usize> = order.iter().copied().filter(|&i| kept[i]).collect();
+        alive.iter().skip(c.top_k).for_each(|&i| kept[i] = false);
+    }
+    (0..lp.len()).filter(|&i| kept[i]).collect()
+}
+
 /// Draws many rows (each its own random stream) from one distribution and
 /// checks every token's frequency against mlx-lm's probability.
 #[test]
@@ -129,8 +275,11 @@ fn sampled_tokens_follow_the_distribution() {
             && c.kept.len() >= 5
             && c.kept.len() <= 12
     });
+    // One case drawn among top-k candidates (mapped back to ids), one not.
+    let (with_k, without_k): (Vec<&Case>, Vec<&Case>) = picks.partition(|c| c.config.top_k > 0);
+    assert!(!with_k.is_empty() && !without_k.is_empty());
     let mut checked = 0;
-    for case in picks.take(2) {
+    for case in [with_k[0], without_k[0]] {
         for kind in [SamplerKind::TopPCpu, SamplerKind::TopPGpu] {
             let config = SamplerConfig {
                 kind,

@@ -52,6 +52,50 @@ pub fn filtered_logprobs(c: &SamplerConfig, logits: &Array) -> Result<Array> {
     Ok(lp)
 }
 
+/// [`filtered_logprobs`] where top-k holds the filters to `k` tokens: the
+/// `k` most likely tokens of each row (a partition, not a sort of the
+/// vocabulary) as `([B, k]` uint32 ids, `[B, k]` float32 log-probabilities
+/// with every filtered one at -inf`)`. `None` without top-k.
+pub fn filtered_candidates(c: &SamplerConfig, logits: &Array) -> Result<Option<(Array, Array)>> {
+    let vocab = logits.dim(-1);
+    if !(c.top_k > 0 && (c.top_k as i32) < vocab) {
+        return Ok(None);
+    }
+    let k = c.top_k as i32;
+    let logits = logits.as_dtype(Dtype::Float32)?;
+    let lse = logits.logsumexp_axis(-1, true)?;
+    let ids = argpartition_axis(logits.negative()?, k - 1, -1)?.index((.., ..k));
+    let mut lp = take_along_axis(&logits, &ids, -1)?.subtract(&lse)?;
+    let neg_inf = || Array::from_f32(f32::NEG_INFINITY);
+    // Ascending, as the full version's sort: the candidates are the top of it.
+    let sorted = sort_axis(&lp, -1)?;
+    if c.top_p > 0.0 && c.top_p < 1.0 {
+        // The mass above a candidate is all in the candidates; the total is
+        // the whole row's.
+        let probs = sorted.exp()?;
+        let above = probs.cumsum(-1, true, false)?;
+        let total = logits.subtract(&lse)?.exp()?.sum_axis(-1, true)?;
+        let dropped = above
+            .ge(total.multiply(Array::from_f32(c.top_p))?)?
+            .sum_axis(-1, true)?
+            .as_dtype(Dtype::Int32)?;
+        let threshold = take_along_axis(&sorted, &dropped, -1)?;
+        lp = select(lp.lt(&threshold)?, neg_inf(), &lp)?;
+    }
+    if c.min_p > 0.0 {
+        let top = sorted.index((.., (k - 1)..));
+        let mut floor = top.add(Array::from_f32(c.min_p.ln()))?;
+        let keep = c.min_tokens_to_keep.min(k as usize) as i32;
+        if keep > 1 {
+            // The `keep` most likely stay whatever the floor.
+            let kth = sorted.index((.., (k - keep)..(k - keep + 1)));
+            floor = mlx_rs::ops::minimum(&floor, &kth)?;
+        }
+        lp = select(lp.lt(&floor)?, neg_inf(), &lp)?;
+    }
+    Ok(Some((ids.as_dtype(Dtype::Uint32)?, lp)))
+}
+
 /// The distribution sampled from: softmax of the filtered log-probabilities
 /// divided by the temperature, `[B, V]` float32.
 pub fn distribution(c: &SamplerConfig, logits: &Array) -> Result<Array> {
@@ -65,77 +109,122 @@ pub fn distribution(c: &SamplerConfig, logits: &Array) -> Result<Array> {
 
 /// The host version of [`filtered_logprobs`] for one row of logits.
 pub fn filtered_logprobs_host(c: &SamplerConfig, logits: &[f32]) -> Vec<f32> {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f32 = logits.iter().map(|&x| (x - max).exp()).sum();
-    let lse = max + sum.ln();
-    let mut lp: Vec<f32> = logits.iter().map(|&x| x - lse).collect();
-    let vocab = lp.len();
-    if c.top_p > 0.0 && c.top_p < 1.0 {
-        let mut sorted = lp.clone();
-        sorted.sort_unstable_by(f32::total_cmp);
-        let probs: Vec<f32> = sorted.iter().map(|x| x.exp()).collect();
-        let mut above = vec![0f32; vocab];
-        let mut acc = 0f32;
-        for i in (0..vocab).rev() {
-            above[i] = acc;
-            acc += probs[i];
-        }
-        let total = above[0] + probs[0];
-        let limit = c.top_p * total;
-        let dropped = above.iter().filter(|&&m| m >= limit).count();
-        let threshold = sorted[dropped.min(vocab - 1)];
-        lp.iter_mut()
-            .filter(|x| **x < threshold)
-            .for_each(|x| *x = f32::NEG_INFINITY);
-    }
-    if c.min_p > 0.0 {
-        let top = lp.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let floor = top + c.min_p.ln();
-        // The most likely token is never below the floor: only a larger
-        // `min_tokens_to_keep` needs the ranking.
-        let protected = (c.min_tokens_to_keep > 1).then(|| top_mask(&lp, c.min_tokens_to_keep));
-        for (i, x) in lp.iter_mut().enumerate() {
-            if *x < floor && !protected.as_ref().is_some_and(|p| p[i]) {
-                *x = f32::NEG_INFINITY;
-            }
-        }
-    }
-    if c.top_k > 0 && c.top_k < vocab {
-        let kept = top_mask(&lp, c.top_k);
-        for (x, keep) in lp.iter_mut().zip(kept) {
-            if !keep {
-                *x = f32::NEG_INFINITY;
-            }
-        }
+    let mut lp = vec![f32::NEG_INFINITY; logits.len()];
+    for (i, x) in kept_host(c, logits) {
+        lp[i] = x;
     }
     lp
 }
 
 /// The host version of [`distribution`] for one row of logits.
 pub fn distribution_host(c: &SamplerConfig, logits: &[f32]) -> Vec<f64> {
-    let lp = filtered_logprobs_host(c, logits);
-    let scale = 1.0 / c.temperature as f64;
-    let max = lp.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let mut p: Vec<f64> = lp
-        .iter()
-        .map(|&x| ((x as f64 - max) * scale).exp())
-        .collect();
-    let total: f64 = p.iter().sum();
-    p.iter_mut().for_each(|x| *x /= total);
+    let mut p = vec![0f64; logits.len()];
+    for (i, x) in distribution_kept(c, &kept_host(c, logits)) {
+        p[i] = x;
+    }
     p
 }
 
-/// Marks the `k` largest values; among equal values the lower index wins
-/// (MLX's partition leaves that choice open).
-fn top_mask(values: &[f32], k: usize) -> Vec<bool> {
-    let mut order: Vec<usize> = (0..values.len()).collect();
-    let by_value = |a: &usize, b: &usize| values[*b].total_cmp(&values[*a]).then(a.cmp(b));
-    if k < order.len() {
-        order.select_nth_unstable_by(k, by_value);
+/// The tokens the filters keep, ascending by id, with their
+/// log-probabilities: what [`filtered_logprobs_host`] leaves finite.
+///
+/// Every filter keeps the most likely tokens (top-p a prefix by mass, min-p
+/// one by value, top-k one by count), so the kept tokens are among the
+/// first few of the vocabulary by rank: those are selected (linear time)
+/// and sorted, never the whole vocabulary, unless the filters keep most of
+/// it.
+pub fn kept_host(c: &SamplerConfig, logits: &[f32]) -> Vec<(usize, f32)> {
+    let vocab = logits.len();
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f32 = logits.iter().map(|&x| (x - max).exp()).sum();
+    let lse = max + sum.ln();
+    let lp = |i: usize| logits[i] - lse;
+    let top_p = c.top_p > 0.0 && c.top_p < 1.0;
+    let top_k = (c.top_k > 0 && c.top_k < vocab).then_some(c.top_k);
+    if !top_p && c.min_p <= 0.0 && top_k.is_none() {
+        return (0..vocab).map(|i| (i, lp(i))).collect();
     }
-    let mut mask = vec![false; values.len()];
-    for &i in order.iter().take(k) {
-        mask[i] = true;
+    // By rank: larger first, the lower id first among equals (as `top_mask`).
+    let by_rank = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
+    // Masses add up in float64: a wide nucleus ends where each token holds
+    // less than float32's resolution of the running sum.
+    let total: f64 = if top_p {
+        (0..vocab).map(|i| lp(i).exp() as f64).sum()
+    } else {
+        0.0
+    };
+    let mut order: Vec<usize> = (0..vocab).collect();
+    // At least the tokens min-p protects, so that they are among the ranked.
+    let protected = if c.min_p > 0.0 {
+        c.min_tokens_to_keep
+    } else {
+        1
+    };
+    let mut m = top_k.unwrap_or(64.max(protected)).min(vocab);
+    loop {
+        if m < vocab {
+            order.select_nth_unstable_by(m - 1, by_rank);
+        }
+        let ranked = &mut order[..m];
+        ranked.sort_unstable_by(by_rank);
+        let mut end = m;
+        // Top-p: a token goes when the tokens above it already hold
+        // `top_p` of the mass; ties with the last kept token stay.
+        let mut settled = top_k.is_some() || m == vocab;
+        if top_p {
+            let limit = c.top_p as f64 * total;
+            let mut above = 0f64;
+            for (j, &i) in ranked.iter().enumerate() {
+                if above >= limit {
+                    let threshold = lp(ranked[j - 1]);
+                    end = j + ranked[j..]
+                        .iter()
+                        .take_while(|&&t| lp(t) >= threshold)
+                        .count();
+                    settled |= end < m;
+                    break;
+                }
+                above += lp(i).exp() as f64;
+            }
+        }
+        // Min-p: below the top token's log-probability plus ln(min_p), but
+        // never the first `min_tokens_to_keep`.
+        if c.min_p > 0.0 {
+            let floor = lp(ranked[0]) + c.min_p.ln();
+            let keep = c.min_tokens_to_keep.min(end);
+            let above_floor = ranked[..end]
+                .iter()
+                .take_while(|&&t| lp(t) >= floor)
+                .count();
+            settled |= above_floor < end || end < m;
+            end = above_floor.max(keep);
+        }
+        if let Some(k) = top_k {
+            end = end.min(k);
+        }
+        if settled {
+            let mut kept: Vec<(usize, f32)> = ranked[..end].iter().map(|&i| (i, lp(i))).collect();
+            kept.sort_unstable_by_key(|&(i, _)| i);
+            return kept;
+        }
+        m = (m * 4).min(vocab);
     }
-    mask
+}
+
+/// The probabilities of the kept tokens (ascending ids, as [`kept_host`]
+/// gives them): softmax of their log-probabilities divided by the
+/// temperature, in float64.
+pub fn distribution_kept(c: &SamplerConfig, kept: &[(usize, f32)]) -> Vec<(usize, f64)> {
+    let scale = 1.0 / c.temperature as f64;
+    let max = kept
+        .iter()
+        .map(|&(_, x)| x)
+        .fold(f32::NEG_INFINITY, f32::max) as f64;
+    let mut p: Vec<(usize, f64)> = kept
+        .iter()
+        .map(|&(i, x)| (i, ((x as f64 - max) * scale).exp()))
+        .collect();
+    let total: f64 = p.iter().map(|&(_, x)| x).sum();
+    p.iter_mut().for_each(|(_, x)| *x /= total);
+    p
 }

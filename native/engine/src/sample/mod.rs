@@ -8,7 +8,7 @@
 pub mod filter;
 
 use mlx_rs::ops::concatenate;
-use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
+use mlx_rs::ops::indexing::{argmax_axis, take_along_axis, IndexOp};
 use mlx_rs::{random, Array, Dtype};
 
 use crate::error::{Error, Result};
@@ -190,8 +190,13 @@ impl Sampler {
             greedy(logits)?
         } else {
             self.check_rows(logits.dim(0) as usize)?;
-            let scaled = filter::filtered_logprobs(&self.config, logits)?
-                .multiply(Array::from_f32(1.0 / self.config.temperature))?;
+            // With top-k, the draw is among the candidates, whose ids it
+            // maps back to; otherwise among the whole vocabulary.
+            let (candidates, lp) = match filter::filtered_candidates(&self.config, logits)? {
+                Some((ids, lp)) => (Some(ids), lp),
+                None => (None, filter::filtered_logprobs(&self.config, logits)?),
+            };
+            let scaled = lp.multiply(Array::from_f32(1.0 / self.config.temperature))?;
             // One draw per row with the row's own key: a batched draw's
             // noise for a row would depend on the batch's shape.
             let rows = self
@@ -204,10 +209,17 @@ impl Sampler {
                     random::categorical(&row, -1, None, &key)
                 })
                 .collect::<Result<Vec<Array>, _>>()?;
-            if rows.len() == 1 {
+            let drawn = if rows.len() == 1 {
                 rows.into_iter().next().expect("one row")
             } else {
                 concatenate(&rows, 0)?
+            };
+            match candidates {
+                Some(ids) => {
+                    let at = drawn.reshape(&[-1, 1])?.as_dtype(Dtype::Int32)?;
+                    take_along_axis(&ids, &at, -1)?.reshape(&[-1])?
+                }
+                None => drawn,
             }
         };
         Ok(ids.as_dtype(Dtype::Uint32)?)
@@ -227,16 +239,20 @@ impl Sampler {
         Ok(data
             .chunks(vocab)
             .zip(self.rngs.iter_mut())
-            .map(|(row, rng)| draw(&filter::distribution_host(config, row), rng.next_f64()))
+            .map(|(row, rng)| {
+                let kept = filter::kept_host(config, row);
+                draw(&filter::distribution_kept(config, &kept), rng.next_f64())
+            })
             .collect())
     }
 }
 
-/// The token whose cumulative probability first reaches `u` (in `[0, 1)`).
-fn draw(probs: &[f64], u: f64) -> u32 {
+/// The token whose cumulative probability (in ascending ids) first reaches
+/// `u` (in `[0, 1)`), from the kept tokens' probabilities.
+fn draw(probs: &[(usize, f64)], u: f64) -> u32 {
     let mut target = u;
     let mut last = 0;
-    for (i, &p) in probs.iter().enumerate() {
+    for &(i, p) in probs {
         if p > 0.0 {
             last = i;
             target -= p;
