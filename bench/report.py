@@ -20,13 +20,15 @@ import statistics
 import sys
 from pathlib import Path
 
-PEER_ORDER = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream",
+PEER_ORDER = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-sampled", "rust-sampled-device", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream",
               "mlx-lm-cli", "llama.cpp"]
 PEER_NAMES = {
     "rust": "Rust engine",
     "rust-mlx-steps": "Rust engine, decode steps in MLX's graph (step replay off)",
     "rust-mlx-prompt": "Rust engine, prompts through MLX's ops (prompt kernels off)",
     "rust-baseline": "Rust engine, baseline build",
+    "rust-sampled": "Rust engine, Qwen3 sampling (host)",
+    "rust-sampled-device": "Rust engine, Qwen3 sampling (device ops)",
     "rust-ops": "Rust engine, layers from MLX's ops (fused GPU layer kernels off)",
     "rust-mlx-products": "Rust engine, fused GPU layers with MLX's quantized products",
     "mlx-lm-stream": "mlx-lm (stream_generate)",
@@ -38,10 +40,10 @@ PEER_NAMES = {
     "elixir-textgen": "Elixir (TextGeneration.stream)",
     "mlx-lm": "mlx-lm",
 }
-OURS = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen"]
+OURS = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-sampled", "rust-sampled-device", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen"]
 MLX_LM = ["mlx-lm", "mlx-lm-stream", "mlx-lm-cli"]
 # The engine under its GPU-relevant settings, each set against the mlx-lm paths.
-ENGINE_VARIANTS = ["rust", "rust-baseline", "rust-mlx-steps", "rust-mlx-prompt", "rust-ops", "rust-mlx-products"]
+ENGINE_VARIANTS = ["rust", "rust-sampled", "rust-sampled-device", "rust-baseline", "rust-mlx-steps", "rust-mlx-prompt", "rust-ops", "rust-mlx-products"]
 BEST_MLX = "best mlx-lm path"
 
 
@@ -365,6 +367,7 @@ def model_section(name, folder, settings):
         ratio_pairs += [(p, BEST_MLX) for p in ENGINE_VARIANTS if p in peers]
     if "rust" in peers and "rust-baseline" in peers:
         ratio_pairs.append(("rust", "rust-baseline"))
+    ratio_pairs += [(p, "rust") for p in ("rust-sampled", "rust-sampled-device") if p in peers and "rust" in peers]
     if "rust" in peers:
         ratio_pairs += [(p, "rust") for p in peers if p in ("elixir", "elixir-textgen")]
     if "llama.cpp" in peers and "rust" in peers:
@@ -430,6 +433,8 @@ def model_section(name, folder, settings):
 # ids must equal the engine's. llama.cpp runs a Q4_0 requantization of them,
 # and bf16 rounding may flip a near tie, so there a divergence is reported
 # with its position, not failed.
+# Peers that sample rather than decode greedily: their ids are not compared.
+SAMPLED = ["rust-sampled", "rust-sampled-device"]
 SAME_WEIGHTS = ["rust-mlx-steps", "rust-mlx-prompt", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream"]
 
 
@@ -452,6 +457,8 @@ def ids_section(metrics, peers, dtype):
            f"engine's first repetition (`{' '.join(map(str, reference[:8]))} ...`):", ""]
     mismatch = False
     for peer in peers:
+        if peer in SAMPLED:
+            continue
         for rep, ids in sorted(metrics.ids.get(peer, {}).items()):
             at = first_divergence(reference, ids)
             if at is None:
@@ -521,6 +528,12 @@ def goals_section(s, settings):
             ok = rb >= goal if higher_is_better(metric) else rb <= goal
             out.append(f"- Engine {what} the best mlx-lm path ({PEER_NAMES.get(path, path)}, {fmt(best)}): "
                        f"{fmt(ours)}, {fmt_ratio(rb)}: {'met' if ok else '**not met**'}.")
+    for peer in ("rust-sampled", "rust-sampled-device"):
+        rs = ratio(m.med("decode, batch 1", peer), rust)
+        if rs is not None:
+            out.append(f"- Qwen3's recommended sampling ({PEER_NAMES[peer]}) >= 0.95x greedy decode at batch 1: "
+                       f"{fmt(m.med('decode, batch 1', peer))} vs {fmt(rust)} tok/s, {fmt_ratio(rs)}: "
+                       f"{'met' if rs >= 0.95 else '**not met**'}.")
     for metric in ("decode, batch 1", "prefill"):
         cb = ratio(m.med(metric, "rust"), m.med(metric, "rust-baseline"))
         if cb is not None:
@@ -764,7 +777,7 @@ def plot(summaries, path):
         ax2 = axes[row][1]
         pre = [(p, m.med("prefill", p)) for p in peers if m.med("prefill", p) is not None]
         if pre:
-            ax2.bar(range(len(pre)), [v for _, v in pre], color=[colors.get(p) for p, _ in pre])
+            ax2.bar(range(len(pre)), [v for _, v in pre], color=[colors.get(p, "#7f8c8d") for p, _ in pre])
             ax2.set_xticks(range(len(pre)))
             ax2.set_xticklabels([p for p, _ in pre], rotation=20, fontsize=8)
             for i, (_, v) in enumerate(pre):

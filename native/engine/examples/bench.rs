@@ -37,7 +37,9 @@ use emlx_axon_engine::kv::cache::KvCache;
 use emlx_axon_engine::model::AttentionMask;
 use emlx_axon_engine::runtime::device::{gpu_available, mlx_version, DeviceKind, Lease};
 use emlx_axon_engine::sample::greedy;
-use emlx_axon_engine::{Dtype, GenerateOptions, Generation, LoadOptions, Model};
+use emlx_axon_engine::{
+    Dtype, GenerateOptions, Generation, LoadOptions, Model, SamplerConfig, SamplerKind,
+};
 use mlx_rs::fast::{rms_norm, rope, scaled_dot_product_attention};
 use mlx_rs::ops::indexing::argmax_axis;
 use mlx_rs::ops::quantized_matmul;
@@ -67,6 +69,8 @@ struct Args {
     runs: usize,
     chunk: usize,
     label: String,
+    /// How tokens are chosen (greedy unless `--sampler` says otherwise).
+    sampler: SamplerConfig,
 }
 
 fn ids_from(value: &Value, what: &str) -> AnyResult<Vec<u32>> {
@@ -114,6 +118,11 @@ fn parse() -> AnyResult<Args> {
         runs: 1,
         chunk: 16,
         label: "rust".into(),
+        sampler: SamplerConfig::default(),
+    };
+    let float = |s: String, flag: &str| -> AnyResult<f32> {
+        s.parse()
+            .map_err(|_| format!("{flag} needs a number, got {s}").into())
     };
     let count = |s: String, flag: &str| -> AnyResult<usize> {
         s.parse()
@@ -174,6 +183,24 @@ fn parse() -> AnyResult<Args> {
             "--runs" => args.runs = count(v(&mut rest, &flag)?, &flag)?.max(1),
             "--chunk" => args.chunk = count(v(&mut rest, &flag)?, &flag)?.max(1),
             "--label" => args.label = v(&mut rest, &flag)?,
+            "--sampler" => {
+                args.sampler.kind = match v(&mut rest, &flag)?.as_str() {
+                    "greedy" => SamplerKind::Greedy,
+                    "top_p_cpu" => SamplerKind::TopPCpu,
+                    "top_p_gpu" => SamplerKind::TopPGpu,
+                    other => {
+                        return Err(format!(
+                            "--sampler takes greedy, top_p_cpu or top_p_gpu, got {other}"
+                        )
+                        .into())
+                    }
+                }
+            }
+            "--temperature" => args.sampler.temperature = float(v(&mut rest, &flag)?, &flag)?,
+            "--top-p" => args.sampler.top_p = float(v(&mut rest, &flag)?, &flag)?,
+            "--min-p" => args.sampler.min_p = float(v(&mut rest, &flag)?, &flag)?,
+            "--top-k" => args.sampler.top_k = count(v(&mut rest, &flag)?, &flag)?,
+            "--seed" => args.sampler.seed = Some(count(v(&mut rest, &flag)?, &flag)? as u64),
             "--batch" => {
                 args.batches = v(&mut rest, &flag)?
                     .split(',')
@@ -197,6 +224,9 @@ fn parse() -> AnyResult<Args> {
     if args.prompts.is_none() {
         return Err("--prompts FILE or --prompt-ids LIST is required".into());
     }
+    args.sampler
+        .validate()
+        .map_err(|e| format!("sampling options: {e}"))?;
     if args.tokens < 2 || args.batch_tokens.is_some_and(|n| n < 2) {
         return Err("--tokens and --batch-tokens must be at least 2".into());
     }
@@ -296,6 +326,7 @@ impl Bench {
             max_len: longest + tokens + 1,
             ignore_eos: true,
             profile_timing: true,
+            sampler: self.args.sampler.clone(),
             ..GenerateOptions::default()
         }
     }
@@ -797,6 +828,18 @@ fn run(args: Args) -> AnyResult<()> {
     let device = if gpu_available() { "gpu" } else { "cpu" };
     let mut common = Map::new();
     common.insert("peer".into(), json!(args.label));
+    let s = &args.sampler;
+    common.insert(
+        "sampler".into(),
+        json!(if s.is_greedy() {
+            "greedy".to_string()
+        } else {
+            format!(
+                "{:?} t={} top_p={} top_k={} min_p={} seed={:?}",
+                s.kind, s.temperature, s.top_p, s.top_k, s.min_p, s.seed
+            )
+        }),
+    );
     common.insert(
         "model".into(),
         json!(args
