@@ -77,6 +77,10 @@ pub struct ModelConfig {
     pub rope_theta: f32,
     /// Position scale for RoPE: 1 / factor for linear scaling, else 1.
     pub rope_scale: f32,
+    /// RoPE with frequencies of its own (`rope_scaling` of type `yarn` or
+    /// `llama3`); [`RopeScaling::None`] for MLX's rope from `rope_theta`
+    /// and `rope_scale`.
+    pub rope_scaling: RopeScaling,
     /// RoPE on adjacent pairs of dimensions rather than the two halves.
     pub rope_traditional: bool,
     pub tie_word_embeddings: bool,
@@ -209,28 +213,113 @@ fn quantization(v: &Value) -> Result<Option<Quantization>> {
     Ok(Some(Quantization { default, per_layer }))
 }
 
-fn rope_scale(v: &Value) -> Result<f32> {
+/// `rope_scaling` types whose frequencies differ from RoPE's own, with
+/// their parameters as mlx-lm's `initialize_rope` reads them (defaults
+/// included); nn::rope turns them into frequencies and the input scale.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Llama 3's smooth interpolation between scaled and unscaled bands.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
+    /// YaRN: interpolated low frequencies, and queries and keys scaled by
+    /// `mscale(factor, mscale) / mscale(factor, mscale_all_dim)`.
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: f64,
+        beta_fast: f64,
+        beta_slow: f64,
+        mscale: f64,
+        mscale_all_dim: f64,
+    },
+}
+
+/// `rope_scaling` (or transformers 5's `rope_parameters`): the position
+/// scale of MLX's own rope, and the scaling that brings frequencies of its
+/// own. Types mlx-lm's Qwen models would not run, or that this engine does
+/// not implement, are refused here rather than ignored.
+fn rope_scaling(v: &Value) -> Result<(f32, RopeScaling)> {
     let scaling = get(v, "rope_scaling")
         .or_else(|| get(v, "rope_parameters").filter(|p| get(p, "factor").is_some()));
     let Some(scaling) = scaling else {
-        return Ok(1.0);
+        return Ok((1.0, RopeScaling::None));
     };
-    let kind = get(scaling, "type")
-        .or_else(|| get(scaling, "rope_type"))
-        .and_then(Value::as_str)
-        .unwrap_or("default");
-    match kind {
-        "default" => Ok(1.0),
-        "linear" => {
-            let factor = float(scaling, "factor")?
-                .filter(|f| *f > 0.0)
-                .ok_or_else(|| {
-                    Error::Config("linear rope_scaling needs a positive `factor`".into())
-                })?;
-            Ok((1.0 / factor) as f32)
+    if !scaling.is_object() {
+        return Err(Error::Config(format!(
+            "`rope_scaling` must be an object, got {scaling}"
+        )));
+    }
+    let kind = match get(scaling, "type").or_else(|| get(scaling, "rope_type")) {
+        None => "default",
+        Some(k) => k.as_str().ok_or_else(|| {
+            Error::Config(format!("rope_scaling `type` must be a string, got {k}"))
+        })?,
+    };
+    let number = |key: &str, default: Option<f64>| -> Result<f64> {
+        match (float(scaling, key)?, default) {
+            (Some(x), _) if x.is_finite() => Ok(x),
+            (Some(x), _) => Err(Error::Config(format!(
+                "{kind} rope_scaling `{key}` must be finite, got {x}"
+            ))),
+            (None, Some(d)) => Ok(d),
+            (None, None) => Err(Error::Config(format!("{kind} rope_scaling needs `{key}`"))),
         }
+    };
+    let positive = |key: &str, default: Option<f64>| -> Result<f64> {
+        let x = number(key, default)?;
+        if x > 0.0 {
+            Ok(x)
+        } else {
+            Err(Error::Config(format!(
+                "{kind} rope_scaling `{key}` must be positive, got {x}"
+            )))
+        }
+    };
+    match kind {
+        "default" => Ok((1.0, RopeScaling::None)),
+        "linear" => Ok(((1.0 / positive("factor", None)?) as f32, RopeScaling::None)),
+        "llama3" => {
+            let low_freq_factor = positive("low_freq_factor", Some(1.0))?;
+            let high_freq_factor = positive("high_freq_factor", Some(4.0))?;
+            if low_freq_factor == high_freq_factor {
+                return Err(Error::Config(
+                    "llama3 rope_scaling needs `low_freq_factor` and `high_freq_factor` to differ"
+                        .into(),
+                ));
+            }
+            Ok((
+                1.0,
+                RopeScaling::Llama3 {
+                    factor: positive("factor", None)?,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_max_position_embeddings: positive(
+                        "original_max_position_embeddings",
+                        Some(8192.0),
+                    )?,
+                },
+            ))
+        }
+        "yarn" | "deepseek_yarn" | "telechat3-yarn" => Ok((
+            1.0,
+            RopeScaling::Yarn {
+                factor: positive("factor", None)?,
+                original_max_position_embeddings: positive(
+                    "original_max_position_embeddings",
+                    Some(4096.0),
+                )?,
+                beta_fast: positive("beta_fast", Some(32.0))?,
+                beta_slow: positive("beta_slow", Some(1.0))?,
+                mscale: number("mscale", Some(1.0))?,
+                mscale_all_dim: number("mscale_all_dim", Some(0.0))?,
+            },
+        )),
         other => Err(Error::Unsupported(format!(
-            "rope_scaling type `{other}` (supported: default, linear)"
+            "rope_scaling type `{other}` (supported: default, linear, llama3, yarn)"
         ))),
     }
 }
@@ -284,6 +373,7 @@ impl ModelConfig {
                 return Err(Error::Config("missing required key `rope_theta`".into()))
             }
         };
+        let (rope_scale, rope_scaling) = rope_scaling(v)?;
         let tie_word_embeddings = boolean(v, "tie_word_embeddings")?.unwrap_or(arch == Arch::Qwen2);
         // As mlx-lm: its qwen2 passes `rope_traditional` to RoPE, its qwen3
         // always rotates halves whatever the key says.
@@ -301,7 +391,8 @@ impl ModelConfig {
             head_dim,
             rms_norm_eps: float(v, "rms_norm_eps")?.unwrap_or(1e-6) as f32,
             rope_theta: rope_theta as f32,
-            rope_scale: rope_scale(v)?,
+            rope_scale,
+            rope_scaling,
             rope_traditional,
             tie_word_embeddings,
             vocab_size: i32_of(req_int(v, "vocab_size")?, "vocab_size")?,
@@ -410,11 +501,63 @@ mod tests {
             ModelConfig::from_json(&v).unwrap_err().kind(),
             "unsupported"
         );
+        for kind in ["dynamic", "longrope", "su", "mrope"] {
+            let mut v = base();
+            v["rope_scaling"] = json!({"type": kind, "factor": 4.0});
+            let err = ModelConfig::from_json(&v).unwrap_err();
+            assert_eq!(err.kind(), "unsupported", "{kind}");
+            assert!(err.to_string().contains(kind), "{err}");
+        }
+    }
+
+    /// YaRN and llama3 as mlx-lm's `initialize_rope` reads them, with its
+    /// defaults for the keys left out, from `rope_scaling` or transformers
+    /// 5's `rope_parameters`; a malformed block is a config error.
+    #[test]
+    fn yarn_and_llama3_rope_scaling() {
         let mut v = base();
-        v["rope_scaling"] = json!({"type": "yarn", "factor": 4.0});
+        v["rope_scaling"] = json!({"rope_type": "yarn", "factor": 4.0,
+                                   "original_max_position_embeddings": 32768});
+        let c = ModelConfig::from_json(&v).unwrap();
+        assert_eq!(c.rope_scale, 1.0);
         assert_eq!(
-            ModelConfig::from_json(&v).unwrap_err().kind(),
-            "unsupported"
+            c.rope_scaling,
+            RopeScaling::Yarn {
+                factor: 4.0,
+                original_max_position_embeddings: 32768.0,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                mscale: 1.0,
+                mscale_all_dim: 0.0,
+            }
         );
+        let mut v = base();
+        v.as_object_mut().unwrap().remove("rope_theta");
+        v["rope_parameters"] = json!({"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5});
+        let c = ModelConfig::from_json(&v).unwrap();
+        assert_eq!(c.rope_theta, 5e5);
+        assert_eq!(
+            c.rope_scaling,
+            RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 8192.0,
+            }
+        );
+        for bad in [
+            json!({"type": "yarn"}),
+            json!({"type": "yarn", "factor": "4"}),
+            json!({"type": "yarn", "factor": 4.0, "beta_fast": 0}),
+            json!({"type": "linear", "factor": -1.0}),
+            json!({"type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 2.0}),
+            json!({"type": 3, "factor": 2.0}),
+            json!("yarn"),
+        ] {
+            let mut v = base();
+            v["rope_scaling"] = bad.clone();
+            let err = ModelConfig::from_json(&v).unwrap_err();
+            assert_eq!(err.kind(), "config", "{bad}: {err}");
+        }
     }
 }
