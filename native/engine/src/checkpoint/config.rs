@@ -11,6 +11,8 @@ use crate::error::{read_json, Error, Result};
 pub enum Arch {
     Qwen2,
     Qwen3,
+    /// Qwen3's attention with routed experts in place of (some) MLPs.
+    Qwen3Moe,
 }
 
 impl Arch {
@@ -18,8 +20,79 @@ impl Arch {
         match self {
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Qwen3Moe => "qwen3_moe",
         }
     }
+
+    /// Whether attention normalizes queries and keys per head (Qwen3's
+    /// families) rather than adding q/k/v biases (Qwen2).
+    pub fn has_qk_norm(self) -> bool {
+        !matches!(self, Arch::Qwen2)
+    }
+}
+
+/// Qwen3-MoE's routed experts, as mlx-lm's qwen3_moe reads them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    pub num_experts: i32,
+    /// Experts each token is routed to.
+    pub top_k: i32,
+    /// Renormalize the chosen experts' probabilities to sum to 1.
+    pub norm_topk_prob: bool,
+    /// Every this many layers is sparse (layer `i` when `(i + 1) % step == 0`).
+    pub decoder_sparse_step: usize,
+    /// Layers that keep a dense MLP whatever the step says.
+    pub mlp_only_layers: Vec<usize>,
+    /// Each expert's hidden width.
+    pub moe_intermediate_size: i32,
+}
+
+impl MoeConfig {
+    /// Whether layer `layer` routes its tokens to experts.
+    pub fn is_sparse(&self, layer: usize) -> bool {
+        !self.mlp_only_layers.contains(&layer) && (layer + 1) % self.decoder_sparse_step == 0
+    }
+}
+
+fn moe_config(v: &Value) -> Result<MoeConfig> {
+    let num_experts = i32_of(req_int(v, "num_experts")?, "num_experts")?;
+    let top_k = i32_of(req_int(v, "num_experts_per_tok")?, "num_experts_per_tok")?;
+    if top_k > num_experts {
+        return Err(Error::Config(format!(
+            "num_experts_per_tok ({top_k}) must not exceed num_experts ({num_experts})"
+        )));
+    }
+    let mlp_only_layers = match get(v, "mlp_only_layers") {
+        None => vec![],
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|x| {
+                x.as_u64()
+                    .and_then(|n| usize::try_from(n).ok())
+                    .ok_or_else(|| {
+                        Error::Config(format!(
+                            "`mlp_only_layers` must hold layer indices, got {x}"
+                        ))
+                    })
+            })
+            .collect::<Result<_>>()?,
+        Some(x) => {
+            return Err(Error::Config(format!(
+                "`mlp_only_layers` must be a list, got {x}"
+            )))
+        }
+    };
+    Ok(MoeConfig {
+        num_experts,
+        top_k,
+        norm_topk_prob: boolean(v, "norm_topk_prob")?.unwrap_or(false),
+        decoder_sparse_step: int(v, "decoder_sparse_step")?.unwrap_or(1) as usize,
+        mlp_only_layers,
+        moe_intermediate_size: i32_of(
+            req_int(v, "moe_intermediate_size")?,
+            "moe_intermediate_size",
+        )?,
+    })
 }
 
 /// Affine group-wise quantization parameters, as MLX's `quantize` takes them.
@@ -88,6 +161,8 @@ pub struct ModelConfig {
     pub max_position_embeddings: usize,
     pub eos_token_ids: Vec<u32>,
     pub quantization: Option<Quantization>,
+    /// Routed experts (Qwen3-MoE only).
+    pub moe: Option<MoeConfig>,
 }
 
 fn get<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
@@ -336,9 +411,10 @@ impl ModelConfig {
         let arch = match get(v, "model_type").and_then(Value::as_str) {
             Some("qwen3") => Arch::Qwen3,
             Some("qwen2") => Arch::Qwen2,
+            Some("qwen3_moe") => Arch::Qwen3Moe,
             Some(other) => {
                 return Err(Error::Unsupported(format!(
-                    "model_type `{other}` (supported: qwen3, qwen2)"
+                    "model_type `{other}` (supported: qwen3, qwen2, qwen3_moe)"
                 )))
             }
             None => return Err(Error::Config("missing required key `model_type`".into())),
@@ -369,17 +445,21 @@ impl ModelConfig {
         let rope_theta = match (rope_theta, arch) {
             (Some(t), _) => t,
             (None, Arch::Qwen2) => 1_000_000.0,
-            (None, Arch::Qwen3) => {
+            (None, Arch::Qwen3 | Arch::Qwen3Moe) => {
                 return Err(Error::Config("missing required key `rope_theta`".into()))
             }
         };
         let (rope_scale, rope_scaling) = rope_scaling(v)?;
         let tie_word_embeddings = boolean(v, "tie_word_embeddings")?.unwrap_or(arch == Arch::Qwen2);
         // As mlx-lm: its qwen2 passes `rope_traditional` to RoPE, its qwen3
-        // always rotates halves whatever the key says.
+        // and qwen3_moe always rotate halves whatever the key says.
         let rope_traditional = match arch {
             Arch::Qwen2 => boolean(v, "rope_traditional")?.unwrap_or(false),
-            Arch::Qwen3 => false,
+            Arch::Qwen3 | Arch::Qwen3Moe => false,
+        };
+        let moe = match arch {
+            Arch::Qwen3Moe => Some(moe_config(v)?),
+            Arch::Qwen2 | Arch::Qwen3 => None,
         };
         Ok(ModelConfig {
             arch,
@@ -399,6 +479,7 @@ impl ModelConfig {
             max_position_embeddings: int(v, "max_position_embeddings")?.unwrap_or(32768) as usize,
             eos_token_ids: token_ids(get(v, "eos_token_id"), "eos_token_id")?,
             quantization: quantization(v)?,
+            moe,
         })
     }
 }
@@ -558,6 +639,44 @@ mod tests {
             v["rope_scaling"] = bad.clone();
             let err = ModelConfig::from_json(&v).unwrap_err();
             assert_eq!(err.kind(), "config", "{bad}: {err}");
+        }
+    }
+
+    /// Qwen3-MoE's keys, with Hugging Face's defaults for those left out,
+    /// and which layers are sparse; a config that cannot route is refused.
+    #[test]
+    fn qwen3_moe_experts() {
+        let mut v = base();
+        v["model_type"] = json!("qwen3_moe");
+        v["num_hidden_layers"] = json!(4);
+        v["num_experts"] = json!(8);
+        v["num_experts_per_tok"] = json!(2);
+        v["moe_intermediate_size"] = json!(64);
+        let c = ModelConfig::from_json(&v).unwrap();
+        assert_eq!(c.arch, Arch::Qwen3Moe);
+        assert!(c.arch.has_qk_norm() && !c.rope_traditional);
+        let moe = c.moe.unwrap();
+        assert!(!moe.norm_topk_prob);
+        assert!((0..4).all(|i| moe.is_sparse(i)));
+        v["decoder_sparse_step"] = json!(2);
+        v["mlp_only_layers"] = json!([3]);
+        let moe = ModelConfig::from_json(&v).unwrap().moe.unwrap();
+        let sparse: Vec<bool> = (0..4).map(|i| moe.is_sparse(i)).collect();
+        assert_eq!(sparse, [false, true, false, false]);
+        assert!(ModelConfig::from_json(&base()).unwrap().moe.is_none());
+        for (key, bad) in [
+            ("num_experts_per_tok", json!(9)),
+            ("num_experts", json!(0)),
+            ("mlp_only_layers", json!([-1])),
+            ("mlp_only_layers", json!(3)),
+            ("decoder_sparse_step", json!(0)),
+            ("norm_topk_prob", json!("yes")),
+            ("moe_intermediate_size", json!(null)),
+        ] {
+            let mut v = v.clone();
+            v[key] = bad.clone();
+            let err = ModelConfig::from_json(&v).unwrap_err();
+            assert_eq!(err.kind(), "config", "{key}: {bad}: {err}");
         }
     }
 }

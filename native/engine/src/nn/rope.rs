@@ -404,6 +404,7 @@ mod tests {
             max_position_embeddings: 128,
             eos_token_ids: vec![],
             quantization: None,
+            moe: None,
         }
     }
 
