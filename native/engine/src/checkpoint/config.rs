@@ -50,7 +50,8 @@ pub struct MoeConfig {
 impl MoeConfig {
     /// Whether layer `layer` routes its tokens to experts.
     pub fn is_sparse(&self, layer: usize) -> bool {
-        !self.mlp_only_layers.contains(&layer) && (layer + 1) % self.decoder_sparse_step == 0
+        !self.mlp_only_layers.contains(&layer)
+            && (layer + 1).is_multiple_of(self.decoder_sparse_step)
     }
 }
 
