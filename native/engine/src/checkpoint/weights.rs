@@ -100,10 +100,11 @@ impl Weights {
             }
         }
         let bytes: usize = views.values().map(|(_, _, p)| p.data.len()).sum();
-        crate::runtime::memory::ensure_fits(
-            Some(bytes),
-            &format!("loading the checkpoint in {}", dir.display()),
-        )?;
+        let what = match files.as_slice() {
+            [file] => format!("loading {}", file.display()),
+            _ => format!("loading {} shards in {}", files.len(), dir.display()),
+        };
+        crate::runtime::memory::ensure_fits(Some(bytes), &what)?;
         let mut weights = Weights {
             tensors: HashMap::new(),
             joined: HashMap::new(),
