@@ -13,9 +13,9 @@
 //! | [`checkpoint`] | `config.json`, safetensors, the quantization spec |
 //! | [`text`] | the tokenizer, the chat template, structured-output constraints |
 //! | [`kv`] | the KV cache contract, batch caches, the scheduler's slot cache, the prefix cache |
-//! | [`nn`] | backend-neutral layers: linear, norms, RoPE with its offsets, attention |
+//! | [`nn`] | backend-neutral layers: linear, norms, RoPE with its offsets and scalings, attention, routed experts |
 //! | [`backend`] | each backend's fused one-token and prompt layers, their checks, and which path runs |
-//! | [`model`] | the Qwen2/Qwen3 model: weights and the forward pass |
+//! | [`model`] | the Qwen2/Qwen3/Qwen3-MoE model: weights and the forward pass |
 //! | [`sample`] | token choice from logits |
 //! | [`exec`] | requests to tokens: checks, `Generation`, the scheduler |
 

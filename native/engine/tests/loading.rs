@@ -296,3 +296,79 @@ fn absurd_layer_counts_fail_on_the_missing_tensor() {
     }
     fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Logits of every position of a prompt, from a fresh cache.
+fn prompt_logits(model: &Model) -> Vec<f32> {
+    use emlx_axon_engine::kv::cache::KvCache;
+    use emlx_axon_engine::model::AttentionMask;
+    let prompt = [785u32, 3974, 13876, 38835, 34208, 916, 279, 15678];
+    let mut cache = KvCache::new(&model.kv_shape(), 1, prompt.len() as i32).unwrap();
+    let ids = mlx_rs::Array::from_slice(&prompt, &[1, prompt.len() as i32]);
+    let out = model
+        .forward(&ids, &mut cache, &AttentionMask::Causal, false, &[])
+        .unwrap();
+    out.as_dtype(Dtype::Float32)
+        .unwrap()
+        .as_slice::<f32>()
+        .to_vec()
+}
+
+/// transformers and mlx-lm may write one module's tensors to several
+/// shards: here layer 1's gate and up projections keep their `biases` in
+/// one shard, and their `weight` and `scales` in two others, and layer 0's
+/// q projection sits apart from its k and v projections (members of one
+/// stacked weight). The model loads them and gives the unsplit
+/// checkpoint's logits.
+#[test]
+fn shards_that_split_a_module_load_as_the_whole_checkpoint() {
+    let dir = scratch_copy("qwen3-4bit-g64", "split-module");
+    let whole = dir.join("model.safetensors");
+    let bytes = fs::read(&whole).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let shard_of = |name: &str| {
+        let layer1 = |m: &str| name.strip_prefix("model.layers.1.mlp.")?.strip_prefix(m);
+        if layer1("gate_proj.biases").is_some() || layer1("up_proj.biases").is_some() {
+            0
+        } else if layer1("up_proj.").is_some()
+            || name.starts_with("model.layers.0.self_attn.q_proj.")
+        {
+            2
+        } else {
+            1
+        }
+    };
+    let mut shards: [Vec<(String, safetensors::tensor::TensorView)>; 3] = Default::default();
+    for (name, view) in st.tensors() {
+        shards[shard_of(&name)].push((name, view));
+    }
+    assert_eq!(shards[0].len(), 2);
+    assert!(shards[1]
+        .iter()
+        .any(|(n, _)| n == "model.layers.1.mlp.gate_proj.weight"));
+    let mut weight_map = serde_json::Map::new();
+    for (i, shard) in shards.into_iter().enumerate() {
+        let file = format!("model-0000{}-of-00003.safetensors", i + 1);
+        for (name, _) in &shard {
+            weight_map.insert(name.clone(), serde_json::Value::String(file.clone()));
+        }
+        safetensors::serialize_to_file(shard, None, &dir.join(&file)).unwrap();
+    }
+    fs::remove_file(&whole).unwrap();
+    let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+    fs::write(
+        dir.join("model.safetensors.index.json"),
+        serde_json::to_string(&index).unwrap(),
+    )
+    .unwrap();
+
+    let split = Model::load(&dir, &f32()).unwrap_or_else(|e| panic!("split shards: {e}"));
+    let unsplit = load("qwen3-4bit-g64", &f32());
+    let (a, b) = (prompt_logits(&split), prompt_logits(&unsplit));
+    assert_eq!(a.len(), b.len());
+    let (lo, hi) = b
+        .iter()
+        .fold((f32::MAX, f32::MIN), |(lo, hi), v| (lo.min(*v), hi.max(*v)));
+    assert!(hi - lo > 1.0, "logits too flat to compare: {lo}..{hi}");
+    assert!(a == b, "the split checkpoint's logits differ");
+    fs::remove_dir_all(&dir).unwrap();
+}

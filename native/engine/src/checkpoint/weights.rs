@@ -30,8 +30,8 @@ pub struct Weights {
 /// Modules whose tensors the model reads stacked along the first axis, as
 /// a layer's q/k/v or gate/up projections, named relative to their parent:
 /// under every parent module where each member has the same tensors
-/// (`{member}.weight`, `.scales`, ...) in one file, each of the same dtype
-/// and trailing shape, they are loaded as `{name}.weight`, ...
+/// (`{member}.weight`, `.scales`, ...), in any shards, each of the same
+/// dtype and trailing shape, they are loaded as `{name}.weight`, ...
 #[derive(Clone, Debug)]
 pub struct Join {
     pub name: String,
@@ -50,48 +50,66 @@ impl Join {
 }
 
 impl Weights {
+    /// Loads every shard of the checkpoint in `dir`. Joins are made over
+    /// the whole checkpoint, not file by file: transformers and mlx-lm may
+    /// write one module's tensors (say its `biases` and its `weight`), or a
+    /// join's members, to different shards.
     pub fn load_dir(dir: &Path, joins: &[Join]) -> Result<Self> {
+        let files = weight_files(dir)?;
+        let mut maps = Vec::with_capacity(files.len());
+        for path in &files {
+            let file = File::open(path).map_err(|e| Error::io(path, e))?;
+            // SAFETY: the mapping is read-only and lives only for this
+            // function; a concurrent truncation would fault, which is the same
+            // risk every mmap-based loader (mlx, safetensors, llama.cpp) accepts.
+            let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+            maps.push((path.as_path(), map));
+        }
+        let mut parsed = Vec::with_capacity(maps.len());
+        for (path, map) in &maps {
+            let st = SafeTensors::deserialize(map).map_err(|e| Error::Safetensors {
+                path: path.to_path_buf(),
+                message: e.to_string(),
+            })?;
+            parsed.push((*path, map, st));
+        }
+        // Every shard's tensors; where two shards hold the same name, the
+        // later one's, as mlx-lm's loader keeps it.
+        let mut views: HashMap<&str, View> = HashMap::new();
+        for (path, map, st) in &parsed {
+            for (name, view) in st.iter() {
+                let dtype = mlx_dtype(view.dtype()).ok_or_else(|| Error::Safetensors {
+                    path: path.to_path_buf(),
+                    message: format!("tensor `{name}` has unsupported dtype {:?}", view.dtype()),
+                })?;
+                let shape = view
+                    .shape()
+                    .iter()
+                    .map(|&d| i32::try_from(d))
+                    .collect::<Result<Vec<i32>, _>>()
+                    .map_err(|_| Error::Safetensors {
+                        path: path.to_path_buf(),
+                        message: format!("tensor `{name}` is too large"),
+                    })?;
+                let part = Part {
+                    data: view.data(),
+                    map,
+                    path,
+                };
+                views.insert(name, (shape, dtype, part));
+            }
+        }
+        let bytes: usize = views.values().map(|(_, _, p)| p.data.len()).sum();
+        let what = match files.as_slice() {
+            [file] => format!("loading {}", file.display()),
+            _ => format!("loading {} shards in {}", files.len(), dir.display()),
+        };
+        crate::runtime::memory::ensure_fits(Some(bytes), &what)?;
         let mut weights = Weights {
             tensors: HashMap::new(),
             joined: HashMap::new(),
-            bytes: 0,
+            bytes,
         };
-        for file in weight_files(dir)? {
-            weights.load_file(&file, joins)?;
-        }
-        Ok(weights)
-    }
-
-    fn load_file(&mut self, path: &Path, joins: &[Join]) -> Result<()> {
-        let file = File::open(path).map_err(|e| Error::io(path, e))?;
-        // SAFETY: the mapping is read-only and lives only for this function; a
-        // concurrent truncation would fault, which is the same risk every
-        // mmap-based loader (mlx, safetensors, llama.cpp) accepts.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-        let st = SafeTensors::deserialize(&map).map_err(|e| Error::Safetensors {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
-        let tensors = st.tensors();
-        let bytes = tensors.iter().map(|(_, view)| view.data().len()).sum();
-        crate::runtime::memory::ensure_fits(Some(bytes), &format!("loading {}", path.display()))?;
-        let mut views = HashMap::with_capacity(tensors.len());
-        for (name, view) in &tensors {
-            let dtype = mlx_dtype(view.dtype()).ok_or_else(|| Error::Safetensors {
-                path: path.to_path_buf(),
-                message: format!("tensor `{name}` has unsupported dtype {:?}", view.dtype()),
-            })?;
-            let shape = view
-                .shape()
-                .iter()
-                .map(|&d| i32::try_from(d))
-                .collect::<Result<Vec<i32>, _>>()
-                .map_err(|_| Error::Safetensors {
-                    path: path.to_path_buf(),
-                    message: format!("tensor `{name}` is too large"),
-                })?;
-            views.insert(name.as_str(), (shape, dtype, view.data()));
-        }
         // Each module's tensors (`{module}.{suffix}`), sorted.
         let mut modules: HashMap<String, Vec<String>> = HashMap::new();
         for name in views.keys() {
@@ -103,7 +121,7 @@ impl Weights {
             }
         }
         modules.values_mut().for_each(|s| s.sort());
-        let mut copies = Vec::with_capacity(tensors.len());
+        let mut copies = Vec::with_capacity(views.len());
         let parents = |join: &Join| -> Vec<String> {
             let first = join.members.first().map_or("", String::as_str);
             let mut found: Vec<String> = modules
@@ -120,24 +138,23 @@ impl Weights {
         {
             if let Some(joined) = join_copies(&join, &modules, &mut views) {
                 for (copy, members) in joined {
-                    self.joined.insert(copy.name.clone(), members);
+                    weights.joined.insert(copy.name.clone(), members);
                     copies.push(copy);
                 }
             }
         }
-        for (name, (shape, dtype, data)) in views {
+        for (name, (shape, dtype, part)) in views {
             copies.push(TensorCopy {
                 name: name.to_string(),
                 shape,
                 dtype,
-                parts: vec![data],
+                parts: vec![part],
             });
         }
-        for (name, array) in copy_in_parallel(copies, &map, path)? {
-            self.tensors.insert(name, array);
+        for (name, array) in copy_in_parallel(copies)? {
+            weights.tensors.insert(name, array);
         }
-        self.bytes += bytes;
-        Ok(())
+        Ok(weights)
     }
 
     pub fn contains(&self, name: &str) -> bool {
@@ -216,30 +233,38 @@ impl Weights {
     }
 }
 
-/// One tensor to copy out of a mapped file: its bytes, or a joined tensor's
-/// members' bytes one after another.
+/// A tensor's bytes in a mapped shard, with the mapping and its file.
+#[derive(Clone, Copy)]
+struct Part<'a> {
+    data: &'a [u8],
+    map: &'a memmap2::Mmap,
+    path: &'a Path,
+}
+
+/// One tensor to copy out of the mapped shards: its bytes, or a joined
+/// tensor's members' bytes one after another (from any shards).
 struct TensorCopy<'a> {
     name: String,
     shape: Vec<i32>,
     dtype: Dtype,
-    parts: Vec<&'a [u8]>,
+    parts: Vec<Part<'a>>,
 }
 
 impl TensorCopy<'_> {
     fn bytes(&self) -> usize {
-        self.parts.iter().map(|p| p.len()).sum()
+        self.parts.iter().map(|p| p.data.len()).sum()
     }
 }
 
-/// A tensor of a mapped file: shape, dtype, bytes.
-type View<'a> = (Vec<i32>, Dtype, &'a [u8]);
+/// A tensor of a mapped shard: shape, dtype, bytes.
+type View<'a> = (Vec<i32>, Dtype, Part<'a>);
 
 /// A joined tensor's members: names and first dimensions.
 type Members = Vec<(String, i32)>;
 
-/// A join's tensors as copies, each with its members, where the file holds
-/// the same tensors of every member (taken out of `views`); `None` where it
-/// does not.
+/// A join's tensors as copies, each with its members, where the checkpoint
+/// holds the same tensors of every member (taken out of `views`); `None`
+/// where it does not.
 fn join_copies<'a>(
     join: &Join,
     modules: &HashMap<String, Vec<String>>,
@@ -300,11 +325,7 @@ fn join_copies<'a>(
 /// unified memory MLX allocates), not by memory bandwidth, so spreading it
 /// over cores cuts the load time on a many-core host roughly in proportion,
 /// as MLX's own loader does with its I/O thread pool.
-fn copy_in_parallel(
-    mut copies: Vec<TensorCopy<'_>>,
-    map: &memmap2::Mmap,
-    path: &Path,
-) -> Result<Vec<(String, Array)>> {
+fn copy_in_parallel(mut copies: Vec<TensorCopy<'_>>) -> Result<Vec<(String, Array)>> {
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .clamp(1, 8)
@@ -321,30 +342,27 @@ fn copy_in_parallel(
     std::thread::scope(|scope| {
         let workers: Vec<_> = shares
             .into_iter()
-            .map(|(_, share)| scope.spawn(move || copy_share(share, map, path)))
+            .map(|(_, share)| scope.spawn(move || copy_share(share)))
             .collect();
         let mut arrays = Vec::new();
         for worker in workers {
-            let share = worker.join().map_err(|_| {
-                Error::Mlx(format!("copying tensors from {} failed", path.display()))
-            })??;
+            let share = worker
+                .join()
+                .map_err(|_| Error::Mlx("copying the checkpoint's tensors failed".into()))??;
             arrays.extend(share);
         }
         Ok(arrays)
     })
 }
 
-fn copy_share(
-    share: Vec<TensorCopy<'_>>,
-    map: &memmap2::Mmap,
-    path: &Path,
-) -> Result<Vec<(String, Array)>> {
+fn copy_share(share: Vec<TensorCopy<'_>>) -> Result<Vec<(String, Array)>> {
     crate::runtime::device::prepare_mlx();
     let mut arrays = Vec::with_capacity(share.len());
     for copy in share {
         let array = copy_tensor(&copy).ok_or_else(|| {
             // A failed creation (e.g. a device left unusable by an earlier
             // fault): say so here, not later as a misleading shape mismatch.
+            let path = copy.parts.first().map_or(Path::new("?"), |p| p.path);
             Error::Mlx(format!(
                 "MLX could not create tensor `{}` from {}",
                 copy.name,
@@ -356,10 +374,11 @@ fn copy_share(
         // two. Best effort; the pages are file-backed and unmodified, so
         // reading them again would only fetch the same bytes.
         for part in &copy.parts {
-            let offset = part.as_ptr() as usize - map.as_ptr() as usize;
-            // SAFETY: the range lies inside the mapping.
+            let offset = part.data.as_ptr() as usize - part.map.as_ptr() as usize;
+            // SAFETY: the range lies inside the part's mapping.
             let _ = unsafe {
-                map.unchecked_advise_range(UncheckedAdvice::DontNeed, offset, part.len())
+                part.map
+                    .unchecked_advise_range(UncheckedAdvice::DontNeed, offset, part.data.len())
             };
         }
         arrays.push((copy.name, array));
@@ -376,9 +395,10 @@ fn copy_tensor(copy: &TensorCopy) -> Option<Array> {
         parts,
         ..
     } = copy;
-    if let [data] = parts.as_slice() {
+    if let [part] = parts.as_slice() {
         // SAFETY: safetensors checked that `data` holds exactly shape x dtype bytes.
-        let array = unsafe { Array::from_raw_data(data.as_ptr() as *const c_void, shape, *dtype) };
+        let array =
+            unsafe { Array::from_raw_data(part.data.as_ptr() as *const c_void, shape, *dtype) };
         return (array.shape() == shape.as_slice()).then_some(array);
     }
     // SAFETY: an empty handle, for the call below to fill.
@@ -402,16 +422,16 @@ fn copy_tensor(copy: &TensorCopy) -> Option<Array> {
         return None;
     }
     let mut at = 0;
-    for part in parts {
-        if part.is_empty() {
+    for Part { data, .. } in parts {
+        if data.is_empty() {
             continue;
         }
         // SAFETY: `dest` is the new buffer of `copy.bytes()` bytes, which no
         // one else holds yet; the parts fill it in order without overlap.
         unsafe {
-            std::ptr::copy_nonoverlapping(part.as_ptr(), (dest as *mut u8).add(at), part.len())
+            std::ptr::copy_nonoverlapping(data.as_ptr(), (dest as *mut u8).add(at), data.len())
         };
-        at += part.len();
+        at += data.len();
     }
     Some(array)
 }

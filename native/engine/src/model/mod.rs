@@ -1,4 +1,4 @@
-//! Model families: Qwen3 and Qwen2 (dense).
+//! Model families: Qwen3 and Qwen2 (dense), Qwen3-MoE.
 
 mod qwen;
 

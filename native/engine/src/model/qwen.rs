@@ -1,6 +1,8 @@
-//! Qwen3 and Qwen2 decoder-only transformers (the two differ only in their
-//! attention: see [`crate::nn::attention`]), following mlx-lm's models/qwen3.py
-//! and qwen2.py.
+//! Qwen3, Qwen2 and Qwen3-MoE decoder-only transformers (Qwen3 and Qwen2
+//! differ only in their attention: see [`crate::nn::attention`]; Qwen3-MoE
+//! is Qwen3 with routed experts in place of some MLPs: see
+//! [`crate::nn::moe`]), following mlx-lm's models/qwen3.py, qwen2.py and
+//! qwen3_moe.py.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -13,8 +15,9 @@ use crate::checkpoint::weights::{Join, Weights};
 use crate::error::{Error, Result};
 use crate::kv::cache::{KvShape, KvStore};
 use crate::nn::attention::{Attention, AttentionMask};
-use crate::nn::block::{Block, Mlp};
+use crate::nn::block::{Block, Ffn, Mlp};
 use crate::nn::layers::{Embedding, Linear, LinearGroup, LoadPlan, Member, RmsNorm, Workers};
+use crate::nn::moe::{expert_joins, SparseMoe};
 use crate::nn::rope::Rope;
 
 /// Layers of a multi-token forward per commit on a CUDA GPU: about 80 of
@@ -98,6 +101,10 @@ pub struct Model {
 // so sharing them between threads (each running its own stream) is sound.
 unsafe impl Sync for Model {}
 
+/// Why a MoE model's layers run MLX's ops.
+const MOE_DECLINED: &str =
+    "layers: routed experts (MoE) run MLX's ops; the fused layer kernels take dense MLPs only";
+
 /// A layer's gate and up projections, read stacked.
 fn gate_up_join() -> Join {
     Join {
@@ -136,7 +143,10 @@ impl Model {
                 "compute dtype must be float32, float16 or bfloat16, got {dtype:?}"
             )));
         }
-        let joins = [crate::nn::attention::qkv_join(), gate_up_join()];
+        let mut joins = vec![crate::nn::attention::qkv_join(), gate_up_join()];
+        if let Some(moe) = &config.moe {
+            joins.extend(expert_joins(moe));
+        }
         let mut weights = Weights::load_dir(dir, &joins)?;
         let weight_bytes = weights.bytes;
         let c = &config;
@@ -179,22 +189,29 @@ impl Model {
                 Linear::load(w, &path, i, o, bias, plan(&path), ways)
             };
             let attn = Attention::load(&mut weights, c, &p, plan, dtype, ways)?;
-            let join = gate_up_join().at(&p);
-            let member = |prefix| Member {
-                prefix,
-                out_dim: c.intermediate_size,
-                plan: plan(prefix),
-            };
-            let mlp = Mlp {
-                gate_up: LinearGroup::load(
-                    &mut weights,
-                    &join.name,
-                    &[member(&join.members[0]), member(&join.members[1])],
-                    d,
-                    false,
-                    ways,
-                )?,
-                down: linear(&mut weights, "mlp.down_proj", c.intermediate_size, d, false)?,
+            let mlp = match &c.moe {
+                Some(moe) if moe.is_sparse(i) => {
+                    Ffn::Sparse(SparseMoe::load(&mut weights, moe, &p, d, plan, ways)?)
+                }
+                _ => {
+                    let join = gate_up_join().at(&p);
+                    let member = |prefix| Member {
+                        prefix,
+                        out_dim: c.intermediate_size,
+                        plan: plan(prefix),
+                    };
+                    Ffn::Dense(Mlp {
+                        gate_up: LinearGroup::load(
+                            &mut weights,
+                            &join.name,
+                            &[member(&join.members[0]), member(&join.members[1])],
+                            d,
+                            false,
+                            ways,
+                        )?,
+                        down: linear(&mut weights, "mlp.down_proj", c.intermediate_size, d, false)?,
+                    })
+                }
             };
             blocks.push(Block {
                 attn,
@@ -277,8 +294,7 @@ impl Model {
         let mut all = self.embed.arrays();
         for b in &self.blocks {
             all.extend(b.attn.arrays());
-            all.extend(b.mlp.gate_up.arrays());
-            all.extend(b.mlp.down.arrays());
+            all.extend(b.mlp.arrays());
             all.extend(b.input_norm.arrays());
             all.extend(b.post_norm.arrays());
         }
@@ -302,7 +318,10 @@ impl Model {
 
     /// Whether any layer holds quantized weights.
     pub fn is_quantized(&self) -> bool {
-        self.embed.is_quantized() || self.blocks.iter().any(|b| b.attn.is_quantized())
+        self.embed.is_quantized()
+            || self.blocks.iter().any(|b| {
+                b.attn.is_quantized() || matches!(&b.mlp, Ffn::Sparse(m) if m.is_quantized())
+            })
     }
 
     /// Runs `ids` (`[B, L]` int32) through the model, writing keys and values
@@ -357,7 +376,13 @@ impl Model {
             }
             _ => None,
         };
-        if let (Some(rows), false) = (&step_rows, cpu_ops) {
+        // Routed experts run MLX's ops on every device: the backends' fused
+        // layers take dense MLPs only.
+        let sparse = self.has_experts();
+        if sparse && !cpu_ops && cuda::layer::wanted() {
+            declined(MOE_DECLINED);
+        }
+        if let (Some(rows), false, false) = (&step_rows, cpu_ops, sparse) {
             let stack = cuda::layer::Stack {
                 embed: self.embed.quantized(),
                 blocks: &self.blocks,
@@ -403,7 +428,7 @@ impl Model {
         // `device::prepare_mlx`).
         let commit_every =
             (ids.dim(1) > 1 && !cpu_ops && !cfg!(feature = "metal")).then_some(COMMIT_LAYERS);
-        if ids.dim(1) > 1 && !cpu_ops {
+        if ids.dim(1) > 1 && !cpu_ops && !sparse {
             let prompt = cuda::prefill::Prompt {
                 config: c,
                 blocks: &self.blocks,
@@ -453,8 +478,7 @@ impl Model {
             )?;
             h = h.add(&r)?;
             let x = block.post_norm.forward(&h, cpu_ops)?;
-            let act = block.mlp.gate_up.swiglu(&x, workers)?;
-            h = h.add(&block.mlp.down.forward(&act, workers)?)?;
+            h = h.add(&block.mlp.forward(&x, workers)?)?;
         }
         cache.advance(ids.dim(1));
         let work = if ids.dim(1) == 1 {
@@ -467,6 +491,7 @@ impl Model {
             cpu_layers == self.blocks.len(),
         ) {
             (true, true) => note(work, Ran::CpuLayers, None),
+            (true, false) if sparse => note(work, Ran::Mlx, Some(MOE_DECLINED)),
             (true, false) => note(
                 work,
                 Ran::Mlx,
@@ -476,6 +501,11 @@ impl Model {
         }
         let h = self.norm.forward(&take_rows(h, take)?, cpu_ops)?;
         self.head(&h, workers)
+    }
+
+    /// Whether any layer routes its tokens to experts.
+    fn has_experts(&self) -> bool {
+        self.blocks.iter().any(|b| matches!(b.mlp, Ffn::Sparse(_)))
     }
 
     /// The output head's weight when quantized and without bias.

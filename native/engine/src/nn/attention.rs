@@ -13,7 +13,7 @@ use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::{broadcast_to, concatenate, matmul, softmax_axis};
 use mlx_rs::{Array, Dtype};
 
-use crate::checkpoint::config::{Arch, ModelConfig};
+use crate::checkpoint::config::ModelConfig;
 use crate::checkpoint::weights::{Join, Weights};
 use crate::error::Result;
 use crate::kv::cache::KvStore;
@@ -95,7 +95,7 @@ impl Attention {
                 member(v, c.num_kv_heads * hd, &plan),
             ],
             d,
-            c.arch == Arch::Qwen2,
+            !c.arch.has_qk_norm(),
             ways,
         )?;
         let o_path = path("o_proj");
@@ -129,8 +129,8 @@ impl Attention {
     ) -> Result<(Option<QkNorm>, Array, Array)> {
         let hd = c.head_dim;
         let path = |name: &str| format!("{prefix}.self_attn.{name}");
-        let norm = match c.arch {
-            Arch::Qwen3 => {
+        let norm = match c.arch.has_qk_norm() {
+            true => {
                 let mut take = |name: &str| -> Result<Array> {
                     Ok(weights
                         .take(&format!("{}.weight", path(name)), Some(&[hd]))?
@@ -149,7 +149,7 @@ impl Attention {
                 )?;
                 Some(QkNorm { q, k, both })
             }
-            Arch::Qwen2 => None,
+            false => None,
         };
         let scale = Array::from_f32((hd as f32).powf(-0.5)).as_dtype(dtype)?;
         let step = [1, c.num_kv_heads, c.num_heads / c.num_kv_heads, hd];

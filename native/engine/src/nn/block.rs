@@ -1,7 +1,12 @@
-//! A decoder block's parts: attention and the SwiGLU MLP with their norms.
+//! A decoder block's parts: attention and the MLP (dense SwiGLU, or routed
+//! experts) with their norms.
 
+use mlx_rs::Array;
+
+use crate::error::Result;
 use crate::nn::attention::Attention;
-use crate::nn::layers::{Linear, LinearGroup, RmsNorm};
+use crate::nn::layers::{Linear, LinearGroup, RmsNorm, Workers};
+use crate::nn::moe::SparseMoe;
 
 pub(crate) struct Mlp {
     /// gate and up projections, outputs in that order.
@@ -9,9 +14,49 @@ pub(crate) struct Mlp {
     pub(crate) down: Linear,
 }
 
+/// A block's feed-forward part.
+pub(crate) enum Ffn {
+    Dense(Mlp),
+    /// Routed experts: the backends' fused layers do not take these.
+    Sparse(SparseMoe),
+}
+
+impl Ffn {
+    /// The dense MLP, `None` for routed experts.
+    pub(crate) fn dense(&self) -> Option<&Mlp> {
+        match self {
+            Ffn::Dense(mlp) => Some(mlp),
+            Ffn::Sparse(_) => None,
+        }
+    }
+
+    /// `x` (`[B, L, hidden]`, normalized) through the MLP, with MLX's ops
+    /// (the dense one's activation from our CPU kernel where it runs).
+    pub(crate) fn forward(&self, x: &Array, workers: Workers) -> Result<Array> {
+        match self {
+            Ffn::Dense(mlp) => {
+                let act = mlp.gate_up.swiglu(x, workers)?;
+                mlp.down.forward(&act, workers)
+            }
+            Ffn::Sparse(moe) => moe.forward(x, workers),
+        }
+    }
+
+    pub(crate) fn arrays(&self) -> Vec<&Array> {
+        match self {
+            Ffn::Dense(mlp) => {
+                let mut all = mlp.gate_up.arrays();
+                all.extend(mlp.down.arrays());
+                all
+            }
+            Ffn::Sparse(moe) => moe.arrays(),
+        }
+    }
+}
+
 pub(crate) struct Block {
     pub(crate) attn: Attention,
-    pub(crate) mlp: Mlp,
+    pub(crate) mlp: Ffn,
     pub(crate) input_norm: RmsNorm,
     pub(crate) post_norm: RmsNorm,
 }

@@ -56,7 +56,11 @@ fn as_dtype_of(a: &Array, x: &Array) -> Result<Array> {
 /// (`scale * q + bias`, in the activations' dtype), as a plain matmul, with
 /// a float32 matmul's own precision (the sm90 kernel would compute float32
 /// in TF32).
-fn dequantized_on_gpu(in_dim: i32, spec: &QuantSpec, on_cpu_stream: impl FnOnce() -> bool) -> bool {
+pub(crate) fn dequantized_on_gpu(
+    in_dim: i32,
+    spec: &QuantSpec,
+    on_cpu_stream: impl FnOnce() -> bool,
+) -> bool {
     in_dim <= spec.group_size && !on_cpu_stream()
 }
 

@@ -6,6 +6,14 @@
 //! There the cosines and sines are computed once per forward pass, by MLX's
 //! own `rope`, and every layer applies them to its queries and keys together
 //! with 6 ops of the same float arithmetic, so the values are the same.
+//!
+//! `rope_scaling` of type `yarn` or `llama3` gives RoPE frequencies of its
+//! own ([`Scaled`]), computed as mlx-lm's rope_utils computes them, and
+//! YaRN also scales queries and keys before their rotation. Both live in
+//! [`Rope::rotate_heads_first`], from which the CPU's tables and the GPU
+//! kernels' [`PositionTable`] are made too: their cosines and sines carry
+//! the scaled frequencies and the scale (rotating a probe of ones scaled by
+//! it gives `scale * cos`, `scale * sin`), so every path rotates alike.
 
 use mlx_rs::fast::{rope, rope_dynamic};
 use mlx_rs::ops::indexing::{IndexOp, IntoStrideBy};
@@ -13,7 +21,7 @@ use mlx_rs::ops::{broadcast_to, concatenate, stack, zeros_dtype};
 use mlx_rs::{Array, Dtype};
 use std::sync::Mutex;
 
-use crate::checkpoint::config::ModelConfig;
+use crate::checkpoint::config::{ModelConfig, RopeScaling};
 use crate::error::{Error, Result};
 use crate::kv::cache::RopeOffset;
 
@@ -67,6 +75,118 @@ impl PositionTable {
         mlx_rs::transforms::eval([&cos, &sin])?;
         *held = Some((len, cos.clone(), sin.clone()));
         Ok((cos, sin))
+    }
+}
+
+/// RoPE frequencies of a `rope_scaling` (see [`RopeScaling`]) and the
+/// scale of the rotated inputs, as mlx-lm's rope_utils computes them: in
+/// float32, from float32 exponents, with its Python scalars rounded to
+/// float32 where MLX would round them.
+pub struct Scaled {
+    /// `[head_dim / 2]` float32: the periods MLX's rope divides positions by.
+    pub freqs: Vec<f32>,
+    /// What queries and keys are multiplied by before the rotation (YaRN's
+    /// mscale ratio; 1 for none).
+    pub input_scale: f64,
+}
+
+impl Scaled {
+    /// The scaling of `c`'s RoPE, `None` for MLX's rope from its base.
+    pub fn of(c: &ModelConfig) -> Option<Scaled> {
+        let dims = c.head_dim;
+        let half = (dims / 2) as usize;
+        let base = c.rope_theta;
+        // base ** (arange(0, dims, 2) / dims), all float32.
+        let powers = || -> Vec<f32> {
+            (0..half)
+                .map(|i| base.powf((2 * i) as f32 / dims as f32))
+                .collect()
+        };
+        match c.rope_scaling {
+            RopeScaling::None => None,
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings: old,
+            } => {
+                let low_wavelen = (old / low_freq_factor) as f32;
+                let high_wavelen = (old / high_freq_factor) as f32;
+                let two_pi = (2.0 * std::f64::consts::PI) as f32;
+                let spread = (high_freq_factor - low_freq_factor) as f32;
+                let freqs = powers()
+                    .into_iter()
+                    .map(|f| {
+                        let wavelen = two_pi * f;
+                        let f = if wavelen > low_wavelen {
+                            f * factor as f32
+                        } else {
+                            f
+                        };
+                        if wavelen > high_wavelen && wavelen < low_wavelen {
+                            let smooth = (old as f32 / wavelen - low_freq_factor as f32) / spread;
+                            f / ((1.0 - smooth) / factor as f32 + smooth)
+                        } else {
+                            f
+                        }
+                    })
+                    .collect();
+                Some(Scaled {
+                    freqs,
+                    input_scale: 1.0,
+                })
+            }
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: old,
+                beta_fast,
+                beta_slow,
+                mscale,
+                mscale_all_dim,
+            } => {
+                let base = base as f64;
+                // The dimension at which a wavelength turns `rotations` times
+                // over the original context.
+                let correction_dim = |rotations: f64| {
+                    dims as f64 * (old / (rotations * 2.0 * std::f64::consts::PI)).ln()
+                        / (2.0 * base.ln())
+                };
+                let low = correction_dim(beta_fast).floor().max(0.0);
+                let high = correction_dim(beta_slow).ceil().min((dims - 1) as f64);
+                let high = if low == high { high + 0.001 } else { high };
+                let get_mscale = |m: f64| {
+                    if factor <= 1.0 {
+                        1.0
+                    } else {
+                        0.1 * m * factor.ln() + 1.0
+                    }
+                };
+                let freqs = powers()
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, extra)| {
+                        let ramp = ((i as f32 - low as f32) / (high - low) as f32).clamp(0.0, 1.0);
+                        let mask = 1.0 - ramp;
+                        let inter = factor as f32 * extra;
+                        (inter * extra) / (inter * mask + extra * (1.0 - mask))
+                    })
+                    .collect();
+                Some(Scaled {
+                    freqs,
+                    input_scale: get_mscale(mscale) / get_mscale(mscale_all_dim),
+                })
+            }
+        }
+    }
+
+    /// `x` times the input scale, in `x`'s dtype (as mlx-lm multiplies by a
+    /// Python float), or `x` itself for a scale of 1.
+    fn scale_input(&self, x: &Array) -> Result<Array> {
+        if self.input_scale == 1.0 {
+            return Ok(x.clone());
+        }
+        let s = Array::from_f32(self.input_scale as f32).as_dtype(x.dtype())?;
+        Ok(x.multiply(&s)?)
     }
 }
 
@@ -163,25 +283,36 @@ impl Rope {
 
     /// Rotates `x`, laid out `[B, heads, L, head_dim]`, with MLX's `rope`
     /// (only for [`Rope::Fused`]).
+    /// A scaled RoPE (see [`Scaled`]) scales `x` and rotates it by its own
+    /// frequencies.
     pub fn rotate_heads_first(&self, c: &ModelConfig, x: &Array) -> Result<Array> {
+        let scaled = Scaled::of(c);
+        let (x, base, freqs) = match &scaled {
+            Some(s) => (
+                s.scale_input(x)?,
+                None,
+                Some(Array::from_slice(&s.freqs, &[s.freqs.len() as i32])),
+            ),
+            None => (x.clone(), Some(c.rope_theta), None),
+        };
         Ok(match self {
             Rope::Fused(RopeOffset::Scalar(offset)) => rope(
-                x,
+                &x,
                 c.head_dim,
                 c.rope_traditional,
-                c.rope_theta,
+                base,
                 c.rope_scale,
                 *offset,
-                None,
+                freqs.as_ref(),
             )?,
             Rope::Fused(RopeOffset::PerRow(offsets)) => rope_dynamic(
-                x,
+                &x,
                 c.head_dim,
                 c.rope_traditional,
-                c.rope_theta,
+                base,
                 c.rope_scale,
                 offsets,
-                None,
+                freqs.as_ref(),
             )?,
             Rope::Table { .. } => {
                 return Err(crate::error::Error::invalid(
@@ -266,12 +397,14 @@ mod tests {
             rms_norm_eps: 1e-6,
             rope_theta: 10000.0,
             rope_scale: 0.5,
+            rope_scaling: RopeScaling::None,
             rope_traditional: traditional,
             tie_word_embeddings: true,
             vocab_size: 32,
             max_position_embeddings: 128,
             eos_token_ids: vec![],
             quantization: None,
+            moe: None,
         }
     }
 
@@ -306,6 +439,60 @@ mod tests {
                     let flat = |a: &Array| a.reshape(&[-1]).unwrap().as_slice::<f32>().to_vec();
                     assert!(flat(&got) == flat(&expected), "traditional={traditional}");
                 }
+            }
+        });
+    }
+
+    /// With YaRN's frequencies and input scale, the table (and so every
+    /// path reading one) rotates as MLX's rope of the scaled input does, to
+    /// float32 rounding (the table multiplies by `scale * cos`).
+    #[test]
+    fn scaled_tables_rotate_as_mlx_rope_of_the_scaled_input() {
+        let lease = Lease::new(DeviceKind::Cpu).unwrap();
+        lease.stream().run(|| {
+            let (b, l, heads) = (2, 40, 6);
+            let x = mlx_rs::random::normal::<f32>(&[b, l, heads, 16], None, None, None).unwrap();
+            for traditional in [false, true] {
+                let c = ModelConfig {
+                    rope_scale: 1.0,
+                    rope_scaling: RopeScaling::Yarn {
+                        factor: 4.0,
+                        original_max_position_embeddings: 64.0,
+                        beta_fast: 32.0,
+                        beta_slow: 1.0,
+                        mscale: 1.0,
+                        mscale_all_dim: 0.0,
+                    },
+                    ..config(traditional)
+                };
+                let scaled = Scaled::of(&c).unwrap();
+                assert!((scaled.input_scale - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-12);
+                let probe = probe(c.head_dim, traditional, Dtype::Float32).unwrap();
+                let offset = || RopeOffset::PerRow(Array::from_slice(&[3i32, 90], &[2]));
+                let expected = Rope::Fused(offset())
+                    .rotate_heads_first(&c, &x.transpose_axes(&[0, 2, 1, 3]).unwrap())
+                    .unwrap()
+                    .transpose_axes(&[0, 2, 1, 3])
+                    .unwrap();
+                let got = Rope::new(&c, offset(), b, l, heads, &probe, true)
+                    .unwrap()
+                    .rotate_heads_last(&x)
+                    .unwrap();
+                let flat = |a: &Array| a.reshape(&[-1]).unwrap().as_slice::<f32>().to_vec();
+                let worst = crate::nn::layers::tests::relative_error(&flat(&got), &flat(&expected));
+                assert!(worst < 1e-6, "traditional={traditional}: {worst}");
+                // Unscaled, the rotation differs: the scaling was applied.
+                let plain = Rope::Fused(offset())
+                    .rotate_heads_first(
+                        &config(traditional),
+                        &x.transpose_axes(&[0, 2, 1, 3]).unwrap(),
+                    )
+                    .unwrap()
+                    .transpose_axes(&[0, 2, 1, 3])
+                    .unwrap();
+                let apart =
+                    crate::nn::layers::tests::relative_error(&flat(&plain), &flat(&expected));
+                assert!(apart > 1e-2, "traditional={traditional}: {apart}");
             }
         });
     }

@@ -1,6 +1,7 @@
 //! Shared helpers: the fixtures that `scripts/setup` builds with mlx-lm.
 #![allow(dead_code)]
 
+pub mod forced;
 pub mod parity;
 pub mod schema;
 

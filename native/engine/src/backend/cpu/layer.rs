@@ -7,8 +7,9 @@
 //!
 //! Layers whose parts the nodes do not take (dense or unstacked
 //! projections, a bias outside q/k/v, bit widths or group sizes without a
-//! kernel, MLX's rope, another dtype) return `None` before touching the
-//! cache, and are built from separate nodes as before.
+//! kernel, MLX's rope, another dtype, routed experts in place of the MLP)
+//! return `None` before touching the cache, and are built from separate
+//! nodes as before.
 
 use mlx_rs::{Array, Dtype};
 
@@ -37,7 +38,10 @@ pub(crate) fn forward<C: KvStore>(
     else {
         return Ok(None);
     };
-    let (attn, mlp) = (&block.attn, &block.mlp);
+    let Some(mlp) = block.mlp.dense() else {
+        return Ok(None);
+    };
+    let attn = &block.attn;
     let (Some((qkv, qkv_bias)), Some((o, None)), Some((gate_up, None)), Some((down, None))) = (
         attn.qkv.stacked_quantized(),
         attn.o.quantized(),

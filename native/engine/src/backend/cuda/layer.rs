@@ -200,7 +200,10 @@ pub(crate) fn forward<C: KvStore>(
         && !blocks.is_empty()
         && cache.buffers(0).0.dtype() == dtype
         && blocks.iter().all(|b| {
-            b.mlp.gate_up.is_stacked() && matches!(b.mlp.gate_up.sizes(), [g, u] if g == u)
+            // Routed experts run MLX's ops: these kernels take dense MLPs.
+            b.mlp.dense().is_some_and(|m| {
+                m.gate_up.is_stacked() && matches!(m.gate_up.sizes(), [g, u] if g == u)
+            })
         });
     if !takes {
         return Ok(None);
@@ -262,7 +265,10 @@ pub(crate) fn forward<C: KvStore>(
     }
     let mut h = h;
     for (i, block) in blocks.iter().enumerate() {
-        let (attn, mlp) = (&block.attn, &block.mlp);
+        let attn = &block.attn;
+        let mlp = block.mlp.dense().ok_or_else(|| {
+            crate::error::Error::Mlx("the layer kernels were given routed experts".into())
+        })?;
         let qkv = attn.qkv.forward(&x, &[])?;
         let a = attend(&qkv, block, i)?;
         let o = attn.o.forward(&a, &[])?;
@@ -301,10 +307,11 @@ fn products(blocks: &[Block], dtype: Dtype) -> Option<Vec<Products<'_>>> {
             let (o, None) = b.attn.o.quantized()? else {
                 return None;
             };
-            let (gate_up, None) = b.mlp.gate_up.stacked_quantized()? else {
+            let mlp = b.mlp.dense()?;
+            let (gate_up, None) = mlp.gate_up.stacked_quantized()? else {
                 return None;
             };
-            let (down, None) = b.mlp.down.quantized()? else {
+            let (down, None) = mlp.down.quantized()? else {
                 return None;
             };
             let all = [&qkv, &o, &gate_up, &down]

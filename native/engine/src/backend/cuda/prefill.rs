@@ -95,7 +95,10 @@ pub(crate) fn layers<C: KvStore>(
         && !p.blocks.is_empty()
         && norms.into_iter().all(|n| n.weight().ndim() == 1)
         && p.blocks.iter().all(|b| {
-            b.mlp.gate_up.is_stacked() && matches!(b.mlp.gate_up.sizes(), [g, u] if g == u)
+            // Routed experts run MLX's ops: these kernels take dense MLPs.
+            b.mlp.dense().is_some_and(|m| {
+                m.gate_up.is_stacked() && matches!(m.gate_up.sizes(), [g, u] if g == u)
+            })
         });
     let Some(k) = takes
         .then(|| kernels(dtype))
@@ -154,8 +157,11 @@ pub(crate) fn layers<C: KvStore>(
         };
         let post = &block.post_norm;
         let (h1, x1) = k.add_norm(&h, &r, post.weight(), post.eps())?;
-        let act = k.swiglu(&block.mlp.gate_up.forward(&x1, &[])?)?;
-        let down = block.mlp.down.forward(&act, &[])?;
+        let mlp = block.mlp.dense().ok_or_else(|| {
+            crate::error::Error::Mlx("the prompt kernels were given routed experts".into())
+        })?;
+        let act = k.swiglu(&mlp.gate_up.forward(&x1, &[])?)?;
+        let down = mlp.down.forward(&act, &[])?;
         let next = p.blocks.get(i + 1).map_or(p.final_norm, |b| &b.input_norm);
         (h, x) = k.add_norm(&h1, &down, next.weight(), next.eps())?;
     }
