@@ -53,10 +53,15 @@ defmodule EMLXAxon.TextGeneration.Scheduled do
   defp info!(scheduler) do
     Scheduler.model(scheduler)
   catch
-    :exit, reason ->
+    # No process of that name: the option names no scheduler.
+    :exit, {:noproc, _} = reason when not is_pid(scheduler) ->
       raise ArgumentError,
             "expected :scheduler to be a running EMLXAxon.Scheduler, " <>
               "got: #{inspect(scheduler)} (#{inspect(reason)})"
+
+    # A scheduler that exited (or is exiting).
+    :exit, reason ->
+      raise down(scheduler, exit_reason(reason))
   end
 
   @doc """

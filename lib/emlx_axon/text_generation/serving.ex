@@ -162,9 +162,11 @@ if Code.ensure_loaded?(Nx.Serving) do
         binaries =
           Map.new(tensors, fn {name, tensor} -> {String.to_atom(name), Nx.to_binary(tensor)} end)
 
+        {callers, binaries} = Map.pop(binaries, :caller)
         requests = Batch.decode(binaries, width, batch.size)
+        callers = Batch.decode_callers(callers, batch.size)
         on_chunk = if hook, do: &hook.(chunk_container(&1))
-        fields = Execution.run(state, requests, stream, on_chunk)
+        fields = Execution.run(state, requests, stream, on_chunk, callers)
         {Map.new(fields, fn {name, field} -> {name, tensor(field)} end), %{}}
       end
 
@@ -192,10 +194,15 @@ if Code.ensure_loaded?(Nx.Serving) do
       width = Batch.width!(requests, opts)
       n = length(requests)
 
+      # The process waiting for the rows travels with them: an execution
+      # whose callers have all exited stops (see Serving.Execution).
+      {callers, shape} = Batch.encode_callers(self(), n)
+
       inputs =
         requests
         |> Batch.encode(width)
         |> Map.new(&field(&1, n))
+        |> Map.put("caller", tensor({{:u, 8}, shape, callers}))
 
       batch = [inputs] |> Nx.Batch.concatenate() |> Nx.Batch.key(Batch.key(requests, width))
       {batch, multi?}
