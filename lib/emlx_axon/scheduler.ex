@@ -227,7 +227,9 @@ defmodule EMLXAxon.Scheduler do
   @doc """
   Submits a request and waits for its end. Returns `{:ok, result}`: an
   `EMLXAxon.Result` with its `:metadata`, and also `:ids` (the same as
-  `:token_ids`) and `:stats` (the `:done` message's).
+  `:token_ids`) and `:stats` (the `:done` message's). When the scheduler is
+  not running, or exits before the request ends, `{:error, %EMLXAxon.Error{kind:
+  :scheduler_down}}` (at once: the scheduler is monitored).
   """
   @spec generate(server(), [non_neg_integer()] | String.t(), keyword()) ::
           {:ok, map()} | {:error, :overloaded | Error.t()}
@@ -299,7 +301,8 @@ defmodule EMLXAxon.Scheduler do
 
   @doc """
   Submits a request and returns a lazy stream of `{ids, text}` chunks.
-  Halting the stream early cancels the request. Raises on errors.
+  Halting the stream early cancels the request. Raises on errors, also
+  `EMLXAxon.Error` (kind `:scheduler_down`) when the scheduler exits.
   """
   @spec stream(server(), [non_neg_integer()] | String.t(), keyword()) :: Enumerable.t()
   def stream(server, prompt, opts \\ []) do
