@@ -53,8 +53,8 @@ defmodule EMLXAxon.TextGeneration.Scheduled do
   defp info!(scheduler) do
     Scheduler.model(scheduler)
   catch
-    # No process of that name: the option names no scheduler.
-    :exit, {:noproc, _} = reason when not is_pid(scheduler) ->
+    # No such process: the option names no running scheduler.
+    :exit, {:noproc, _} = reason ->
       raise ArgumentError,
             "expected :scheduler to be a running EMLXAxon.Scheduler, " <>
               "got: #{inspect(scheduler)} (#{inspect(reason)})"

@@ -220,7 +220,16 @@ defmodule EMLXAxon.TextGeneration.Serving.Scheduled do
   end
 
   defp run!(scheduler, state, requests, opts, emit) do
-    Scheduled.check!(scheduler, state, requests, opts)
+    # The serving chose this scheduler: one gone since is down, not a bad
+    # argument of the caller's.
+    try do
+      Scheduled.check!(scheduler, state, requests, opts)
+    rescue
+      error in ArgumentError ->
+        if Process.alive?(Scheduled.whereis!(scheduler)),
+          do: reraise(error, __STACKTRACE__),
+          else: raise(Scheduled.down(scheduler, :noproc))
+    end
 
     scheduler
     |> Scheduled.run!(requests, opts, emit)
