@@ -5,7 +5,7 @@
 #
 #   mix run bench/load.exs -- [--model DIR] [--requests N] [--gap-ms MS]
 #       [--slots S] [--seed SEED] [--dtype float32|bfloat16]
-#       [--prefill-chunk TOKENS]
+#       [--prefill-chunk TOKENS] [--serving-only]
 #
 # Scenario 1: N requests with Poisson arrivals (mean gap MS), mixed prompt
 # lengths (8, 32, 96 tokens) and answer lengths (16, 32, 64 tokens), EOS
@@ -23,6 +23,14 @@
 # (a second scheduler with `prefix_cache_bytes: 0`), and the second's as a
 # share of the first's.
 #
+# Scenario 4 (where Nx is loaded): the same race through a real
+# Nx.Serving process (batch_size 8), as users run it: 7 streaming callers
+# merged into one batch of 200-token answers, then one more caller once
+# they decode. Reported for the default serving (continuous batching
+# through its own scheduler) and a static one (`scheduler: false`): the
+# late caller's first token, as a share of the time the batch took from
+# its arrival. `--serving-only` runs this scenario alone.
+#
 # Nothing measured pays a first use: scenario 1 starts after an unmeasured
 # pass of every static batch size and as many concurrent scheduler requests,
 # and each scheduler of scenario 3 first serves two unmeasured requests of
@@ -39,7 +47,8 @@ defmodule EMLXAxon.LoadBench do
     slots: :integer,
     prefill_chunk: :integer,
     seed: :integer,
-    dtype: :string
+    dtype: :string,
+    serving_only: :boolean
   ]
 
   def main(argv) do
@@ -78,6 +87,11 @@ defmodule EMLXAxon.LoadBench do
       end)
       |> elem(0)
 
+    unless opts[:serving_only], do: scenarios(state, model, requests, arrivals, vocab, slots, chunk, n)
+    serving_race(state, model)
+  end
+
+  defp scenarios(state, _model, requests, arrivals, vocab, slots, chunk, n) do
     {:ok, server} = Scheduler.start_link([model: state, slots: slots, max_queue: n] ++ chunk)
 
     warm_up(state, server, requests, slots)
@@ -140,6 +154,85 @@ defmodule EMLXAxon.LoadBench do
   # and as many concurrent requests through the scheduler, so that neither
   # mode pays first-use costs in the measured runs (on a GPU, MLX compiles
   # kernels and plans products for each new shape).
+  # Scenario 4: a late caller of a busy Nx.Serving process.
+  defp serving_race(state, model) do
+    if Code.ensure_loaded?(Nx.Serving) do
+      {:ok, _} = Application.ensure_all_started(:nx)
+      {:ok, tokenizer} = EMLXAxon.Tokenizer.load(model)
+      IO.puts("\nScenario 4: a caller arriving while an Nx.Serving batch decodes (batch_size 8)")
+
+      for {name, opts} <- [{"default", []}, {"scheduler: false", [scheduler: false]}] do
+        serving =
+          EMLXAxon.TextGeneration.serving(
+            tokenizer,
+            state,
+            [max_new_tokens: 200, ignore_eos: true, stream: true] ++ opts
+          )
+
+        {:ok, sup} =
+          Nx.Serving.start_link(serving: serving, name: LoadBench.Serving, batch_size: 8, batch_timeout: 20)
+
+        # Unmeasured: a first batch pays the first use.
+        race(LoadBench.Serving)
+        {first, batch} = race(LoadBench.Serving)
+
+        IO.puts(
+          "  #{String.pad_trailing(name, 18)} late caller's first token after #{first} ms; " <>
+            "the batch took #{batch} ms more (#{round(first / batch * 100)}% of it)"
+        )
+
+        Supervisor.stop(sup)
+      end
+    else
+      IO.puts("\nScenario 4 left out: Nx is not loaded")
+    end
+  end
+
+  defp race(name) do
+    test = self()
+
+    batch =
+      for i <- 1..7 do
+        Task.async(fn ->
+          name
+          |> Nx.Serving.batched_run("Request #{i}: tell me a story.")
+          |> Stream.each(fn _ -> send(test, :decoding) end)
+          |> Stream.run()
+
+          System.monotonic_time(:millisecond)
+        end)
+      end
+
+    receive do
+      :decoding -> :ok
+    after
+      120_000 -> raise "the batch produced nothing in 2 minutes"
+    end
+
+    # Well into the batch's decoding.
+    Process.sleep(200)
+    sent = System.monotonic_time(:millisecond)
+
+    late =
+      Task.async(fn ->
+        [_] = name |> Nx.Serving.batched_run("A late question.") |> Enum.take(1)
+        System.monotonic_time(:millisecond)
+      end)
+
+    first = Task.await(late, 300_000) - sent
+    batch_end = batch |> Task.await_many(300_000) |> Enum.max()
+    flush()
+    {first, batch_end - sent}
+  end
+
+  defp flush do
+    receive do
+      :decoding -> flush()
+    after
+      0 -> :ok
+    end
+  end
+
   defp warm_up(state, server, requests, slots) do
     batch = requests |> Enum.take(slots) |> Enum.map(&%{&1 | tokens: 2})
 

@@ -10,6 +10,12 @@ left_out =
     "  #{module} (#{file}): #{reason}"
   end
 
+# Where Nx (and :telemetry) are on the code path without being this
+# project's dependencies (ERL_LIBS), their applications are not started.
+for app <- [:telemetry, :nx], :code.lib_dir(app) != {:error, :bad_name} do
+  {:ok, _} = Application.ensure_all_started(app)
+end
+
 fixtures? = EMLXAxon.TestFixtures.available?()
 
 missing =

@@ -25,6 +25,9 @@ defmodule EMLXAxon.Error do
       fit in MLX's memory limit (see `EMLXAxon.memory_info/0`)
     * `:closed_stream` - an `EMLXAxon.Stream` was used after `EMLXAxon.Stream.close/1`
     * `:released` - a generation was used after it was freed
+    * `:overloaded` - a scheduler's queue is full: the request was refused at once
+    * `:scheduler_down` - the scheduler a request was sent to exited (or was not
+      running) before the request ended
     * `:panic` - the native code panicked (a bug: please report it)
     * `:not_found`, `:unauthorized`, `:checksum`, `:network`, `:offline` -
       a download from the Hugging Face Hub failed (see `EMLXAxon.Hub`)
@@ -56,6 +59,8 @@ defmodule EMLXAxon.Error do
           | :out_of_memory
           | :closed_stream
           | :released
+          | :overloaded
+          | :scheduler_down
           | :panic
           | :not_found
           | :unauthorized

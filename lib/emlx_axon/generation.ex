@@ -73,7 +73,9 @@ defmodule EMLXAxon.Generation do
   @doc """
   Runs a generation of `prompts` (already validated) with `opts` (the
   validated options map: the native options plus `:timeout` and
-  `:chunk_size`). Returns `{:ok, %{rows: [row], stats: stats}}`.
+  `:chunk_size`, and optionally `:halt?`, a function checked after every
+  native step: when it returns true, the rows end as on a timeout).
+  Returns `{:ok, %{rows: [row], stats: stats}}`.
   """
   @spec run(
           State.t(),
@@ -129,6 +131,8 @@ defmodule EMLXAxon.Generation do
           rows = Enum.map(prompts, fn _ -> {[], [], nil} end)
           deadline = deadline(opts.timeout, started)
 
+          deadline = {deadline, Map.get(opts, :halt?)}
+
           # The first step is a single token, so a streaming caller sees the
           # first token as soon as it exists; then `chunk_size` at a time.
           with {:ok, rows} <- loop(generation, rows, 1, opts.chunk_size, deadline, on_chunk),
@@ -161,7 +165,8 @@ defmodule EMLXAxon.Generation do
 
         cond do
           status == :done -> {:ok, rows}
-          past?(deadline) -> {:ok, Enum.map(rows, &timeout_row/1)}
+          # Past the timeout, or nobody left to read the rows.
+          stop?(deadline) -> {:ok, Enum.map(rows, &timeout_row/1)}
           true -> loop(generation, rows, chunk_size, chunk_size, deadline, on_chunk)
         end
 
@@ -191,6 +196,8 @@ defmodule EMLXAxon.Generation do
 
   defp deadline(timeout_ms, started),
     do: started + System.convert_time_unit(timeout_ms, :millisecond, :native)
+
+  defp stop?({deadline, halt?}), do: past?(deadline) or (halt? != nil and halt?.())
 
   defp past?(nil), do: false
   defp past?(deadline), do: System.monotonic_time() >= deadline

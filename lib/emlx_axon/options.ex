@@ -106,6 +106,15 @@ defmodule EMLXAxon.Options do
   @doc "The generation and sampling options every generating entry point takes."
   def generation, do: @generation
 
+  @doc """
+  The queue bound of a scheduler (`EMLXAxon.Scheduler.start_link/1`) and of
+  a serving (`EMLXAxon.TextGeneration.serving/3`): past it a request is
+  refused at once with an `:overloaded` error rather than left waiting.
+  """
+  def max_queue(doc) do
+    [type: :non_neg_integer, default: 64, doc: doc]
+  end
+
   @doc "The constrained decoding options (at most one of them is given)."
   def constraints, do: @constraints
 

@@ -111,11 +111,11 @@ defmodule EMLXAxon.Scheduler do
           "fixed cost, while long CPU steps still leave room every few milliseconds for new " <>
           "requests, cancellations and streaming"
     ],
-    max_queue: [
-      type: :non_neg_integer,
-      default: 64,
-      doc: "requests that may wait for a slot, past the `:slots` running ones"
-    ],
+    max_queue:
+      Options.max_queue(
+        "requests that may wait for a slot, past the `:slots` running ones; past them " <>
+          "`submit/3` answers `{:error, :overloaded}` at once"
+      ),
     prefix_cache_bytes: [
       type: :non_neg_integer,
       default: 256 * 1024 * 1024,
@@ -227,22 +227,55 @@ defmodule EMLXAxon.Scheduler do
   @doc """
   Submits a request and waits for its end. Returns `{:ok, result}`: an
   `EMLXAxon.Result` with its `:metadata`, and also `:ids` (the same as
-  `:token_ids`) and `:stats` (the `:done` message's).
+  `:token_ids`) and `:stats` (the `:done` message's). When the scheduler is
+  not running, or exits before the request ends, `{:error, %EMLXAxon.Error{kind:
+  :scheduler_down}}` (at once: the scheduler is monitored).
   """
   @spec generate(server(), [non_neg_integer()] | String.t(), keyword()) ::
           {:ok, map()} | {:error, :overloaded | Error.t()}
   def generate(server, prompt, opts \\ []) do
     started = System.monotonic_time()
 
-    with {:ok, ref} <- submit(server, prompt, opts) do
-      collect(ref, [], [], started)
+    # Watched, so that a scheduler exiting ends the wait with an error.
+    case GenServer.whereis(server) do
+      pid when is_pid(pid) ->
+        monitor = Process.monitor(pid)
+
+        try do
+          with {:ok, ref} <- submit_watched(pid, prompt, opts) do
+            collect(ref, monitor, [], [], started)
+          end
+        after
+          Process.demonitor(monitor, [:flush])
+        end
+
+      _ ->
+        {:error, down(server, :noproc)}
     end
   end
 
-  defp collect(ref, ids, text, started) do
+  # submit/3, with a scheduler that exits during the call as an error.
+  defp submit_watched(pid, prompt, opts) do
+    submit(pid, prompt, opts)
+  catch
+    :exit, {reason, {GenServer, :call, _}} -> {:error, down(pid, reason)}
+  end
+
+  defp down(server, reason) do
+    Error.exception(
+      kind: :scheduler_down,
+      message: "the scheduler #{inspect(server)} is not running (#{inspect(reason)})"
+    )
+  end
+
+  defp collect(ref, monitor, ids, text, started) do
     receive do
       {__MODULE__, ^ref, {:tokens, new_ids, new_text}} ->
-        collect(ref, [new_ids | ids], [text, new_text], started)
+        collect(ref, monitor, [new_ids | ids], [text, new_text], started)
+
+      # After any message the scheduler sent before exiting.
+      {:DOWN, ^monitor, :process, pid, reason} ->
+        {:error, down(pid, reason)}
 
       {__MODULE__, ^ref, {:done, reason, stats}} ->
         ids = ids |> Enum.reverse() |> Enum.concat()
@@ -268,32 +301,53 @@ defmodule EMLXAxon.Scheduler do
 
   @doc """
   Submits a request and returns a lazy stream of `{ids, text}` chunks.
-  Halting the stream early cancels the request. Raises on errors.
+  Halting the stream early cancels the request. Raises on errors, also
+  `EMLXAxon.Error` (kind `:scheduler_down`) when the scheduler exits.
   """
   @spec stream(server(), [non_neg_integer()] | String.t(), keyword()) :: Enumerable.t()
   def stream(server, prompt, opts \\ []) do
     Stream.resource(
       fn ->
-        case submit(server, prompt, opts) do
-          {:ok, ref} -> {:running, ref}
-          {:error, :overloaded} -> raise Error, kind: :overloaded, message: "the queue is full"
-          {:error, error} -> raise error
+        pid = GenServer.whereis(server) || raise down(server, :noproc)
+        monitor = Process.monitor(pid)
+
+        case submit_watched(pid, prompt, opts) do
+          {:ok, ref} ->
+            {:running, ref, monitor}
+
+          {:error, error} ->
+            Process.demonitor(monitor, [:flush])
+
+            if error == :overloaded,
+              do: raise(Error, kind: :overloaded, message: "the queue is full"),
+              else: raise(error)
         end
       end,
       fn
-        {:done, ref} ->
-          {:halt, {:done, ref}}
+        {:done, _ref, _monitor} = acc ->
+          {:halt, acc}
 
-        {:running, ref} ->
+        {:running, ref, monitor} = acc ->
           receive do
-            {__MODULE__, ^ref, {:tokens, ids, text}} -> {[{ids, text}], {:running, ref}}
-            {__MODULE__, ^ref, {:done, _reason, _stats}} -> {:halt, {:done, ref}}
+            {__MODULE__, ^ref, {:tokens, ids, text}} -> {[{ids, text}], acc}
+            {__MODULE__, ^ref, {:done, _reason, _stats}} -> {:halt, {:done, ref, monitor}}
             {__MODULE__, ^ref, {:error, error}} -> raise error
+            {:DOWN, ^monitor, :process, pid, reason} -> raise down(pid, reason)
           end
       end,
       fn
-        {:running, ref} -> cancel(server, ref)
-        {:done, _ref} -> :ok
+        {:running, ref, monitor} ->
+          Process.demonitor(monitor, [:flush])
+
+          try do
+            cancel(server, ref)
+          catch
+            # Gone already: nothing of it is left to free.
+            :exit, _ -> :ok
+          end
+
+        {:done, _ref, monitor} ->
+          Process.demonitor(monitor, [:flush])
       end
     )
   end

@@ -218,18 +218,32 @@ defmodule EMLXAxon.TextGeneration do
   `EMLXAxon.Stream`, so partitions decode concurrently; set the number of
   partitions with `defn_options: [max_concurrency: n]`.
 
-  ## With a scheduler
+  ## Continuous batching
 
-  Without a scheduler, an execution generates its whole batch before the
+  By default a serving decodes through `EMLXAxon.Scheduler`s: a serving
+  process (`Nx.Serving.start_link/1`) starts one per partition, all on the
+  one `state`, under a supervisor linked to it (restarted when one fails,
+  stopped with the serving); an inline `Nx.Serving.run/2` starts one for the
+  run. Executions only route their rows to a scheduler and return at once:
+  each caller then submits its inputs, which join the scheduler's running
+  batch between decode steps, and waits for its own tokens. So a request is
+  not held back by a batch that is decoding: it starts as soon as the
+  scheduler has a free slot. `:max_queue` bounds the requests waiting for a
+  slot (past it a caller gets `EMLXAxon.Error`, kind `:overloaded`, at
+  once), and `:scheduler_options` sets the schedulers' `:slots`,
+  `:capacity` and steps.
+
+  With `scheduler: false` an execution generates its whole batch before the
   serving (or its partition) takes the next one, so a request that comes
-  while a long batch decodes waits for all of it. With `scheduler:` (the
-  pid or name of an `EMLXAxon.Scheduler` started with the same `state` and
-  a `:tokenizer`, or a list of them) executions only hand their rows to a
-  scheduler and return at once: each caller then submits its inputs to that
-  scheduler, where they join its running batch between decode steps, and
-  waits for its own tokens. So a request is not held back by a batch that
-  is decoding, also with a single partition: it starts as soon as the
-  scheduler has a free slot. What changes:
+  while a long batch decodes waits for all of it; an execution whose callers
+  have all exited stops within a step. A serving given an `EMLXAxon.Stream`
+  (`:stream` or `:mlx_stream`) decodes so, on that stream.
+
+  With `scheduler:` the pid or name of an `EMLXAxon.Scheduler` started
+  elsewhere with the same `state` and a `:tokenizer`, or a list of them, the
+  serving shares it instead of starting its own.
+
+  Through a scheduler, whether its own or shared:
 
     * outputs are those of `run/4` with `scheduler:` (no padding, each
       input's own timings in `metadata`, `:queue_ms` and `:cached_tokens`);
@@ -239,11 +253,13 @@ defmodule EMLXAxon.TextGeneration do
       [max_concurrency: n]`) uses the `rem(i, length(schedulers))`-th
       scheduler; a caller's inputs all go to the scheduler of the partition
       that took its first input
-    * the scheduler's own `:slots`, `:capacity` and `:max_queue` bound what
+    * the scheduler's `:slots`, `:capacity` and `:max_queue` bound what
       runs at once; `:compile`'s `:sequence_length` buckets, `:chunk_size`
-      and `:profile_timing` do not apply, and `:stream`/`:mlx_stream` (an
-      `EMLXAxon.Stream`) raise `ArgumentError`; a full scheduler queue
-      raises `EMLXAxon.Error` (kind `:overloaded`) in the caller
+      and `:profile_timing` do not apply, and with a shared scheduler
+      `:stream`/`:mlx_stream` (an `EMLXAxon.Stream`) raise `ArgumentError`;
+      a full scheduler queue raises `EMLXAxon.Error` (kind `:overloaded`) in
+      the caller, and a scheduler that exits while a caller waits raises
+      `EMLXAxon.Error` (kind `:scheduler_down`) in it within a second
     * the tokens are received by the process that runs the client
       postprocessing: the caller's own for `Nx.Serving.run/2` and a local
       `Nx.Serving.batched_run/2`; for a caller on another node, the process

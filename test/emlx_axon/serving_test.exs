@@ -1,7 +1,11 @@
 # Runs only where Nx is available (this repository builds without Hex, so
 # these tests run in applications or CI setups that bring Nx).
-if Code.ensure_loaded?(Nx.Serving) do
-  defmodule EMLXAxon.TextGeneration.ServingTest do
+#
+# Each test runs on both kinds of serving: the default one, decoding
+# through schedulers of its own (continuous batching), and a static one
+# (`scheduler: false`), whose executions decode their batch to the end.
+for mode <- [:continuous, :static], Code.ensure_loaded?(Nx.Serving) do
+  defmodule Module.concat(EMLXAxon.TextGeneration.ServingTest, Macro.camelize("#{mode}")) do
     use ExUnit.Case, async: false
 
     alias EMLXAxon.{
@@ -18,6 +22,8 @@ if Code.ensure_loaded?(Nx.Serving) do
     @plain "The quick brown fox jumps over the lazy dog."
     @chat [%{role: "user", content: "Give me a short introduction to large language models."}]
     @opts [max_new_tokens: 16]
+    @mode mode
+    @mode_opts if mode == :static, do: [scheduler: false], else: []
 
     setup_all do
       name = "qwen3-4bit-g64"
@@ -34,6 +40,10 @@ if Code.ensure_loaded?(Nx.Serving) do
 
     defp ids(output), do: hd(output.results).token_ids
 
+    # A serving of this module's kind.
+    defp serving(tokenizer, state, opts),
+      do: TextGeneration.serving(tokenizer, state, opts ++ @mode_opts)
+
     test "Nx.Serving.run/2 gives run/4's results", %{tokenizer: tokenizer, state: state} do
       reference = TestFixtures.reference("qwen3-4bit-g64")["prompts"]
       plain_ids = reference["plain"]["greedy_ids"]
@@ -43,7 +53,7 @@ if Code.ensure_loaded?(Nx.Serving) do
             [max_new_tokens: 24, stop: ["the"]],
             @opts ++ [eos_token_ids: [Enum.at(plain_ids, 3)]]
           ] do
-        serving = TextGeneration.serving(tokenizer, state, opts)
+        serving = serving(tokenizer, state, opts)
 
         for input <- [@plain, @chat, %{text: @plain}, [@plain, @chat, "Hello"]] do
           assert results(Nx.Serving.run(serving, input)) ==
@@ -53,7 +63,7 @@ if Code.ensure_loaded?(Nx.Serving) do
       end
 
       assert %{results: [%{token_ids: ^plain_ids}], metadata: %{batch_size: 1, prompt_tokens: 10}} =
-               Nx.Serving.run(TextGeneration.serving(tokenizer, state, @opts), @plain)
+               Nx.Serving.run(serving(tokenizer, state, @opts), @plain)
     end
 
     test "from_mlx4bit/3", %{tokenizer: tokenizer, state: state} do
@@ -63,7 +73,8 @@ if Code.ensure_loaded?(Nx.Serving) do
       for given <- [nil, tokenizer, native, TestForeignTokenizers.bumblebee(native)] do
         # The fixture model's dtype (float32 on every device): on a GPU the
         # default is bfloat16, whose ids need not match float32's.
-        serving = TextGeneration.from_mlx4bit(path, given, @opts ++ [dtype: :float32])
+        serving =
+          TextGeneration.from_mlx4bit(path, given, @opts ++ [dtype: :float32] ++ @mode_opts)
 
         for input <- [@plain, @chat] do
           assert results(Nx.Serving.run(serving, input)) ==
@@ -78,7 +89,7 @@ if Code.ensure_loaded?(Nx.Serving) do
     } do
       path = Path.join(TestFixtures.path("qwen3-4bit-g64"), "tokenizer.json")
       bumblebee = path |> TestForeignTokenizers.native() |> TestForeignTokenizers.bumblebee()
-      serving = TextGeneration.serving(bumblebee, state, @opts)
+      serving = serving(bumblebee, state, @opts)
       %{results: [expected]} = TextGeneration.run(tokenizer, state, @plain, @opts)
 
       assert %{results: [%{text: text, token_summary: summary}]} =
@@ -94,7 +105,7 @@ if Code.ensure_loaded?(Nx.Serving) do
     } do
       opts = @opts ++ [sampler: :top_p_cpu, temperature: 1.5, top_p: 1.0]
       alone = ids(TextGeneration.run(tokenizer, state, %{text: @plain, seed: 7}, opts))
-      serving = TextGeneration.serving(tokenizer, state, opts)
+      serving = serving(tokenizer, state, opts)
       assert ids(Nx.Serving.run(serving, %{text: @plain, seed: 7})) == alone
 
       name = :"serving_#{System.unique_integer([:positive])}"
@@ -110,7 +121,9 @@ if Code.ensure_loaded?(Nx.Serving) do
         |> Enum.map(&Task.async(fn -> Nx.Serving.batched_run(name, &1) end))
         |> Task.await_many(60_000)
 
-      assert first.metadata.batch_size == 3
+      # A static execution decoded the three together; through a scheduler,
+      # each caller's metadata counts its own inputs.
+      assert first.metadata.batch_size == if(@mode == :static, do: 3, else: 1)
       assert ids(first) == alone
       refute ids(third) == alone
     end
@@ -120,29 +133,33 @@ if Code.ensure_loaded?(Nx.Serving) do
       state: state
     } do
       inputs = [@plain, "Hello", @chat, "1, 2, 3,", "Elixir is", "Hi"]
-      split = tokenizer |> TextGeneration.serving(state, @opts) |> Nx.Serving.batch_size(4)
+      # Through a scheduler, the caller submits its six inputs together
+      # whatever executions routed them.
+      sizes = if @mode == :static, do: [4, 4, 4, 4, 2, 2], else: List.duplicate(6, 6)
+      split = tokenizer |> serving(state, @opts) |> Nx.Serving.batch_size(4)
       outputs = Nx.Serving.run(split, inputs)
-      assert Enum.map(outputs, & &1.metadata.batch_size) == [4, 4, 4, 4, 2, 2]
+      assert Enum.map(outputs, & &1.metadata.batch_size) == sizes
 
       # Bumblebee's way of setting the batch size.
-      serving = TextGeneration.serving(tokenizer, state, @opts ++ [compile: [batch_size: 4]])
+      serving = serving(tokenizer, state, @opts ++ [compile: [batch_size: 4]])
       outputs = Nx.Serving.run(serving, inputs)
-      assert Enum.map(outputs, & &1.metadata.batch_size) == [4, 4, 4, 4, 2, 2]
+      assert Enum.map(outputs, & &1.metadata.batch_size) == sizes
 
       assert results(outputs) ==
                results(Enum.map(inputs, &TextGeneration.run(tokenizer, state, &1, @opts)))
 
-      [_, _, _, _, fifth, sixth] = outputs
-      assert fifth.metadata.prefill_ms == sixth.metadata.prefill_ms
-      refute hd(outputs).metadata.prefill_ms == fifth.metadata.prefill_ms
+      if @mode == :static do
+        [_, _, _, _, fifth, sixth] = outputs
+        assert fifth.metadata.prefill_ms == sixth.metadata.prefill_ms
+        refute hd(outputs).metadata.prefill_ms == fifth.metadata.prefill_ms
+      end
     end
 
     test "prompts of different length buckets are not batched together", %{
       tokenizer: tokenizer,
       state: state
     } do
-      serving =
-        TextGeneration.serving(tokenizer, state, @opts ++ [compile: [sequence_length: [16, 64]]])
+      serving = serving(tokenizer, state, @opts ++ [compile: [sequence_length: [16, 64]]])
 
       name = :"serving_#{System.unique_integer([:positive])}"
 
@@ -156,14 +173,15 @@ if Code.ensure_loaded?(Nx.Serving) do
         |> Enum.map(&Task.async(fn -> Nx.Serving.batched_run(name, &1) end))
         |> Task.await_many(60_000)
 
-      assert short.metadata.batch_size == 2
-      assert short_too.metadata.batch_size == 2
+      # Through a scheduler prompts of any length share the running batch.
+      assert short.metadata.batch_size == if(@mode == :static, do: 2, else: 1)
+      assert short_too.metadata.batch_size == if(@mode == :static, do: 2, else: 1)
       assert long.metadata.batch_size == 1
       assert results(long) == results(TextGeneration.run(tokenizer, state, @chat, @opts))
     end
 
     test "EMLXAxon.Stream.new/1 inside with_stream/2", %{tokenizer: tokenizer, state: state} do
-      serving = TextGeneration.serving(tokenizer, state, @opts)
+      serving = serving(tokenizer, state, @opts)
 
       assert EMLXAxon.Stream.with_stream(EMLXAxon.Stream.new(:cpu), fn ->
                results(Nx.Serving.run(serving, @plain))
@@ -171,7 +189,7 @@ if Code.ensure_loaded?(Nx.Serving) do
     end
 
     test "batched_run/2 batches concurrent callers", %{tokenizer: tokenizer, state: state} do
-      serving = TextGeneration.serving(tokenizer, state, @opts)
+      serving = serving(tokenizer, state, @opts)
       name = :"serving_#{System.unique_integer([:positive])}"
 
       start_supervised!(
@@ -192,8 +210,7 @@ if Code.ensure_loaded?(Nx.Serving) do
     end
 
     test "partitions each get a stream", %{tokenizer: tokenizer, state: state} do
-      serving =
-        TextGeneration.serving(tokenizer, state, @opts ++ [defn_options: [max_concurrency: 2]])
+      serving = serving(tokenizer, state, @opts ++ [defn_options: [max_concurrency: 2]])
 
       name = :"serving_#{System.unique_integer([:positive])}"
 
@@ -219,13 +236,12 @@ if Code.ensure_loaded?(Nx.Serving) do
       for input <- [@plain, @chat] do
         %{results: [expected]} = TextGeneration.run(tokenizer, state, input, @opts)
 
-        serving = TextGeneration.serving(tokenizer, state, @opts ++ [stream: true])
+        serving = serving(tokenizer, state, @opts ++ [stream: true])
         chunks = serving |> Nx.Serving.run(input) |> Enum.to_list()
         assert Enum.all?(chunks, &(is_binary(&1) and &1 != ""))
         assert IO.iodata_to_binary(chunks) == expected.generated_text
 
-        serving =
-          TextGeneration.serving(tokenizer, state, @opts ++ [stream: true, stream_done: true])
+        serving = serving(tokenizer, state, @opts ++ [stream: true, stream_done: true])
 
         events = serving |> Nx.Serving.run(input) |> Enum.to_list()
         summary = expected.token_summary
@@ -235,7 +251,7 @@ if Code.ensure_loaded?(Nx.Serving) do
     end
 
     test "a streaming serving process", %{tokenizer: tokenizer, state: state} do
-      serving = TextGeneration.serving(tokenizer, state, @opts ++ [stream: true])
+      serving = serving(tokenizer, state, @opts ++ [stream: true])
       name = :"serving_#{System.unique_integer([:positive])}"
 
       start_supervised!(
@@ -310,7 +326,7 @@ if Code.ensure_loaded?(Nx.Serving) do
       ]
 
       alone = Enum.map(inputs, &TextGeneration.run(tokenizer, state, &1, opts))
-      serving = TextGeneration.serving(tokenizer, state, opts)
+      serving = serving(tokenizer, state, opts)
 
       # One caller's list: constrained and free rows share the execution.
       listed = Nx.Serving.run(serving, inputs)
@@ -334,10 +350,12 @@ if Code.ensure_loaded?(Nx.Serving) do
       assert_constrained(inputs, merged)
       # The constrained callers of one length bucket were decoded together;
       # the free one, and the longer chat prompt, apart.
-      assert Enum.map(merged, & &1.metadata.batch_size) == [3, 1, 3, 3, 1]
+      if @mode == :static do
+        assert Enum.map(merged, & &1.metadata.batch_size) == [3, 1, 3, 3, 1]
+      end
 
       # The serving's own constraint applies to the inputs without one.
-      serving = TextGeneration.serving(tokenizer, state, opts ++ [regex: "ab+c"])
+      serving = serving(tokenizer, state, opts ++ [regex: "ab+c"])
       [free, own] = Nx.Serving.run(serving, ["Hello", %{text: "Hi", json_schema: @schema}])
       assert hd(free.results).text =~ ~r/\Aab+c\z/
       assert_constrained([%{json_schema: @schema}], [own])
@@ -347,7 +365,7 @@ if Code.ensure_loaded?(Nx.Serving) do
       tokenizer: tokenizer,
       state: state
     } do
-      serving = TextGeneration.serving(tokenizer, state, @opts)
+      serving = serving(tokenizer, state, @opts)
       name = :"serving_#{System.unique_integer([:positive])}"
 
       start_supervised!(
@@ -370,7 +388,7 @@ if Code.ensure_loaded?(Nx.Serving) do
                results(TextGeneration.run(tokenizer, state, ["Hello", @plain], @opts))
 
       assert_raise ArgumentError, ~r/invalid regex/, fn ->
-        TextGeneration.serving(tokenizer, state, regex: "(a")
+        serving(tokenizer, state, regex: "(a")
       end
     end
 
@@ -403,7 +421,7 @@ if Code.ensure_loaded?(Nx.Serving) do
       assert Enum.all?(calls, &match?(%{name: "get_weather", arguments: %{"city" => _}}, &1))
       assert expected.tool_call_errors == []
 
-      serving = TextGeneration.serving(tokenizer, state, opts)
+      serving = serving(tokenizer, state, opts)
       assert %{results: [^expected]} = Nx.Serving.run(serving, input)
 
       # A free input gets its (here: no) calls parsed too.
@@ -412,265 +430,283 @@ if Code.ensure_loaded?(Nx.Serving) do
       assert %{tool_calls: [], tool_call_errors: []} = hd(free.results)
 
       # Without tools, no tool keys.
-      plain = TextGeneration.serving(tokenizer, state, max_new_tokens: 80)
+      plain = serving(tokenizer, state, max_new_tokens: 80)
       refute Map.has_key?(hd(Nx.Serving.run(plain, input).results), :tool_calls)
 
-      streaming =
-        TextGeneration.serving(tokenizer, state, opts ++ [stream: true, stream_done: true])
+      streaming = serving(tokenizer, state, opts ++ [stream: true, stream_done: true])
 
       events = streaming |> Nx.Serving.run(input) |> Enum.to_list()
       assert {:done, %{results: [^expected]}} = List.last(events)
       assert IO.iodata_to_binary(Enum.drop(events, -1)) == expected.text
     end
 
-    describe "with a scheduler" do
-      setup %{tokenizer: tokenizer, state: state} do
-        start = fn id ->
-          start_supervised!(
-            # Two steps a call: streams come in several pieces.
-            {Scheduler,
-             model: state,
-             tokenizer: tokenizer,
-             slots: 8,
-             prefix_cache_bytes: 0,
-             steps_per_call: 2},
-            id: id
-          )
+    # Schedulers started apart from the serving, shared by servings (the
+    # serving's kind is then theirs).
+    if @mode == :continuous do
+      describe "with a scheduler" do
+        setup %{tokenizer: tokenizer, state: state} do
+          start = fn id ->
+            start_supervised!(
+              # Two steps a call: streams come in several pieces.
+              {Scheduler,
+               model: state,
+               tokenizer: tokenizer,
+               slots: 8,
+               prefix_cache_bytes: 0,
+               steps_per_call: 2},
+              id: id
+            )
+          end
+
+          %{scheduler: start.(:first), other: start.(:second)}
         end
 
-        %{scheduler: start.(:first), other: start.(:second)}
-      end
+        # What a direct run and a scheduled one agree on (padding and timings
+        # differ by design).
+        defp comparable(outputs) when is_list(outputs), do: Enum.map(outputs, &comparable/1)
 
-      # What a direct run and a scheduled one agree on (padding and timings
-      # differ by design).
-      defp comparable(outputs) when is_list(outputs), do: Enum.map(outputs, &comparable/1)
-
-      defp comparable(%{results: [result]}) do
-        result
-        |> Map.drop([:token_summary])
-        |> Map.put(:input, result.token_summary.input)
-      end
-
-      # The scheduler drops a request of a caller that went away at its next
-      # step: wait for it (some seconds at most).
-      defp idle?(scheduler, tries \\ 100) do
-        case Scheduler.occupancy(scheduler) do
-          %{running: 0, waiting: 0} ->
-            true
-
-          _ when tries > 0 ->
-            Process.sleep(50)
-            idle?(scheduler, tries - 1)
-
-          _ ->
-            false
-        end
-      end
-
-      defp start_serving(serving, opts \\ []) do
-        name = :"serving_#{System.unique_integer([:positive])}"
-
-        start_supervised!(
-          {Nx.Serving, [serving: serving, name: name, batch_size: 4, batch_timeout: 20] ++ opts}
-        )
-
-        name
-      end
-
-      test "gives run/4's outputs, locally and through distributed batched_run", ctx do
-        %{tokenizer: tokenizer, state: state, scheduler: scheduler} = ctx
-        inputs = [@plain, @chat, "Hello", [@plain, "Hi"], %{text: "1, 2, 3,", seed: 4}]
-        expected = Enum.map(inputs, &TextGeneration.run(tokenizer, state, &1, @opts))
-        serving = TextGeneration.serving(tokenizer, state, @opts ++ [scheduler: scheduler])
-
-        assert comparable(Enum.map(inputs, &Nx.Serving.run(serving, &1))) == comparable(expected)
-
-        assert %{metadata: %{batch_size: 2}, results: [%{token_summary: %{padding: 0}}]} =
-                 hd(Nx.Serving.run(serving, [@plain, @chat]))
-
-        name = start_serving(serving)
-
-        for call <- [name, {:local, name}, {:distributed, name}] do
-          actual =
-            inputs
-            |> Enum.map(&Task.async(fn -> Nx.Serving.batched_run(call, &1) end))
-            |> Task.await_many(60_000)
-
-          assert comparable(actual) == comparable(expected), inspect(call)
+        defp comparable(%{results: [result]}) do
+          result
+          |> Map.drop([:token_summary])
+          |> Map.put(:input, result.token_summary.input)
         end
 
-        assert idle?(scheduler)
-      end
+        # The scheduler drops a request of a caller that went away at its next
+        # step: wait for it (some seconds at most).
+        defp idle?(scheduler, tries \\ 100) do
+          case Scheduler.occupancy(scheduler) do
+            %{running: 0, waiting: 0} ->
+              true
 
-      test "partitions map to schedulers", ctx do
-        %{tokenizer: tokenizer, state: state, scheduler: first, other: second} = ctx
-        inputs = [@plain, @chat, "Hello", "Hi"] |> List.duplicate(3) |> Enum.concat()
-        expected = Enum.map(inputs, &TextGeneration.run(tokenizer, state, &1, @opts))
+            _ when tries > 0 ->
+              Process.sleep(50)
+              idle?(scheduler, tries - 1)
 
-        serving =
-          TextGeneration.serving(
-            tokenizer,
-            state,
-            @opts ++ [scheduler: [first, second], defn_options: [max_concurrency: 2]]
-          )
-
-        name = start_serving(serving, partitions: true)
-
-        actual =
-          inputs
-          |> Enum.map(&Task.async(fn -> Nx.Serving.batched_run(name, &1) end))
-          |> Task.await_many(60_000)
-
-        assert comparable(actual) == comparable(expected)
-        alias TextGeneration.Serving.Scheduled
-
-        assert Enum.map(0..3, &Scheduled.scheduler([first, second], &1)) == [
-                 first,
-                 second,
-                 first,
-                 second
-               ]
-      end
-
-      test "streams text as it arrives, locally and through distributed batched_run", ctx do
-        %{tokenizer: tokenizer, state: state, scheduler: scheduler} = ctx
-        opts = @opts ++ [scheduler: scheduler, stream: true]
-
-        for input <- [@plain, @chat] do
-          %{results: [expected]} = TextGeneration.run(tokenizer, state, input, @opts)
-          serving = TextGeneration.serving(tokenizer, state, opts)
-          chunks = serving |> Nx.Serving.run(input) |> Enum.to_list()
-          assert length(chunks) >= 2 and Enum.all?(chunks, &(is_binary(&1) and &1 != ""))
-          assert IO.iodata_to_binary(chunks) == expected.generated_text
-
-          serving = TextGeneration.serving(tokenizer, state, opts ++ [stream_done: true])
-          name = start_serving(serving)
-
-          for call <- [name, {:distributed, name}] do
-            events = call |> Nx.Serving.batched_run(input) |> Enum.to_list()
-            assert {:done, %{token_summary: summary, results: [result]}} = List.last(events)
-            assert comparable(%{results: [result]}) == comparable(%{results: [expected]})
-            assert summary == %{input: expected.token_summary.input, output: 16, padding: 0}
-            assert IO.iodata_to_binary(Enum.drop(events, -1)) == expected.generated_text
+            _ ->
+              false
           end
         end
 
-        # Reading part of the stream cancels the rest of the request.
-        long =
-          TextGeneration.serving(
-            tokenizer,
-            state,
-            opts ++ [max_new_tokens: 2000, ignore_eos: true]
+        defp start_serving(serving, opts \\ []) do
+          name = :"serving_#{System.unique_integer([:positive])}"
+
+          start_supervised!(
+            {Nx.Serving, [serving: serving, name: name, batch_size: 4, batch_timeout: 20] ++ opts}
           )
 
-        assert [_] = long |> Nx.Serving.run(@plain) |> Enum.take(1)
-        assert idle?(scheduler)
-
-        assert_raise ArgumentError, ~r/one input at a time/, fn ->
-          Nx.Serving.run(TextGeneration.serving(tokenizer, state, opts), ["a", "b"])
+          name
         end
-      end
 
-      test "a request sent while a long batch decodes is not held back by it", ctx do
-        %{tokenizer: tokenizer, state: state, scheduler: scheduler} = ctx
-        long = [max_new_tokens: 400, ignore_eos: true, stream: true]
+        test "gives run/4's outputs, locally and through distributed batched_run", ctx do
+          %{tokenizer: tokenizer, state: state, scheduler: scheduler} = ctx
+          inputs = [@plain, @chat, "Hello", [@plain, "Hi"], %{text: "1, 2, 3,", seed: 4}]
+          expected = Enum.map(inputs, &TextGeneration.run(tokenizer, state, &1, @opts))
+          serving = TextGeneration.serving(tokenizer, state, @opts ++ [scheduler: scheduler])
 
-        # Four callers merged into one long batch, then one more caller
-        # while that batch decodes: when does its first token come, and
-        # when does the long batch end?
-        race = fn serving ->
+          assert comparable(Enum.map(inputs, &Nx.Serving.run(serving, &1))) ==
+                   comparable(expected)
+
+          assert %{metadata: %{batch_size: 2}, results: [%{token_summary: %{padding: 0}}]} =
+                   hd(Nx.Serving.run(serving, [@plain, @chat]))
+
           name = start_serving(serving)
-          test = self()
-          ref = make_ref()
 
-          batch =
-            for input <- [@plain, "Hello", "Hi", "1, 2, 3,"] do
+          for call <- [name, {:local, name}, {:distributed, name}] do
+            actual =
+              inputs
+              |> Enum.map(&Task.async(fn -> Nx.Serving.batched_run(call, &1) end))
+              |> Task.await_many(60_000)
+
+            assert comparable(actual) == comparable(expected), inspect(call)
+          end
+
+          assert idle?(scheduler)
+        end
+
+        test "partitions map to schedulers", ctx do
+          %{tokenizer: tokenizer, state: state, scheduler: first, other: second} = ctx
+          inputs = [@plain, @chat, "Hello", "Hi"] |> List.duplicate(3) |> Enum.concat()
+          expected = Enum.map(inputs, &TextGeneration.run(tokenizer, state, &1, @opts))
+
+          serving =
+            TextGeneration.serving(
+              tokenizer,
+              state,
+              @opts ++ [scheduler: [first, second], defn_options: [max_concurrency: 2]]
+            )
+
+          name = start_serving(serving, partitions: true)
+
+          actual =
+            inputs
+            |> Enum.map(&Task.async(fn -> Nx.Serving.batched_run(name, &1) end))
+            |> Task.await_many(60_000)
+
+          assert comparable(actual) == comparable(expected)
+          alias TextGeneration.Serving.Scheduled
+
+          assert Enum.map(0..3, &Scheduled.scheduler([first, second], &1)) == [
+                   first,
+                   second,
+                   first,
+                   second
+                 ]
+        end
+
+        test "streams text as it arrives, locally and through distributed batched_run", ctx do
+          %{tokenizer: tokenizer, state: state, scheduler: scheduler} = ctx
+          opts = @opts ++ [scheduler: scheduler, stream: true]
+
+          for input <- [@plain, @chat] do
+            %{results: [expected]} = TextGeneration.run(tokenizer, state, input, @opts)
+            serving = TextGeneration.serving(tokenizer, state, opts)
+            chunks = serving |> Nx.Serving.run(input) |> Enum.to_list()
+            assert length(chunks) >= 2 and Enum.all?(chunks, &(is_binary(&1) and &1 != ""))
+            assert IO.iodata_to_binary(chunks) == expected.generated_text
+
+            serving = TextGeneration.serving(tokenizer, state, opts ++ [stream_done: true])
+            name = start_serving(serving)
+
+            for call <- [name, {:distributed, name}] do
+              events = call |> Nx.Serving.batched_run(input) |> Enum.to_list()
+              assert {:done, %{token_summary: summary, results: [result]}} = List.last(events)
+              assert comparable(%{results: [result]}) == comparable(%{results: [expected]})
+              assert summary == %{input: expected.token_summary.input, output: 16, padding: 0}
+              assert IO.iodata_to_binary(Enum.drop(events, -1)) == expected.generated_text
+            end
+          end
+
+          # Reading part of the stream cancels the rest of the request.
+          long =
+            TextGeneration.serving(
+              tokenizer,
+              state,
+              opts ++ [max_new_tokens: 2000, ignore_eos: true]
+            )
+
+          assert [_] = long |> Nx.Serving.run(@plain) |> Enum.take(1)
+          assert idle?(scheduler)
+
+          assert_raise ArgumentError, ~r/one input at a time/, fn ->
+            Nx.Serving.run(TextGeneration.serving(tokenizer, state, opts), ["a", "b"])
+          end
+        end
+
+        test "a request sent while a long batch decodes is not held back by it", ctx do
+          %{tokenizer: tokenizer, state: state, scheduler: scheduler} = ctx
+          long = [max_new_tokens: 400, ignore_eos: true, stream: true]
+
+          # Four callers merged into one long batch, then one more caller
+          # while that batch decodes: when does its first token come, and
+          # when does the long batch end?
+          race = fn serving ->
+            name = start_serving(serving)
+            test = self()
+            ref = make_ref()
+
+            batch =
+              for input <- [@plain, "Hello", "Hi", "1, 2, 3,"] do
+                Task.async(fn ->
+                  name
+                  |> Nx.Serving.batched_run(input)
+                  |> Stream.each(fn _ -> send(test, {ref, :decoding}) end)
+                  |> Stream.run()
+
+                  System.monotonic_time(:millisecond)
+                end)
+              end
+
+            assert_receive {^ref, :decoding}, 60_000
+            sent = System.monotonic_time(:millisecond)
+
+            late =
               Task.async(fn ->
-                name
-                |> Nx.Serving.batched_run(input)
-                |> Stream.each(fn _ -> send(test, {ref, :decoding}) end)
-                |> Stream.run()
-
+                [_] = name |> Nx.Serving.batched_run("Late") |> Enum.take(1)
                 System.monotonic_time(:millisecond)
               end)
-            end
 
-          assert_receive {^ref, :decoding}, 60_000
-          sent = System.monotonic_time(:millisecond)
+            first_token = Task.await(late, 120_000)
+            batch_end = batch |> Task.await_many(120_000) |> Enum.max()
+            {first_token - sent, batch_end - sent}
+          end
 
-          late =
-            Task.async(fn ->
-              [_] = name |> Nx.Serving.batched_run("Late") |> Enum.take(1)
-              System.monotonic_time(:millisecond)
-            end)
+          {first, batch_left} =
+            race.(TextGeneration.serving(tokenizer, state, long ++ [scheduler: scheduler]))
 
-          first_token = Task.await(late, 120_000)
-          batch_end = batch |> Task.await_many(120_000) |> Enum.max()
-          {first_token - sent, batch_end - sent}
+          assert first * 4 < batch_left,
+                 "first token after #{first} ms, the batch ended #{batch_left} ms after the request"
+
+          # The default serving, through schedulers of its own, neither.
+          {first, batch_left} = race.(TextGeneration.serving(tokenizer, state, long))
+
+          assert first * 4 < batch_left,
+                 "first token after #{first} ms, the batch ended #{batch_left} ms after the request"
+
+          # A static serving: the request waits for the running execution.
+          {first, batch_left} =
+            race.(TextGeneration.serving(tokenizer, state, long ++ [scheduler: false]))
+
+          assert first * 2 > batch_left,
+                 "first token after #{first} ms, the batch ended #{batch_left} ms after the request"
         end
 
-        {first, batch_left} =
-          race.(TextGeneration.serving(tokenizer, state, long ++ [scheduler: scheduler]))
+        test "per-input constraints and tool calls", ctx do
+          %{tokenizer: tokenizer, state: state, scheduler: scheduler} = ctx
+          messages = [%{role: "user", content: "What is the weather in Paris?"}]
 
-        assert first * 4 < batch_left,
-               "first token after #{first} ms, the batch ended #{batch_left} ms after the request"
+          called = %{
+            messages: messages,
+            grammar: EMLXAxon.ToolCalls.grammar(@tools, max_calls: 1)
+          }
 
-        # Without a scheduler the request waits for the running execution.
-        {first, batch_left} = race.(TextGeneration.serving(tokenizer, state, long))
-
-        assert first * 2 > batch_left,
-               "first token after #{first} ms, the batch ended #{batch_left} ms after the request"
-      end
-
-      test "per-input constraints and tool calls", ctx do
-        %{tokenizer: tokenizer, state: state, scheduler: scheduler} = ctx
-        messages = [%{role: "user", content: "What is the weather in Paris?"}]
-        called = %{messages: messages, grammar: EMLXAxon.ToolCalls.grammar(@tools, max_calls: 1)}
-        inputs = [called, %{text: @plain, json_schema: @schema}, "Hello"]
-        opts = [max_new_tokens: 120, tools: @tools]
-        expected = TextGeneration.run(tokenizer, state, inputs, opts)
-        serving = TextGeneration.serving(tokenizer, state, opts ++ [scheduler: scheduler])
-        actual = Nx.Serving.run(serving, inputs)
-        assert comparable(actual) == comparable(expected)
-        assert [_ | _] = hd(hd(actual).results).tool_calls
-        assert_constrained(inputs, actual)
-      end
-
-      test "errors", %{tokenizer: tokenizer, state: state, scheduler: scheduler} do
-        assert_raise ArgumentError, ~r/cannot be used with :scheduler/, fn ->
-          TextGeneration.serving(tokenizer, state,
-            scheduler: scheduler,
-            stream: EMLXAxon.Stream.new(:cpu)
-          )
+          inputs = [called, %{text: @plain, json_schema: @schema}, "Hello"]
+          opts = [max_new_tokens: 120, tools: @tools]
+          expected = TextGeneration.run(tokenizer, state, inputs, opts)
+          serving = TextGeneration.serving(tokenizer, state, opts ++ [scheduler: scheduler])
+          actual = Nx.Serving.run(serving, inputs)
+          assert comparable(actual) == comparable(expected)
+          assert [_ | _] = hd(hd(actual).results).tool_calls
+          assert_constrained(inputs, actual)
         end
 
-        assert_raise ArgumentError, ~r/expected :scheduler to be the pid or name/, fn ->
-          TextGeneration.serving(tokenizer, state, scheduler: [])
-        end
+        test "errors", %{tokenizer: tokenizer, state: state, scheduler: scheduler} do
+          assert_raise ArgumentError, ~r/cannot be used with :scheduler/, fn ->
+            TextGeneration.serving(tokenizer, state,
+              scheduler: scheduler,
+              stream: EMLXAxon.Stream.new(:cpu)
+            )
+          end
 
-        serving = TextGeneration.serving(tokenizer, state, @opts ++ [scheduler: scheduler])
+          assert_raise ArgumentError,
+                       ~r/expected :scheduler to be a boolean, the pid or name/,
+                       fn ->
+                         TextGeneration.serving(tokenizer, state, scheduler: [])
+                       end
 
-        assert_raise ArgumentError, ~r/invalid regex/, fn ->
-          Nx.Serving.run(serving, %{text: "x", regex: "(a"})
-        end
+          serving = TextGeneration.serving(tokenizer, state, @opts ++ [scheduler: scheduler])
 
-        other = TestFixtures.model("qwen3-4bit-g128")
-        serving = TextGeneration.serving(tokenizer, other, @opts ++ [scheduler: scheduler])
+          assert_raise ArgumentError, ~r/invalid regex/, fn ->
+            Nx.Serving.run(serving, %{text: "x", regex: "(a"})
+          end
 
-        assert_raise ArgumentError, ~r/serves a different model/, fn ->
-          Nx.Serving.run(serving, @plain)
+          other = TestFixtures.model("qwen3-4bit-g128")
+          serving = TextGeneration.serving(tokenizer, other, @opts ++ [scheduler: scheduler])
+
+          assert_raise ArgumentError, ~r/serves a different model/, fn ->
+            Nx.Serving.run(serving, @plain)
+          end
         end
       end
     end
 
     test "errors", %{tokenizer: tokenizer, state: state} do
-      streaming = TextGeneration.serving(tokenizer, state, stream: true)
+      streaming = serving(tokenizer, state, stream: true)
 
       assert_raise ArgumentError, ~r/one input at a time/, fn ->
         Nx.Serving.run(streaming, ["a", "b"])
       end
 
-      serving = TextGeneration.serving(tokenizer, state, max_len: 5)
+      serving = serving(tokenizer, state, max_len: 5)
       assert_raise Error, ~r/prompt_too_long/, fn -> Nx.Serving.run(serving, @plain) end
       assert_raise ArgumentError, ~r/empty list/, fn -> Nx.Serving.run(serving, []) end
     end
@@ -993,9 +1029,11 @@ defmodule EMLXAxon.TextGeneration.ServingLogicTest do
       assert Config.serving!(scheduler: [:a, {:global, :b}]).scheduler == [:a, {:global, :b}]
 
       for bad <- [[], "llm", [:a, 1]] do
-        assert_raise ArgumentError, ~r/expected :scheduler to be the pid or name/, fn ->
-          Config.serving!(scheduler: bad)
-        end
+        assert_raise ArgumentError,
+                     ~r/expected :scheduler to be a boolean, the pid or name/,
+                     fn ->
+                       Config.serving!(scheduler: bad)
+                     end
       end
 
       assert_raise ArgumentError, ~r/cannot be used with :scheduler/, fn ->

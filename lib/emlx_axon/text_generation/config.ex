@@ -10,6 +10,17 @@ defmodule EMLXAxon.TextGeneration.Config do
 
   @stream_struct {:struct, EMLXAxon.Stream, "an EMLXAxon.Stream"}
 
+  # What a serving may set on the schedulers it starts itself.
+  @scheduler_keys [
+    :slots,
+    :capacity,
+    :prefill_chunk,
+    :steps_per_call,
+    :step_budget_ms,
+    :prefix_cache_bytes,
+    :prefix_min_tokens
+  ]
+
   @common Options.generation() ++
             Options.constraints() ++
             [
@@ -93,11 +104,28 @@ defmodule EMLXAxon.TextGeneration.Config do
     scheduler: [
       type:
         {:custom, {__MODULE__, :schedulers},
-         "the pid or name of an EMLXAxon.Scheduler, or a non-empty list of them"},
-      default: nil,
+         "a boolean, the pid or name of an EMLXAxon.Scheduler, or a non-empty list of them"},
+      default: true,
       doc:
-        "`EMLXAxon.Scheduler`s serving the same `state`, started with a `:tokenizer`, " <>
-          "one per partition in turn (see \"With a scheduler\")"
+        "`true`: the serving decodes through `EMLXAxon.Scheduler`s of its own (continuous " <>
+          "batching, see \"Continuous batching\"); `false`: each execution decodes its " <>
+          "batch to the end (static batches); schedulers started elsewhere (serving the " <>
+          "same `state`, with a `:tokenizer`): shared, one per partition in turn"
+    ],
+    max_queue:
+      Options.max_queue(
+        "requests that may wait for a slot of the serving's own scheduler past the running " <>
+          "ones (per partition); past them a caller gets `EMLXAxon.Error` (kind " <>
+          "`:overloaded`) at once"
+      ),
+    scheduler_options: [
+      type:
+        {:custom, {__MODULE__, :scheduler_options},
+         "a keyword list of EMLXAxon.Scheduler.start_link/1 options"},
+      default: [],
+      doc:
+        "options of the serving's own schedulers (`EMLXAxon.Scheduler.start_link/1`'s " <>
+          "`#{Enum.map_join(@scheduler_keys, "`, `", &inspect/1)}`)"
     ],
     stream_done: [
       type: :boolean,
@@ -199,7 +227,19 @@ defmodule EMLXAxon.TextGeneration.Config do
       else: :error
   end
 
+  def schedulers(flag) when is_boolean(flag), do: {:ok, flag}
   def schedulers(other), do: scheduler(other)
+
+  @doc false
+  def scheduler_options(value) do
+    if Keyword.keyword?(value) and Keyword.keys(value) -- @scheduler_keys == [] do
+      schema = Keyword.take(EMLXAxon.Scheduler.__schema__(:start_link), @scheduler_keys)
+      Options.validate!(value, schema, "EMLXAxon.TextGeneration.serving/3's :scheduler_options")
+      {:ok, value}
+    else
+      :error
+    end
+  end
 
   @doc false
   def compile(nil), do: {:ok, nil}
@@ -240,18 +280,30 @@ defmodule EMLXAxon.TextGeneration.Config do
       end
 
     chunk_size = opts.chunk_size || if(streaming?, do: @stream_chunk_size, else: @run_chunk_size)
-    schedulers!(opts.scheduler, mlx_stream)
-    %{opts | stream: streaming?, mlx_stream: mlx_stream, chunk_size: chunk_size}
+    scheduler = schedulers!(opts.scheduler, mlx_stream)
+
+    %{
+      opts
+      | stream: streaming?,
+        mlx_stream: mlx_stream,
+        chunk_size: chunk_size,
+        scheduler: scheduler
+    }
   end
 
-  defp schedulers!(nil, _mlx_stream), do: :ok
+  # A serving's own schedulers run on MLX's default stream: one given an
+  # EMLXAxon.Stream to run on decodes static batches on it instead.
+  defp schedulers!(true, mlx_stream), do: mlx_stream == nil
+  defp schedulers!(false, _mlx_stream), do: false
 
-  defp schedulers!(_schedulers, mlx_stream) do
+  defp schedulers!(schedulers, mlx_stream) do
     if mlx_stream do
       raise ArgumentError,
             "an EMLXAxon.Stream (:stream or :mlx_stream) cannot be used with :scheduler: " <>
               "the scheduler runs on the stream it was started on"
     end
+
+    schedulers
   end
 
   @doc "Validates `run/4`'s options (`streaming?` for `stream/5`)."

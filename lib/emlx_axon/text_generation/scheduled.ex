@@ -53,10 +53,15 @@ defmodule EMLXAxon.TextGeneration.Scheduled do
   defp info!(scheduler) do
     Scheduler.model(scheduler)
   catch
-    :exit, reason ->
+    # No such process: the option names no running scheduler.
+    :exit, {:noproc, _} = reason ->
       raise ArgumentError,
             "expected :scheduler to be a running EMLXAxon.Scheduler, " <>
               "got: #{inspect(scheduler)} (#{inspect(reason)})"
+
+    # A scheduler that exited (or is exiting).
+    :exit, reason ->
+      raise down(scheduler, exit_reason(reason))
   end
 
   @doc """
@@ -70,10 +75,14 @@ defmodule EMLXAxon.TextGeneration.Scheduled do
     base = Enum.map(@request_keys, &{&1, Map.fetch!(opts, &1)})
     rows = Map.new(Enum.with_index(requests), fn {_request, i} -> {i, {[], [], nil, nil}} end)
     defaults = {opts.seed, opts.constraint}
+    # Requests go to the process found now, which is watched: when it
+    # exits, nothing more will come, and waiting would never end.
+    scheduler = whereis!(scheduler)
+    monitor = Process.monitor(scheduler)
     refs = submit_all(scheduler, Enum.with_index(requests), base, defaults, %{})
 
     try do
-      rows = await(scheduler, refs, rows, emit)
+      rows = await({scheduler, monitor}, refs, rows, emit)
       total_ms = ms(System.monotonic_time() - started)
 
       for {request, index} <- Enum.with_index(requests) do
@@ -82,7 +91,29 @@ defmodule EMLXAxon.TextGeneration.Scheduled do
     after
       # Whatever ended early (emit raised, an error, an exit) frees its rows.
       cancel_all(scheduler, refs)
+      Process.demonitor(monitor, [:flush])
     end
+  end
+
+  @doc """
+  The pid of `scheduler`; raises `EMLXAxon.Error` (kind `:scheduler_down`)
+  when no process runs under that name.
+  """
+  @spec whereis!(Scheduler.server()) :: pid()
+  def whereis!(scheduler) do
+    case GenServer.whereis(scheduler) do
+      pid when is_pid(pid) -> pid
+      _ -> raise down(scheduler, :noproc)
+    end
+  end
+
+  @doc "The error of a request whose `scheduler` exited with `reason`."
+  @spec down(Scheduler.server(), term()) :: Error.t()
+  def down(scheduler, reason) do
+    Error.exception(
+      kind: :scheduler_down,
+      message: "the scheduler #{inspect(scheduler)} is not running (#{inspect(reason)})"
+    )
   end
 
   defp submit_all(_scheduler, [], _base, _defaults, refs), do: refs
@@ -101,6 +132,11 @@ defmodule EMLXAxon.TextGeneration.Scheduled do
           [seed: request.seed || seed] ++ constraint ++ base
         )
       catch
+        # It exited before answering.
+        :exit, reason ->
+          cancel_all(scheduler, refs)
+          raise down(scheduler, exit_reason(reason))
+
         kind, reason ->
           cancel_all(scheduler, refs)
           :erlang.raise(kind, reason, __STACKTRACE__)
@@ -119,10 +155,17 @@ defmodule EMLXAxon.TextGeneration.Scheduled do
     end
   end
 
+  defp exit_reason({reason, {GenServer, :call, _}}), do: reason
+  defp exit_reason(reason), do: reason
+
   defp await(_scheduler, refs, rows, _emit) when map_size(refs) == 0, do: rows
 
-  defp await(scheduler, refs, rows, emit) do
+  defp await({pid, monitor} = scheduler, refs, rows, emit) do
     receive do
+      # The scheduler's own messages come first, then this one.
+      {:DOWN, ^monitor, :process, _, reason} ->
+        raise down(pid, reason)
+
       {Scheduler, ref, event} when is_map_key(refs, ref) ->
         index = Map.fetch!(refs, ref)
         {ids, text, _, _} = row = Map.fetch!(rows, index)

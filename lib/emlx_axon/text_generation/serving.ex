@@ -82,17 +82,29 @@ if Code.ensure_loaded?(Nx.Serving) do
       if opts.stream do
         serving
         |> Nx.Serving.streaming()
-        |> Nx.Serving.client_postprocessing(&postprocess_scheduled_stream(&1, &2, state, opts))
+        |> Nx.Serving.client_postprocessing(&postprocess_scheduled_stream(&1, &2, arg))
       else
-        Nx.Serving.client_postprocessing(serving, &postprocess_scheduled(&1, &2, state, opts))
+        Nx.Serving.client_postprocessing(serving, &postprocess_scheduled(&1, &2, arg))
       end
     end
 
     ## Nx.Serving callbacks
 
     @impl true
-    def init(_type, %{opts: %{scheduler: scheduler}} = arg, _partitions) when scheduler != nil do
-      {:ok, arg}
+    def init(:process, %{opts: %{scheduler: true}} = arg, partitions) do
+      case Scheduled.start_owned(arg.state, arg.tokenizer, arg.opts, length(partitions)) do
+        {:ok, supervisor} -> {:ok, Map.put(arg, :owned, supervisor)}
+        {:error, reason} -> raise "could not start the serving's schedulers: #{inspect(reason)}"
+      end
+    end
+
+    def init(:inline, %{opts: %{scheduler: true}} = arg, _partitions) do
+      {:ok, Map.put(arg, :owned, :inline)}
+    end
+
+    def init(_type, %{opts: %{scheduler: scheduler}} = arg, _partitions)
+        when scheduler != false do
+      {:ok, Map.put(arg, :owned, nil)}
     end
 
     def init(type, arg, partitions) do
@@ -123,10 +135,20 @@ if Code.ensure_loaded?(Nx.Serving) do
 
     @impl true
     def handle_batch(batch, partition, %{opts: %{scheduler: scheduler}} = state)
-        when scheduler != nil do
+        when scheduler != false do
       rows = batch.size + batch.pad
-      partitions = :binary.copy(<<partition::signed-native-32>>, rows)
-      {:execute, fn -> {%{"partition" => tensor({{:s, 32}, {rows}, partitions})}, %{}} end, state}
+      route = Scheduled.route(scheduler, state.owned, partition)
+      {row, size} = Scheduled.encode_route(route)
+
+      fun = fn ->
+        {%{
+           "route" => tensor({{:u, 8}, {rows, byte_size(row)}, :binary.copy(row, rows)}),
+           "route_size" =>
+             tensor({{:s, 32}, {rows}, :binary.copy(<<size::signed-native-32>>, rows)})
+         }, %{}}
+      end
+
+      {:execute, fun, state}
     end
 
     def handle_batch(batch, partition, state) do
@@ -140,9 +162,11 @@ if Code.ensure_loaded?(Nx.Serving) do
         binaries =
           Map.new(tensors, fn {name, tensor} -> {String.to_atom(name), Nx.to_binary(tensor)} end)
 
+        {callers, binaries} = Map.pop(binaries, :caller)
         requests = Batch.decode(binaries, width, batch.size)
+        callers = Batch.decode_callers(callers, batch.size)
         on_chunk = if hook, do: &hook.(chunk_container(&1))
-        fields = Execution.run(state, requests, stream, on_chunk)
+        fields = Execution.run(state, requests, stream, on_chunk, callers)
         {Map.new(fields, fn {name, field} -> {name, tensor(field)} end), %{}}
       end
 
@@ -170,10 +194,15 @@ if Code.ensure_loaded?(Nx.Serving) do
       width = Batch.width!(requests, opts)
       n = length(requests)
 
+      # The process waiting for the rows travels with them: an execution
+      # whose callers have all exited stops (see Serving.Execution).
+      {callers, shape} = Batch.encode_callers(self(), n)
+
       inputs =
         requests
         |> Batch.encode(width)
         |> Map.new(&field(&1, n))
+        |> Map.put("caller", tensor({{:u, 8}, shape, callers}))
 
       batch = [inputs] |> Nx.Batch.concatenate() |> Nx.Batch.key(Batch.key(requests, width))
       {batch, multi?}
@@ -190,21 +219,32 @@ if Code.ensure_loaded?(Nx.Serving) do
 
     # A caller's rows may be split over executions of different partitions:
     # they all go to the scheduler of the partition that ran the first.
-    defp postprocess_scheduled({output, _metadata}, {requests, multi?}, state, opts) do
-      scheduler = Scheduled.scheduler(opts.scheduler, first_partition(output))
-      outputs = Scheduled.run!(scheduler, state, requests, opts)
+    defp postprocess_scheduled({output, _metadata}, {requests, multi?}, arg) do
+      arg = Map.put(arg, :rows, length(requests))
+
+      outputs =
+        output
+        |> first_route()
+        |> Scheduled.with_scheduler(arg, &Scheduled.run!(&1, arg.state, requests, arg.opts))
+
       if multi?, do: outputs, else: hd(outputs)
     end
 
-    defp postprocess_scheduled_stream(events, {[request], _multi?}, state, opts) do
+    defp postprocess_scheduled_stream(events, {[request], _multi?}, arg) do
+      arg = Map.put(arg, :rows, 1)
+
       Elixir.Stream.flat_map(events, fn {:batch, output, _metadata} ->
-        scheduler = Scheduled.scheduler(opts.scheduler, first_partition(output))
-        Scheduled.stream(scheduler, state, request, opts)
+        route = first_route(output)
+        with_scheduler = &Scheduled.with_scheduler(route, arg, &1)
+        Scheduled.stream_with(with_scheduler, arg.state, request, arg.opts)
       end)
     end
 
-    defp first_partition(%{"partition" => partitions}),
-      do: partitions |> Nx.slice_along_axis(0, 1) |> Nx.to_flat_list() |> hd()
+    defp first_route(%{"route" => routes, "route_size" => sizes}) do
+      row = routes |> Nx.slice_along_axis(0, 1) |> Nx.to_binary()
+      size = sizes |> Nx.slice_along_axis(0, 1) |> Nx.to_flat_list() |> hd()
+      Scheduled.decode_route(row, size)
+    end
 
     defp postprocess({output, _metadata}, multi?, tokenizer, opts) do
       outputs = outputs(output, tokenizer, opts)

@@ -225,4 +225,43 @@ defmodule EMLXAxon.TextGeneration.Serving.Batch do
   end
 
   defp decode_constraints(_fields, rows), do: List.duplicate(nil, rows)
+
+  # Room for a pid's external term with any node name.
+  @caller_width 320
+
+  @doc """
+  The processes waiting for `count` rows (the calling process's) as one
+  row of bytes each, for a static execution to see whether anyone still
+  waits for its rows.
+  """
+  @spec encode_callers(pid(), pos_integer()) :: {binary(), {pos_integer(), pos_integer()}}
+  def encode_callers(pid, count) do
+    binary = :erlang.term_to_binary(pid)
+    row = binary <> :binary.copy(<<0>>, @caller_width - byte_size(binary))
+    {:binary.copy(row, count), {count, @caller_width}}
+  end
+
+  @doc "The first `size` callers of `encode_callers/2`'s rows (merged and padded)."
+  @spec decode_callers(binary(), non_neg_integer()) :: [pid() | nil]
+  def decode_callers(binary, size) do
+    for <<row::binary-size(@caller_width) <- binary>> do
+      case row do
+        <<0, _::binary>> -> nil
+        row -> :erlang.binary_to_term(row)
+      end
+    end
+    |> Enum.take(size)
+  end
+
+  @doc """
+  Whether every one of `callers` has exited: a local process that is no
+  longer alive. Unknown callers (`nil`, or on another node) count as
+  waiting.
+  """
+  @spec callers_gone?([pid() | nil]) :: boolean()
+  def callers_gone?([]), do: false
+
+  def callers_gone?(callers) do
+    Enum.all?(callers, &(is_pid(&1) and node(&1) == node() and not Process.alive?(&1)))
+  end
 end

@@ -5,21 +5,32 @@ defmodule EMLXAxon.TextGeneration.Serving.Execution do
 
   alias EMLXAxon.Generation
   alias EMLXAxon.TextGeneration.Input
-  alias EMLXAxon.TextGeneration.Serving.Results
+  alias EMLXAxon.TextGeneration.Serving.{Batch, Results}
 
   @doc """
   Runs `requests` with the serving's `tokenizer`, `model` and `opts` on
   `stream` (an `EMLXAxon.Stream` or `nil`), calling `on_chunk` (if any) with
   each native chunk's rows. Returns `Results.encode/3`'s fields; raises
-  on failure.
+  on failure. Once every one of `callers` (the processes waiting for the
+  rows, see `Batch.callers_gone?/1`) has exited, the generation stops
+  within a step, as on a timeout: nobody would read its rows.
   """
-  @spec run(map(), [Input.request()], EMLXAxon.Stream.t() | nil, Generation.on_chunk()) ::
+  @spec run(map(), [Input.request()], EMLXAxon.Stream.t() | nil, Generation.on_chunk(), [
+          pid() | nil
+        ]) ::
           %{atom() => Results.field()}
-  def run(%{tokenizer: tokenizer, state: model, opts: opts}, requests, stream, on_chunk) do
+  def run(
+        %{tokenizer: tokenizer, state: model, opts: opts},
+        requests,
+        stream,
+        on_chunk,
+        callers \\ []
+      ) do
     prompts = Enum.map(requests, & &1.ids)
 
     opts =
       opts
+      |> Map.put(:halt?, fn -> Batch.callers_gone?(callers) end)
       |> Map.put(:row_seeds, Input.row_seeds(requests, opts.seed))
       |> Map.put(:row_constraints, Input.row_constraints(requests, opts.constraint))
 

@@ -20,8 +20,186 @@ defmodule EMLXAxon.TextGeneration.Serving.Scheduled do
   # cancel the request: a remote caller's results travel home the way
   # Nx.Serving already sends them, as plain terms.
 
+  #
+  # A serving started with `scheduler: true` owns its schedulers: its
+  # process starts them (one per partition, all on the serving's one
+  # model) under a supervisor linked to it, so they restart when they fail
+  # and stop with the serving. An execution's rows then carry a route
+  # (`route/2`) to their partition's scheduler, resolved by the caller when
+  # it submits: a restarted scheduler is a new process, found through the
+  # supervisor. A serving run inline (`Nx.Serving.run/2`, no serving
+  # process) starts a scheduler for the run and stops it after.
+
+  alias EMLXAxon.{Error, Scheduler}
   alias EMLXAxon.TextGeneration.{Output, Scheduled}
   alias EMLXAxon.TextGeneration.Serving.Events
+
+  @typedoc "Where an execution's rows are decoded."
+  @type route ::
+          {:shared, non_neg_integer()}
+          | {:owned, pid(), non_neg_integer()}
+          | :temporary
+
+  # Room for a pid's external term with any node name.
+  @route_width 512
+  # How long a caller looks for a restarting scheduler.
+  @locate_ms 1_000
+
+  @doc """
+  Starts `count` schedulers for `state` and `tokenizer` under a supervisor
+  linked to the calling process; returns the supervisor.
+  """
+  @spec start_owned(EMLXAxon.Qwen3.Model.State.t(), EMLXAxon.Tokenizer.t(), map(), pos_integer()) ::
+          {:ok, pid()} | {:error, term()}
+  def start_owned(state, tokenizer, opts, count) do
+    children =
+      for index <- 0..(count - 1) do
+        %{
+          id: index,
+          start: {Scheduler, :start_link, [scheduler_options(state, tokenizer, opts, nil)]}
+        }
+      end
+
+    Supervisor.start_link(children, strategy: :one_for_one, max_restarts: 10, max_seconds: 10)
+  end
+
+  defp scheduler_options(state, tokenizer, opts, slots) do
+    options = [model: state, tokenizer: tokenizer, max_queue: opts.max_queue]
+    options = Keyword.merge(options, opts.scheduler_options)
+    if slots, do: Keyword.put(options, :slots, slots), else: options
+  end
+
+  @doc "The route of an execution of `partition` (see `t:route/0`)."
+  @spec route(true | term(), nil | :inline | pid(), non_neg_integer()) :: route()
+  def route(true, :inline, _partition), do: :temporary
+
+  def route(true, supervisor, partition) when is_pid(supervisor),
+    do: {:owned, supervisor, partition}
+
+  def route(_shared, _owned, partition), do: {:shared, partition}
+
+  @doc "`route` as a row of bytes and its size, so it travels in an execution's output."
+  @spec encode_route(route()) :: {binary(), non_neg_integer()}
+  def encode_route(route) do
+    binary = :erlang.term_to_binary(route)
+    {binary <> :binary.copy(<<0>>, @route_width - byte_size(binary)), byte_size(binary)}
+  end
+
+  @doc false
+  def route_width, do: @route_width
+
+  @doc "The route `encode_route/1` encoded."
+  @spec decode_route(binary(), non_neg_integer()) :: route()
+  def decode_route(row, size), do: row |> binary_part(0, size) |> :erlang.binary_to_term()
+
+  @doc """
+  Calls `fun` with the scheduler `route` leads to, among `schedulers` (the
+  serving's `:scheduler` option) and with `state`, `tokenizer` and `opts`
+  for a scheduler of its own. A temporary one is stopped when `fun`
+  returns or raises, and when the calling process exits.
+  """
+  @spec with_scheduler(route(), map(), (Scheduler.server() -> result)) :: result
+        when result: term()
+  def with_scheduler({:shared, partition}, %{opts: opts}, fun),
+    do: fun.(scheduler(opts.scheduler, partition))
+
+  def with_scheduler({:owned, supervisor, partition}, _arg, fun) do
+    deadline = System.monotonic_time(:millisecond) + @locate_ms
+    fun.(locate!(supervisor, partition, deadline))
+  end
+
+  def with_scheduler(:temporary, arg, fun) do
+    # One slot per input of the run, at most the configured slots.
+    slots = min(arg.rows, Keyword.get(arg.opts.scheduler_options, :slots, 8))
+
+    options = scheduler_options(arg.state, arg.tokenizer, arg.opts, max(slots, 1))
+    {guardian, pid} = start_temporary(options)
+
+    try do
+      fun.(pid)
+    after
+      send(guardian, {self(), :stop})
+    end
+  end
+
+  # A restarting scheduler is looked for again until `deadline`.
+  defp locate!(supervisor, partition, deadline) do
+    found =
+      try do
+        Enum.find_value(Supervisor.which_children(supervisor), fn
+          {^partition, pid, _type, _modules} when is_pid(pid) -> pid
+          _ -> nil
+        end)
+      catch
+        :exit, _ -> :stopped
+      end
+
+    cond do
+      is_pid(found) ->
+        found
+
+      found != :stopped and System.monotonic_time(:millisecond) < deadline ->
+        Process.sleep(10)
+        locate!(supervisor, partition, deadline)
+
+      true ->
+        raise Error,
+          kind: :scheduler_down,
+          message: "the serving's scheduler (partition #{partition}) is not running"
+    end
+  end
+
+  # The scheduler is linked to a guardian process, not to the caller (a
+  # scheduler that fails must fail the caller's request, not kill it): the
+  # guardian stops it when the caller exits or is done with it.
+  defp start_temporary(options) do
+    caller = self()
+
+    {guardian, monitor} =
+      spawn_monitor(fn ->
+        Process.flag(:trap_exit, true)
+        watch = Process.monitor(caller)
+
+        case Scheduler.start_link(options) do
+          {:ok, pid} ->
+            send(caller, {self(), {:ok, pid}})
+
+            receive do
+              {^caller, :stop} -> :ok
+              {:DOWN, ^watch, :process, _, _} -> :ok
+              {:EXIT, ^pid, _} -> :ok
+            end
+
+            # The scheduler stops (freeing its batch) as its parent exits.
+            exit(:shutdown)
+
+          {:error, reason} ->
+            send(caller, {self(), {:error, reason}})
+        end
+      end)
+
+    receive do
+      {^guardian, {:ok, pid}} ->
+        Process.demonitor(monitor, [:flush])
+        {guardian, pid}
+
+      {^guardian, {:error, %Error{} = error}} ->
+        Process.demonitor(monitor, [:flush])
+        raise error
+
+      {^guardian, {:error, reason}} ->
+        Process.demonitor(monitor, [:flush])
+
+        raise Error,
+          kind: :scheduler_down,
+          message: "could not start a scheduler: #{inspect(reason)}"
+
+      {:DOWN, ^monitor, :process, _, reason} ->
+        raise Error,
+          kind: :scheduler_down,
+          message: "could not start a scheduler: #{inspect(reason)}"
+    end
+  end
 
   @doc "The scheduler of `partition`: partitions take the schedulers in turn."
   @spec scheduler(EMLXAxon.Scheduler.server() | [EMLXAxon.Scheduler.server()], non_neg_integer()) ::
@@ -42,7 +220,16 @@ defmodule EMLXAxon.TextGeneration.Serving.Scheduled do
   end
 
   defp run!(scheduler, state, requests, opts, emit) do
-    Scheduled.check!(scheduler, state, requests, opts)
+    # The serving chose this scheduler: one gone since is down, not a bad
+    # argument of the caller's.
+    try do
+      Scheduled.check!(scheduler, state, requests, opts)
+    rescue
+      error in ArgumentError ->
+        if Process.alive?(Scheduled.whereis!(scheduler)),
+          do: reraise(error, __STACKTRACE__),
+          else: raise(Scheduled.down(scheduler, :noproc))
+    end
 
     scheduler
     |> Scheduled.run!(requests, opts, emit)
@@ -59,8 +246,23 @@ defmodule EMLXAxon.TextGeneration.Serving.Scheduled do
   @spec stream(EMLXAxon.Scheduler.server(), EMLXAxon.Qwen3.Model.State.t(), map(), map()) ::
           Enumerable.t()
   def stream(scheduler, state, request, opts) do
+    stream_with(& &1.(scheduler), state, request, opts)
+  end
+
+  @doc """
+  `stream/4` through the scheduler `with_scheduler` gives (a function
+  taking a function of the scheduler, as `with_scheduler/3` does), called
+  when the stream is first read.
+  """
+  @spec stream_with(
+          ((Scheduler.server() -> term()) -> term()),
+          EMLXAxon.Qwen3.Model.State.t(),
+          map(),
+          map()
+        ) :: Enumerable.t()
+  def stream_with(with_scheduler, state, request, opts) do
     Stream.resource(
-      fn -> start(scheduler, state, request, opts) end,
+      fn -> start(with_scheduler, state, request, opts) end,
       fn
         {:running, _pid, ref} = acc ->
           receive do
@@ -81,7 +283,7 @@ defmodule EMLXAxon.TextGeneration.Serving.Scheduled do
   # stream gives text as soon as it exists. The scheduler sees that process
   # as the caller: it exits with the reader (the link), and the scheduler
   # then drops the request.
-  defp start(scheduler, state, request, opts) do
+  defp start(with_scheduler, state, request, opts) do
     owner = self()
     ref = make_ref()
 
@@ -91,7 +293,9 @@ defmodule EMLXAxon.TextGeneration.Serving.Scheduled do
 
         result =
           try do
-            [output] = run!(scheduler, state, [request], opts, emit)
+            [output] =
+              with_scheduler.(fn scheduler -> run!(scheduler, state, [request], opts, emit) end)
+
             {:done, output}
           catch
             kind, reason -> {:raise, kind, reason, __STACKTRACE__}
