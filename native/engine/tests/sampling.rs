@@ -314,3 +314,60 @@ fn sampled_tokens_follow_the_distribution() {
     }
     assert_eq!(checked, 4, "no suitable sampler cases");
 }
+
+/// Our CUDA sampling kernel over many rows of one distribution, each row at
+/// its own cache position: every token is the host reference's for the same
+/// uniform value (or a neighbour where that value is within 1e-5 of a
+/// boundary), and the tokens' frequencies follow mlx-lm's probabilities.
+#[test]
+fn kernel_draws_follow_the_distribution_and_the_host_reference() {
+    use emlx_axon_engine::sample::kernel::{agrees, sample_at, uniform};
+    const DRAWS: usize = 4000;
+    let cases = cases();
+    let case = cases
+        .iter()
+        .find(|c| {
+            c.logits.len() == 64
+                && c.config.temperature > 1.0
+                && (1..64).contains(&c.config.top_k)
+                && c.kept.len() >= 5
+                && c.kept.len() <= 12
+        })
+        .expect("a sampler case with top-k");
+    let vocab = case.logits.len() as i32;
+    let row = Array::from_slice(&case.logits, &[1, vocab]);
+    let logits = mlx_rs::ops::broadcast_to(&row, &[DRAWS as i32, vocab])
+        .unwrap()
+        .contiguous()
+        .unwrap();
+    let positions: Vec<i32> = (0..DRAWS as i32).map(|p| p * 3 + 11).collect();
+    let seeds: Vec<u64> = (0..DRAWS as u64).map(|r| 99 + r % 5).collect();
+    let Some(ids) = sample_at(&case.config, &logits, &positions, &seeds).unwrap() else {
+        assert!(
+            !gpu_kernels_on("EMLX_AXON_GPU_LAYER"),
+            "the CUDA kernels run here but the sampling kernel did not: {:?}",
+            emlx_axon_engine::backend::notices()
+        );
+        eprintln!("skipped: the sampling kernel runs only where our CUDA kernels do");
+        return;
+    };
+    let mut counts = vec![0usize; case.logits.len()];
+    for (r, &id) in ids.iter().enumerate() {
+        let u = uniform(seeds[r], positions[r]);
+        assert!(
+            agrees(&case.config, &case.logits, u, id),
+            "{}: row {r} drew {id} at u = {u}",
+            case.name
+        );
+        counts[id as usize] += 1;
+    }
+    for (i, (&n, &p)) in counts.iter().zip(&case.probs).enumerate() {
+        let freq = n as f64 / DRAWS as f64;
+        let bound = 5.0 * (p * (1.0 - p) / DRAWS as f64).sqrt() + 1e-9;
+        assert!(
+            (freq - p).abs() <= bound,
+            "{}: token {i} drawn {freq}, probability {p}",
+            case.name
+        );
+    }
+}

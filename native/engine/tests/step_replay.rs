@@ -8,9 +8,11 @@ mod common;
 use std::sync::Arc;
 
 use common::{gpu_kernels_on, load, options, reference};
-use emlx_axon_engine::backend::{Path, Work};
+use emlx_axon_engine::backend::{Path, Paths, Work};
 use emlx_axon_engine::runtime::device::{DeviceKind, MlxStream};
-use emlx_axon_engine::{GenerateOptions, Generation, LoadOptions, Model, SamplerConfig};
+use emlx_axon_engine::{
+    GenerateOptions, Generation, LoadOptions, Model, SamplerConfig, SamplerKind,
+};
 
 const FIXTURE: &str = "qwen3-4bit-g64";
 
@@ -115,5 +117,98 @@ fn replays_side_by_side_on_streams_of_their_own() {
         let (got, on) = h.join().unwrap();
         assert_eq!(got, wants[i % prompts.len()], "thread {i}");
         assert_eq!(on, replays_here(), "thread {i}: replayed");
+    }
+}
+
+/// Qwen3's recommended sampling, seeded.
+fn qwen3_sampling(seed: u64) -> SamplerConfig {
+    SamplerConfig {
+        kind: SamplerKind::TopPGpu,
+        temperature: 0.6,
+        top_p: 0.95,
+        top_k: 20,
+        min_p: 0.0,
+        min_tokens_to_keep: 1,
+        seed: Some(seed),
+    }
+}
+
+/// A sampled generation's ids and paths.
+fn run_sampled(
+    model: &Arc<Model>,
+    prompts: &[Vec<u32>],
+    step_replay: bool,
+    seed: u64,
+) -> (Vec<Vec<u32>>, Paths) {
+    let opts = GenerateOptions {
+        step_replay,
+        ..options(64, qwen3_sampling(seed))
+    };
+    let mut g = Generation::start(model.clone(), None, None, prompts, opts).unwrap();
+    while !g.is_done() {
+        g.next(5).unwrap();
+    }
+    (g.generated(), g.stats().paths)
+}
+
+/// Whether sampled steps are replayed here: the CUDA kernels run, the
+/// sampling kernel passed its check, and replays are on.
+fn sampled_replays_here() -> bool {
+    replays_here() && emlx_axon_engine::backend::cuda::layer::sample_checked() == Some(true)
+}
+
+#[test]
+fn sampled_steps_replay_with_the_tokens_of_mlx_steps() {
+    if !emlx_axon_engine::runtime::device::gpu_available() {
+        eprintln!("skipped: sampled steps are replayed only on a CUDA GPU");
+        return;
+    }
+    let model = load(FIXTURE, &LoadOptions::default());
+    let prompt = prompts().swap_remove(0);
+    for rows in [vec![prompt.clone()], vec![prompt; 3]] {
+        let (want, off) = run_sampled(&model, &rows, false, 7);
+        assert_ne!(off.main(Work::Decode), Some(Path::CudaReplay), "{off:?}");
+        let (got, on) = run_sampled(&model, &rows, true, 7);
+        assert_eq!(got, want, "{} rows", rows.len());
+        if !sampled_replays_here() {
+            eprintln!(
+                "skipped the replay's part: no sampled replays here ({:?})",
+                on.fallbacks
+            );
+            continue;
+        }
+        assert_eq!(on.main(Work::Decode), Some(Path::CudaReplay), "{on:?}");
+        assert!(
+            !on.fallbacks
+                .iter()
+                .any(|r| r.starts_with("sample kernel:") && !r.contains("a prompt's token")),
+            "{on:?}"
+        );
+    }
+}
+
+#[test]
+fn sampled_replays_repeat_by_seed() {
+    if !emlx_axon_engine::runtime::device::gpu_available() {
+        eprintln!("skipped: sampled steps are replayed only on a CUDA GPU");
+        return;
+    }
+    let model = load(FIXTURE, &LoadOptions::default());
+    let rows = vec![prompts().swap_remove(0); 2];
+    let (a, paths) = run_sampled(&model, &rows, true, 7);
+    let (b, _) = run_sampled(&model, &rows, true, 7);
+    assert_eq!(a, b, "the same seed drew other tokens");
+    let (c, _) = run_sampled(&model, &rows, true, 8);
+    assert_ne!(a, c, "another seed drew the same tokens");
+    // Rows seeded apart from one seed draw apart too.
+    assert_ne!(a[0], a[1], "two rows drew the same tokens");
+    if sampled_replays_here() {
+        assert_eq!(
+            paths.main(Work::Decode),
+            Some(Path::CudaReplay),
+            "{paths:?}"
+        );
+    } else {
+        eprintln!("the replay's part skipped: no sampled replays here");
     }
 }

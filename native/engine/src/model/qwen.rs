@@ -366,6 +366,8 @@ impl Model {
         cpu_ops: bool,
     ) -> Result<Array> {
         let c = &self.config;
+        // The sampling kernel reads only this pass's step positions.
+        cuda::layer::forget_step_positions();
         // One-token steps: a node per layer on a CPU stream, five on a CUDA
         // GPU (eight with MLX's products), where the kernels take the model.
         let step_rows = match mask {

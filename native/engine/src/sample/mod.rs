@@ -3,9 +3,14 @@
 //! the untempered log-probabilities ([`filter`]) and the token is drawn from
 //! what is left, scaled by the temperature. Sampling runs on the device or on
 //! the host; each batch row draws from its own random stream, so a seeded
-//! row's tokens do not depend on the rows it is batched with.
+//! row's tokens do not depend on the rows it is batched with. On a CUDA GPU
+//! with top-k of at most 64, one kernel of ours filters and draws
+//! ([`kernel`]), its uniform values a hash of each row's seed and position
+//! rather than a stream: reproducible too, but other tokens than the
+//! streams' for the same seed.
 
 pub mod filter;
+pub mod kernel;
 
 use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::{argmax_axis, take_along_axis, IndexOp};
@@ -128,6 +133,11 @@ pub struct Sampler {
     config: SamplerConfig,
     /// One random stream per batch row.
     rngs: Vec<SplitMix64>,
+    /// Each row's seed, for the sampling kernel's stateless draws.
+    seeds: Vec<u64>,
+    /// The sampling kernel's seeds and parameters, made at its first use
+    /// and kept (a replayed step reads these very buffers).
+    kernel_inputs: Option<(Array, Array)>,
 }
 
 impl Sampler {
@@ -141,17 +151,36 @@ impl Sampler {
                 .map(|d| d.as_nanos() as u64)
                 .unwrap_or(0)
         });
-        let rngs = row_seeds
+        let seeds: Vec<u64> = row_seeds
             .iter()
             .enumerate()
-            .map(|(i, seed)| SplitMix64(seed.unwrap_or_else(|| row_seed(base, i))))
+            .map(|(i, seed)| seed.unwrap_or_else(|| row_seed(base, i)))
             .collect();
-        Ok(Sampler { config, rngs })
+        Ok(Sampler {
+            config,
+            rngs: seeds.iter().map(|&s| SplitMix64(s)).collect(),
+            seeds,
+            kernel_inputs: None,
+        })
     }
 
     /// Whether every row takes the most likely token.
     pub fn is_greedy(&self) -> bool {
         self.config.is_greedy()
+    }
+
+    /// Whether sampled rows over `vocab` tokens take the sampling kernel on
+    /// a CUDA GPU: `Some(true)` once it passed its check, `Some(false)`
+    /// where it cannot (greedy rows, the host's sampler, filters it does
+    /// not cover, a failed check), `None` until it is checked.
+    pub fn kernel_ready(&self, vocab: usize) -> Option<bool> {
+        if self.config.is_greedy()
+            || self.config.kind != SamplerKind::TopPGpu
+            || kernel::declines(&self.config, vocab).is_some()
+        {
+            return Some(false);
+        }
+        crate::backend::cuda::layer::sample_checked()
     }
 
     /// Whether `sample_device` applies; otherwise use `sample_host`.
@@ -190,39 +219,79 @@ impl Sampler {
             greedy(logits)?
         } else {
             self.check_rows(logits.dim(0) as usize)?;
-            // With top-k, the draw is among the candidates, whose ids it
-            // maps back to; otherwise among the whole vocabulary.
-            let (candidates, lp) = match filter::filtered_candidates(&self.config, logits)? {
-                Some((ids, lp)) => (Some(ids), lp),
-                None => (None, filter::filtered_logprobs(&self.config, logits)?),
-            };
-            let scaled = lp.multiply(Array::from_f32(1.0 / self.config.temperature))?;
-            // One draw per row with the row's own key: a batched draw's
-            // noise for a row would depend on the batch's shape.
-            let rows = self
-                .rngs
-                .iter_mut()
-                .enumerate()
-                .map(|(i, rng)| {
-                    let key = random::key(rng.next_u64())?;
-                    let row = scaled.index((i as i32..i as i32 + 1, ..));
-                    random::categorical(&row, -1, None, &key)
-                })
-                .collect::<Result<Vec<Array>, _>>()?;
-            let drawn = if rows.len() == 1 {
-                rows.into_iter().next().expect("one row")
-            } else {
-                concatenate(&rows, 0)?
-            };
-            match candidates {
-                Some(ids) => {
-                    let at = drawn.reshape(&[-1, 1])?.as_dtype(Dtype::Int32)?;
-                    take_along_axis(&ids, &at, -1)?.reshape(&[-1])?
-                }
-                None => drawn,
+            match self.sample_kernel(logits)? {
+                Some(ids) => ids,
+                None => self.sample_ops(logits)?,
             }
         };
         Ok(ids.as_dtype(Dtype::Uint32)?)
+    }
+
+    /// Each row's token drawn by MLX's ops (lazily), each row from its own
+    /// stream.
+    fn sample_ops(&mut self, logits: &Array) -> Result<Array> {
+        // With top-k, the draw is among the candidates, whose ids it
+        // maps back to; otherwise among the whole vocabulary.
+        let (candidates, lp) = match filter::filtered_candidates(&self.config, logits)? {
+            Some((ids, lp)) => (Some(ids), lp),
+            None => (None, filter::filtered_logprobs(&self.config, logits)?),
+        };
+        let scaled = lp.multiply(Array::from_f32(1.0 / self.config.temperature))?;
+        // One draw per row with the row's own key: a batched draw's
+        // noise for a row would depend on the batch's shape.
+        let rows = self
+            .rngs
+            .iter_mut()
+            .enumerate()
+            .map(|(i, rng)| {
+                let key = random::key(rng.next_u64())?;
+                let row = scaled.index((i as i32..i as i32 + 1, ..));
+                random::categorical(&row, -1, None, &key)
+            })
+            .collect::<Result<Vec<Array>, _>>()?;
+        let drawn = if rows.len() == 1 {
+            rows.into_iter().next().expect("one row")
+        } else {
+            concatenate(&rows, 0)?
+        };
+        Ok(match candidates {
+            Some(ids) => {
+                let at = drawn.reshape(&[-1, 1])?.as_dtype(Dtype::Int32)?;
+                take_along_axis(&ids, &at, -1)?.reshape(&[-1])?
+            }
+            None => drawn,
+        })
+    }
+
+    /// Each row's token from our kernel, where it takes the work: a CUDA
+    /// GPU stream, filters it covers, and the positions of the step whose
+    /// logits these are (the layers keep them). Otherwise `None`, the reason
+    /// noted (MLX's ops then).
+    fn sample_kernel(&mut self, logits: &Array) -> Result<Option<Array>> {
+        use crate::backend::cuda::layer;
+        if !layer::wanted() {
+            return Ok(None);
+        }
+        // Taken whatever happens, so that no step's positions outlive it.
+        let positions = layer::take_step_positions();
+        let vocab = logits.dim(-1).max(0) as usize;
+        let why = match kernel::declines(&self.config, vocab) {
+            Some(why) => why,
+            None => match layer::sample_kernel(logits, |k| kernel::check(k, logits.dtype())) {
+                Err(why) => why,
+                Ok(k) => match positions.filter(|p| p.size() == logits.dim(0) as usize) {
+                    None => "sample kernel: no step positions for these rows (a prompt's token)",
+                    Some(positions) => {
+                        let (seeds, params) = self.kernel_inputs.get_or_insert_with(|| {
+                            (kernel::seeds(&self.seeds), kernel::params(&self.config))
+                        });
+                        return Ok(Some(k.draw(logits, &positions, seeds, params)?));
+                    }
+                },
+            },
+        };
+        crate::backend::declined(why);
+        Ok(None)
     }
 
     /// `[B, V]` logits -> token ids, sampled on the host.

@@ -99,6 +99,16 @@ const SWIGLU: &str = include_str!("cu/swiglu.cu");
 /// for a 151,936-wide row on an NVIDIA H200, its loads one value each.
 const ARGMAX: &str = include_str!("cu/argmax.cu");
 
+/// Each row's sampled token, as mlx-lm's sampler draws it with top-k of at
+/// most 64, over `x` `[rows, V]`, one block a row in linear time: the
+/// row's largest value and log-sum-exp, the values at or above a bound on
+/// the k-th largest gathered into shared memory (a radix selection where
+/// ties make too many) and sorted, then top-p, min-p and top-k on those
+/// candidates, the softmax of what is left at the temperature, and the draw
+/// by `u`, a hash of the row's seed and position: no state, so a replayed
+/// step draws anew from the positions it advances.
+const SAMPLE: &str = include_str!("cu/sample.cu");
+
 /// The product of one quantized weight (MLX's affine layout: `BITS`-bit
 /// values packed little-end first into `uint32` words, a scale and a bias per
 /// `GS` values of a row) with a tile of `BT` input rows, after one of the
@@ -177,6 +187,22 @@ const BLOCK: i32 = 256;
 /// The argmax's threads: one block reads a whole row.
 const ARGMAX_BLOCK: i32 = 1024;
 
+/// The sampling kernel's threads: a row a block, and 32 warps, whose two
+/// largest per-thread values bound the 64th largest from below.
+const SAMPLE_BLOCK: i32 = 1024;
+
+/// Values the sampling kernel sorts in shared memory at most.
+const SAMPLE_CAP: i32 = 2048;
+
+/// The largest top-k the sampling kernel takes.
+pub(crate) const SAMPLE_TOP_K: usize = 64;
+
+/// Elements of the sampling kernel's parameters (float32): top-p, min-p,
+/// `ln(min_p)` (as the host computes it), the tokens min-p keeps, the
+/// temperature, top-k; then zeros, so that the buffer is in device memory
+/// (MLX keeps arrays of a few bytes in memory the host and device share).
+pub(crate) const SAMPLE_PARAMS: usize = 16;
+
 pub(crate) struct Kernels {
     qkv_attend: CudaKernel,
     add_norm: CudaKernel,
@@ -186,6 +212,7 @@ pub(crate) struct Kernels {
     /// halves): `products[input][output]`.
     products: [[CudaKernel; 2]; 2],
     argmax: CudaKernel,
+    sample: CudaKernel,
     embed_norm: CudaKernel,
 }
 
@@ -324,6 +351,12 @@ impl Kernels {
                 [product_kernel(true, 1)?, product_kernel(true, 2)?],
             ],
             argmax: CudaKernel::new("emlx_axon_argmax", &["x"], &["out"], ARGMAX)?,
+            sample: CudaKernel::new(
+                "emlx_axon_sample",
+                &["x", "positions", "seeds", "params"],
+                &["out"],
+                SAMPLE,
+            )?,
             embed_norm: CudaKernel::new(
                 "emlx_axon_embed_norm",
                 &["ids", "wq", "scales", "biases", "nw"],
@@ -453,6 +486,32 @@ impl Kernels {
             2 => ids,
             _ => ids.reshape(&shape[..shape.len() - 1])?,
         })
+    }
+
+    /// Each row's sampled token (`[rows]` uint32) from `logits` `[rows, V]`:
+    /// `positions` `[rows]` int32 and `seeds` (uint64, one a row at least)
+    /// give each row's uniform draw, `params` ([`SAMPLE_PARAMS`] float32)
+    /// the filters.
+    pub(crate) fn sample(
+        &self,
+        logits: &Array,
+        positions: &Array,
+        seeds: &Array,
+        params: &Array,
+    ) -> Result<Array> {
+        let rows = logits.dim(0);
+        let mut out = self.sample.apply(
+            &[logits, positions, seeds, params],
+            &[(&[rows], Dtype::Uint32)],
+            (rows * SAMPLE_BLOCK, 1, 1),
+            (SAMPLE_BLOCK, 1, 1),
+            &[
+                ("T", Template::Dtype(logits.dtype())),
+                ("BLOCK", Template::Int(SAMPLE_BLOCK)),
+                ("CAP", Template::Int(SAMPLE_CAP)),
+            ],
+        )?;
+        Ok(out.remove(0))
     }
 
     /// `silu(gate) * up` of a stacked gate/up product `[..., 2 * I]`.

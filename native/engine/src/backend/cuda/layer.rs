@@ -38,6 +38,7 @@
 use mlx_rs::fast::rms_norm;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{Array, Dtype};
+use std::cell::RefCell;
 use std::sync::Mutex;
 
 use once_cell::sync::{Lazy, OnceCell};
@@ -51,6 +52,8 @@ use crate::nn::block::Block;
 use crate::nn::layers::RmsNorm;
 use crate::nn::rope::PositionTable;
 use emlx_axon_kernels::QuantWeight;
+
+pub(crate) use super::kernels::{SAMPLE_PARAMS, SAMPLE_TOP_K};
 
 /// On by default where MLX has a CUDA GPU; `EMLX_AXON_GPU_LAYER=0` keeps
 /// MLX's ops.
@@ -75,6 +78,87 @@ static CHECKED: Lazy<Mutex<Vec<(Dtype, bool)>>> = Lazy::new(|| Mutex::new(Vec::n
 /// The embedding kernel's, likewise: checked on its own, so that where it
 /// fails the layers' kernels still run (on MLX's embeddings).
 static EMBED_CHECKED: Lazy<Mutex<Vec<(Dtype, bool)>>> = Lazy::new(|| Mutex::new(Vec::new()));
+
+/// The sampling kernel's check results, by logits dtype: checked on its
+/// own, so that where it fails greedy steps still take the kernels.
+static SAMPLE_CHECKED: Lazy<Mutex<Vec<(Dtype, bool)>>> = Lazy::new(|| Mutex::new(Vec::new()));
+
+thread_local! {
+    /// The positions array of the last one-token step this thread's layers
+    /// built (see [`forward`]), for the sampling kernel: its draws hash each
+    /// row's position, and a replay finds the step's changing positions by
+    /// this very buffer (marked as the step's positions), which it replaces with
+    /// its own and advances each step. Kept here rather than passed through
+    /// the model, whose forward returns logits alone; forgotten at the start
+    /// of every forward pass ([`forget_step_positions`]), so a prompt's
+    /// logits never meet an earlier step's positions.
+    static STEP_POSITIONS: RefCell<Option<Array>> = const { RefCell::new(None) };
+}
+
+/// Forgets the last step's positions: called as a forward pass starts.
+pub(crate) fn forget_step_positions() {
+    STEP_POSITIONS.with(|p| p.borrow_mut().take());
+}
+
+/// The positions (`[rows]` int32) of the one-token step just built on this
+/// thread through these layers, taken (`None` after a prompt, or where the
+/// layers did not take the step).
+pub(crate) fn take_step_positions() -> Option<Array> {
+    STEP_POSITIONS.with(|p| p.borrow_mut().take())
+}
+
+/// The sampling kernel, for a caller that checks it (the reference lives
+/// with the sampler).
+pub(crate) struct SampleKernel(&'static Kernels);
+
+impl SampleKernel {
+    /// Each row's token (`[rows]` uint32) from `logits` `[rows, V]`:
+    /// `positions` `[rows]` int32 and `seeds` (uint64, at least one a row)
+    /// make each row's uniform draw, `params` ([`SAMPLE_PARAMS`] float32:
+    /// top-p, min-p, `ln(min_p)`, min-p's kept tokens, temperature, top-k
+    /// in `1..=`[`SAMPLE_TOP_K`]) the filters.
+    pub(crate) fn draw(
+        &self,
+        logits: &Array,
+        positions: &Array,
+        seeds: &Array,
+        params: &Array,
+    ) -> Result<Array> {
+        self.0.sample(logits, positions, seeds, params)
+    }
+}
+
+/// The sampling kernel for `logits` (`[rows, V]`), once `check` passed with
+/// it in their dtype (run on first use per dtype, on a stream of its own);
+/// `Err` says why not (MLX's ops then).
+pub(crate) fn sample_kernel(
+    logits: &Array,
+    check: impl FnOnce(&SampleKernel) -> Result<()>,
+) -> std::result::Result<SampleKernel, &'static str> {
+    let dtype = logits.dtype();
+    if !*WANTED {
+        return Err("sample kernel: no CUDA kernels in this build, device or environment");
+    }
+    if !kernels::takes_dtype(dtype) || logits.ndim() != 2 || logits.size() == 0 {
+        return Err("sample kernel: logits of another dtype or shape");
+    }
+    if crate::runtime::device::on_cpu_stream() {
+        return Err("sample kernel: not on a GPU stream");
+    }
+    let Some(k) = kernels(dtype) else {
+        return Err("sample kernel: the CUDA kernels failed their check (see the notices)");
+    };
+    if !passes(&SAMPLE_CHECKED, dtype, || check(&SampleKernel(k))) {
+        return Err("sample kernel: it failed its check on this device (see the notices)");
+    }
+    Ok(SampleKernel(k))
+}
+
+/// Whether the sampling kernel passed its check in every dtype checked so
+/// far (`None`: none checked yet).
+pub fn sample_checked() -> Option<bool> {
+    all_passed(&SAMPLE_CHECKED)
+}
 
 /// Whether one-token steps on a GPU stream may take this path (asked for,
 /// and a CUDA GPU; built and checked on first use).
@@ -213,6 +297,7 @@ pub(crate) fn forward<C: KvStore>(
     };
     let positions = Array::from_slice(&rows.positions, &[n]);
     let starts = Array::from_slice(&rows.starts, &[n]);
+    STEP_POSITIONS.with(|p| *p.borrow_mut() = Some(positions.clone()));
     let mut last = rows.positions.iter().copied().max().unwrap_or(0);
     if crate::backend::cuda::kernel::recording() {
         use crate::backend::cuda::kernel::{mark, Role};

@@ -9,7 +9,9 @@
 //! launches, with the same buffers, are captured as one CUDA graph on a
 //! stream of our own, followed by a small kernel that feeds each step's
 //! tokens to the next (`ids`), moves the positions on, and writes the tokens
-//! into pinned host memory. A step is then one graph launch, and the host
+//! into pinned host memory. The step's last launch gives its tokens: our
+//! argmax, or our sampling kernel, whose draws hash the positions the
+//! replay moves on, so a replayed sampled step draws anew with no state. A step is then one graph launch, and the host
 //! only reads tokens back.
 //!
 //! Every array the launches touch is held for the replay's life, so MLX
@@ -238,7 +240,7 @@ impl StepReplay {
     pub(crate) fn build(rec: Recording, next: &Array, want: &Array) -> Result<Built> {
         let refuse = |why: &str| Err(Error::Unsupported(format!("no step replay: {why}")));
         let (Some(last), true) = (rec.launches.last(), next.dtype() == Dtype::Uint32) else {
-            return refuse("the step's tokens are not our argmax's");
+            return refuse("the step's tokens are not our argmax's or sampling kernel's");
         };
         let rows = next.size();
         let find = |role: Role| rec.marks.iter().find(|(r, _)| *r == role).map(|(_, a)| a);
@@ -272,7 +274,7 @@ impl StepReplay {
                 .chain(outputs.iter().copied()),
         )?;
         if device_ptr(&last.outputs[0])?.0 != device_ptr(next)?.0 {
-            return refuse("the step's tokens are not our argmax's");
+            return refuse("the step's tokens are not our argmax's or sampling kernel's");
         }
         let mut slots = vec![
             (device_ptr(ids)?.0, device_ptr(&ids_slot)?.0),

@@ -1,6 +1,7 @@
 //! Decode steps as replays of one recorded step ([`crate::backend::cuda::replay`]):
-//! greedy rows without constraints on a CUDA GPU, where every node of a
-//! step is a kernel of ours. On unless the options or
+//! rows without constraints on a CUDA GPU, greedy or sampled by our kernel
+//! (whose draws hash each row's position, which the replay advances), where
+//! every node of a step is a kernel of ours. On unless the options or
 //! `EMLX_AXON_STEP_REPLAY=0` turn it off.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -73,7 +74,12 @@ impl Generation {
         };
         // Not before the first token is out: recording waits for its step,
         // and building takes a few milliseconds.
-        if matches!(self.replay, Replay::Untried) && self.steps > 0 {
+        // Sampled rows wait for the sampling kernel's check (at its first
+        // use): a recorded step that samples with MLX's ops is refused for
+        // good.
+        let vocab = self.model.config.vocab_size.max(0) as usize;
+        let unchecked = self.sampler.kernel_ready(vocab).is_none() && replay::wanted();
+        if matches!(self.replay, Replay::Untried) && self.steps > 0 && !unchecked {
             match self.not_replayed() {
                 None => return self.record_step(current),
                 Some(why) if replay::wanted() => {
@@ -100,8 +106,9 @@ impl Generation {
     }
 
     /// Why this generation's steps are not replayed (`None`: they can be):
-    /// replays must be on, repay their build, and run greedy, unconstrained,
-    /// unpadded rows on a GPU stream through the model's own layers.
+    /// replays must be on, repay their build, and run unconstrained, unpadded
+    /// rows, greedy or sampled by our kernel, on a GPU stream through the
+    /// model's own layers.
     fn not_replayed(&self) -> Option<&'static str> {
         let offset = self.cache.offset().max(0) as usize;
         let steps_left = (self.options.max_new_tokens.saturating_sub(self.steps))
@@ -118,8 +125,13 @@ impl Generation {
             "cuda_replay: turned off by the generation's options"
         } else if steps_left.saturating_sub(2) < MIN_STEPS_LEFT {
             "cuda_replay: too few steps left to repay building a replay"
-        } else if !self.sampler.is_greedy() {
-            "cuda_replay: sampled rows are not replayed"
+        } else if !self.sampler.is_greedy()
+            && self
+                .sampler
+                .kernel_ready(self.model.config.vocab_size.max(0) as usize)
+                != Some(true)
+        {
+            "cuda_replay: sampled rows are replayed only with the sampling kernel"
         } else if !self.constraints.none() {
             "cuda_replay: constrained rows are not replayed"
         } else if self.padding.is_some() {
