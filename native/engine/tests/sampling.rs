@@ -228,16 +228,19 @@ fn host_selection_keeps_what_a_full_sort_keeps_at_vocabulary_size() {
 }
 
 /// The kept tokens by the filters' definitions over the whole vocabulary
-/// sorted, masses added in float64.
+/// sorted, with the host's arithmetic (exponentials summed in float64, the
+/// log-sum-exp rounded to float32), which decides the last tokens of a
+/// nucleus holding most of the vocabulary.
 fn full_sort(c: &SamplerConfig, logits: &[f32]) -> Vec<usize> {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let lse = max + logits.iter().map(|&x| (x - max).exp()).sum::<f32>().ln();
+    let sum: f64 = logits.iter().map(|&x| (x - max).exp() as f64).sum();
+    let lse = max + (sum as f32).ln();
     let lp: Vec<f32> = logits.iter().map(|&x| x - lse).collect();
     let mut order: Vec<usize> = (0..lp.len()).collect();
     order.sort_by(|&a, &b| lp[b].total_cmp(&lp[a]).then(a.cmp(&b)));
     let mut kept = vec![true; lp.len()];
     if c.top_p < 1.0 {
-        let total: f64 = lp.iter().map(|&x| x.exp() as f64).sum();
+        let total = sum * ((max - lse) as f64).exp();
         let mut above = 0f64;
         let mut threshold = f32::NEG_INFINITY;
         for (j, &i) in order.iter().enumerate() {

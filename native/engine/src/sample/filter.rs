@@ -135,25 +135,8 @@ pub fn distribution_host(c: &SamplerConfig, logits: &[f32]) -> Vec<f64> {
 /// it.
 pub fn kept_host(c: &SamplerConfig, logits: &[f32]) -> Vec<(usize, f32)> {
     let vocab = logits.len();
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f32 = logits.iter().map(|&x| (x - max).exp()).sum();
-    let lse = max + sum.ln();
-    let lp = |i: usize| logits[i] - lse;
     let top_p = c.top_p > 0.0 && c.top_p < 1.0;
     let top_k = (c.top_k > 0 && c.top_k < vocab).then_some(c.top_k);
-    if !top_p && c.min_p <= 0.0 && top_k.is_none() {
-        return (0..vocab).map(|i| (i, lp(i))).collect();
-    }
-    // By rank: larger first, the lower id first among equals (as `top_mask`).
-    let by_rank = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
-    // Masses add up in float64: a wide nucleus ends where each token holds
-    // less than float32's resolution of the running sum.
-    let total: f64 = if top_p {
-        (0..vocab).map(|i| lp(i).exp() as f64).sum()
-    } else {
-        0.0
-    };
-    let mut order: Vec<usize> = (0..vocab).collect();
     // At least the tokens min-p protects, so that they are among the ranked.
     let protected = if c.min_p > 0.0 {
         c.min_tokens_to_keep
@@ -161,12 +144,25 @@ pub fn kept_host(c: &SamplerConfig, logits: &[f32]) -> Vec<(usize, f32)> {
         1
     };
     let mut m = top_k.unwrap_or(64.max(protected)).min(vocab);
+    let filtered = top_p || c.min_p > 0.0 || top_k.is_some();
+    // One pass ranks the first `m` tokens (and so finds the largest value),
+    // another sums the exponentials: two reads of the row, no sort of it.
+    let mut ranked = if filtered { top_ranked(logits, m) } else { Vec::new() };
+    let max = match ranked.first() {
+        Some(&i) => logits[i],
+        None => logits.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+    };
+    // Masses add up in float64: a wide nucleus ends where each token holds
+    // less than float32's resolution of the running sum.
+    let sum: f64 = logits.iter().map(|&x| (x - max).exp() as f64).sum();
+    let lse = max + (sum as f32).ln();
+    let lp = |i: usize| logits[i] - lse;
+    if !filtered {
+        return (0..vocab).map(|i| (i, lp(i))).collect();
+    }
+    // Every token's mass, exp(x - lse), summed.
+    let total = sum * ((max - lse) as f64).exp();
     loop {
-        if m < vocab {
-            order.select_nth_unstable_by(m - 1, by_rank);
-        }
-        let ranked = &mut order[..m];
-        ranked.sort_unstable_by(by_rank);
         let mut end = m;
         // Top-p: a token goes when the tokens above it already hold
         // `top_p` of the mass; ties with the last kept token stay.
@@ -208,7 +204,38 @@ pub fn kept_host(c: &SamplerConfig, logits: &[f32]) -> Vec<(usize, f32)> {
             return kept;
         }
         m = (m * 4).min(vocab);
+        ranked = top_ranked(logits, m);
     }
+}
+
+/// The ids of the `m` largest logits, largest first, the lower id first
+/// among equals. Few are asked for: one pass keeps them in a short sorted
+/// list that a new token rarely enters; many: a selection, then a sort.
+fn top_ranked(logits: &[f32], m: usize) -> Vec<usize> {
+    let by_rank = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
+    if m > 256 {
+        let mut order: Vec<usize> = (0..logits.len()).collect();
+        if m < order.len() {
+            order.select_nth_unstable_by(m - 1, by_rank);
+            order.truncate(m);
+        }
+        order.sort_unstable_by(by_rank);
+        return order;
+    }
+    let mut best: Vec<usize> = Vec::with_capacity(m + 1);
+    for (i, &x) in logits.iter().enumerate() {
+        if best.len() == m {
+            // Ids come in order: an equal value never outranks the last.
+            let last = logits[best[m - 1]];
+            if x.total_cmp(&last) != std::cmp::Ordering::Greater {
+                continue;
+            }
+            best.pop();
+        }
+        let at = best.partition_point(|&j| by_rank(&j, &i) == std::cmp::Ordering::Less);
+        best.insert(at, i);
+    }
+    best
 }
 
 /// The probabilities of the kept tokens (ascending ids, as [`kept_host`]
