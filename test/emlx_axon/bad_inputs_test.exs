@@ -66,9 +66,11 @@ defmodule EMLXAxon.BadInputsTest do
             {"quantization", %{"bits" => 4}, :config, "missing `group_size`"},
             {"model_type", "llama", :unsupported, "model_type `llama`"},
             {"model_type", 3, :config, "missing required key `model_type`"},
-            {"rope_scaling", %{"type" => "yarn", "factor" => 4.0}, :unsupported,
-             "rope_scaling type `yarn`"},
-            {"rope_scaling", %{"type" => "linear", "factor" => -1}, :config, "positive `factor`"}
+            {"rope_scaling", %{"type" => "longrope", "factor" => 4.0}, :unsupported,
+             "rope_scaling type `longrope`"},
+            {"rope_scaling", %{"type" => "yarn"}, :config, "yarn rope_scaling needs `factor`"},
+            {"rope_scaling", %{"type" => "linear", "factor" => -1}, :config,
+             "`factor` must be positive"}
           ] do
         dir = TestCheckpoint.scratch_copy(@fixture)
         TestCheckpoint.update_config(dir, &Map.put(&1, key, value))
