@@ -273,7 +273,9 @@ pub(crate) fn forward<C: KvStore>(
     let (blocks, final_norm) = (stack.blocks, stack.final_norm);
     let n = tokens.ids.dim(0);
     let (hd, dtype) = (c.head_dim, tokens.dtype);
-    let takes = kernels::takes_dtype(dtype)
+    // Our kernels run on GPU streams only (MLX refuses them elsewhere).
+    let takes = !crate::runtime::device::on_cpu_stream()
+        && kernels::takes_dtype(dtype)
         && hd % 32 == 0
         // Heads of at most 128: the attention kernel's blocks have 2 * hd
         // threads, each holding a trip's keys through the prologue.
