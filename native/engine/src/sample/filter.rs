@@ -23,15 +23,7 @@ pub fn filtered_logprobs(c: &SamplerConfig, logits: &Array) -> Result<Array> {
         // neighbours already hold at least `top_p` of the mass; ties with the
         // last kept token stay.
         let sorted = sort_axis(&lp, -1)?;
-        let probs = sorted.exp()?;
-        let above = probs.cumsum(-1, true, false)?;
-        let total = above.index((.., 0..1)).add(probs.index((.., 0..1)))?;
-        let dropped = above
-            .ge(total.multiply(Array::from_f32(c.top_p))?)?
-            .sum_axis(-1, true)?
-            .as_dtype(Dtype::Int32)?;
-        let threshold = take_along_axis(&sorted, &dropped, -1)?;
-        lp = select(lp.lt(&threshold)?, neg_inf(), &lp)?;
+        lp = top_p_cut(c.top_p, &sorted, &lp, None)?;
     }
     if c.min_p > 0.0 {
         let top = lp.max_axis(-1, true)?;
@@ -72,15 +64,8 @@ pub fn filtered_candidates(c: &SamplerConfig, logits: &Array) -> Result<Option<(
     if c.top_p > 0.0 && c.top_p < 1.0 {
         // The mass above a candidate is all in the candidates; the total is
         // the whole row's.
-        let probs = sorted.exp()?;
-        let above = probs.cumsum(-1, true, false)?;
         let total = logits.subtract(&lse)?.exp()?.sum_axis(-1, true)?;
-        let dropped = above
-            .ge(total.multiply(Array::from_f32(c.top_p))?)?
-            .sum_axis(-1, true)?
-            .as_dtype(Dtype::Int32)?;
-        let threshold = take_along_axis(&sorted, &dropped, -1)?;
-        lp = select(lp.lt(&threshold)?, neg_inf(), &lp)?;
+        lp = top_p_cut(c.top_p, &sorted, &lp, Some(total))?;
     }
     if c.min_p > 0.0 {
         let top = sorted.index((.., (k - 1)..));
@@ -94,6 +79,28 @@ pub fn filtered_candidates(c: &SamplerConfig, logits: &Array) -> Result<Option<(
         lp = select(lp.lt(&floor)?, neg_inf(), &lp)?;
     }
     Ok(Some((ids.as_dtype(Dtype::Uint32)?, lp)))
+}
+
+/// `lp` with the tokens top-p drops at -inf, from `sorted` (the same values
+/// ascending): a token goes when the tokens above it already hold `top_p` of
+/// the mass (`total`, else all of `sorted`'s); ties with the last kept stay.
+fn top_p_cut(top_p: f32, sorted: &Array, lp: &Array, total: Option<Array>) -> Result<Array> {
+    let probs = sorted.exp()?;
+    let above = probs.cumsum(-1, true, false)?;
+    let total = match total {
+        Some(t) => t,
+        None => above.index((.., 0..1)).add(probs.index((.., 0..1)))?,
+    };
+    let dropped = above
+        .ge(total.multiply(Array::from_f32(top_p))?)?
+        .sum_axis(-1, true)?
+        .as_dtype(Dtype::Int32)?;
+    let threshold = take_along_axis(sorted, &dropped, -1)?;
+    Ok(select(
+        lp.lt(&threshold)?,
+        Array::from_f32(f32::NEG_INFINITY),
+        lp,
+    )?)
 }
 
 /// The distribution sampled from: softmax of the filtered log-probabilities
@@ -147,7 +154,11 @@ pub fn kept_host(c: &SamplerConfig, logits: &[f32]) -> Vec<(usize, f32)> {
     let filtered = top_p || c.min_p > 0.0 || top_k.is_some();
     // One pass ranks the first `m` tokens (and so finds the largest value),
     // another sums the exponentials: two reads of the row, no sort of it.
-    let mut ranked = if filtered { top_ranked(logits, m) } else { Vec::new() };
+    let mut ranked = if filtered {
+        top_ranked(logits, m)
+    } else {
+        Vec::new()
+    };
     let max = match ranked.first() {
         Some(&i) => logits[i],
         None => logits.iter().copied().fold(f32::NEG_INFINITY, f32::max),
