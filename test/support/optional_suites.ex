@@ -11,6 +11,8 @@ defmodule EMLXAxon.TestSuites do
       {"EMLXAxon.TextGeneration.ServingReliabilityTest",
        "test/emlx_axon/serving_reliability_test.exs", Code.ensure_loaded?(Nx.Serving),
        "Nx is not available (add {:nx, \"~> 0.9\"})"},
+      {"EMLXAxon.HubServingTest", "test/emlx_axon/hub_serving_test.exs",
+       Code.ensure_loaded?(Nx.Serving), "Nx is not available (add {:nx, \"~> 0.9\"})"},
       {"EMLXAxon.TelemetryTest", "test/emlx_axon/telemetry_test.exs",
        Code.ensure_loaded?(:telemetry), ":telemetry is not available"}
     ]
