@@ -105,6 +105,8 @@ defmodule EMLXAxon.Generation do
             time_to_first_token_ms: stats.time_to_first_token_ms
           }
 
+          EMLXAxon.Notices.log_for(Map.get(stats, :fallbacks))
+
           stop_metadata =
             stats
             |> Map.take([:decode_path, :prefill_path, :fallbacks])

@@ -16,6 +16,7 @@ defmodule EMLXAxon.Telemetry do
   | `[:emlx_axon, :generate, :stop]` | `:duration`, `:monotonic_time`, `:prompt_tokens`, `:generated_tokens`, `:prefill_ms`, `:decode_ms`, `:decode_tokens_per_s`, `:time_to_first_token_ms` | `:start`'s, and `:finish_reasons`, `:decode_path`, `:prefill_path`, `:fallbacks` (or `:error`) |
   | `[:emlx_axon, :generate, :exception]` | `:duration`, `:monotonic_time` | `:start`'s, and `:kind`, `:reason`, `:stacktrace` |
   | `[:emlx_axon, :scheduler, :step]` | `:duration`, `:running`, `:waiting`, `:slots`, `:tokens` | `%{}` |
+  | `[:emlx_axon, :notice]` | `%{}` | `:message`: a notice of the engine (a kernel check that failed, step replays turned off), once per VM, also written to the log |
   | `[:emlx_axon, :scheduler, :request]` | `:prompt_tokens`, `:cached_tokens`, `:generated_tokens`, `:queue_ms`, `:prefill_ms`, `:time_to_first_token_ms`, `:decode_tokens_per_s`, `:constraint_ms` | `:finish_reason`, `:decode_path`, `:prefill_path`, `:fallbacks` |
 
     * `:load` - loading a model (`EMLXAxon.Qwen3.Loader.load/2`), a span.

@@ -281,6 +281,8 @@ defmodule EMLXAxon.Scheduler.Server do
 
   # The numbers are measurements; which engine paths ran is metadata.
   defp emit_request(reason, stats) do
+    EMLXAxon.Notices.log_for(stats && Map.get(stats, :fallbacks))
+
     Telemetry.execute([:emlx_axon, :scheduler, :request], fn ->
       stats = stats || %{}
       paths = Result.paths(stats)

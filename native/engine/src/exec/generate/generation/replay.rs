@@ -118,7 +118,7 @@ impl Generation {
         let why = if !replay::wanted() {
             "cuda_replay: off in this build, device or environment"
         } else if replay::usable() == Some(false) {
-            "cuda_replay: a replay differed from MLX's step in this process"
+            "cuda_replay: a replay differed from MLX's step in this process (see the notices)"
         } else if self.model.steps_not_replayable.load(Ordering::Relaxed) {
             "cuda_replay: this model's steps are not all our kernels"
         } else if !self.options.step_replay {
