@@ -7,7 +7,7 @@
 //! run as a few kernels a layer ([`cuda::layer`]), replayed as one CUDA
 //! graph when every node is ours ([`cuda::replay`]), and prompts take the
 //! prompt kernels ([`cuda::prefill`]). Whichever path ran is noted here
-//! ([`note`]) by the code that took it, with the reason a faster one did
+//! (`note`) by the code that took it, with the reason a faster one did
 //! not take the work, and [`Paths`] reaches every result's statistics:
 //! no path is taken silently.
 

@@ -431,7 +431,7 @@ impl Generation {
         stats
     }
 
-    /// Whether decode steps are replayed as one CUDA graph (`step_replay.rs`).
+    /// Whether decode steps are replayed as one CUDA graph (`backend/cuda/replay.rs`).
     pub fn replays_steps(&self) -> bool {
         matches!(self.replay, Replay::On(_))
     }

@@ -31,7 +31,7 @@ pub struct GenerateOptions {
     pub fast_forward: bool,
     /// Decode steps may run as replays of one recorded step, launched as
     /// one CUDA graph, where the generation allows it and has at least 32
-    /// steps left to replay (default true; see `step_replay.rs`). Each
+    /// steps left to replay (default true; see `backend/cuda/replay.rs`). Each
     /// replay is checked bit for bit against MLX's step before it is used.
     /// `EMLX_AXON_STEP_REPLAY=0` turns it off for the whole process.
     pub step_replay: bool,
