@@ -2,4 +2,5 @@
 //! together, [`scheduler::Scheduler`] for requests that come and go.
 
 pub mod generate;
+mod request;
 pub mod scheduler;

@@ -31,10 +31,10 @@ use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{transforms, Array};
 
 use crate::backend::Paths;
-use crate::checkpoint::config::add_missing;
 use crate::error::{Error, Result};
 use crate::exec::generate::rows::Row;
 use crate::exec::generate::{FinishReason, GenerateOptions, RowDelta};
+use crate::exec::request;
 use crate::kv::cache::KvCache;
 use crate::kv::prefix::PrefixCache;
 use crate::kv::slots::{slot_cache_bytes, SlotCache};
@@ -244,15 +244,7 @@ impl Scheduler {
         if config.prefill_chunk == 0 {
             return Err(Error::invalid("prefill_chunk must be at least 1"));
         }
-        if let Some(t) = &tokenizer {
-            if t.vocab_size() > model.config.vocab_size as usize {
-                return Err(Error::invalid(format!(
-                    "the tokenizer has {} tokens but the model only {}: they belong to different models",
-                    t.vocab_size(),
-                    model.config.vocab_size
-                )));
-            }
-        }
+        request::check_tokenizer(&model, tokenizer.as_deref())?;
         crate::runtime::memory::ensure_fits(
             slot_cache_bytes(&model.kv_shape(), config.slots, config.capacity),
             &format!(
@@ -316,24 +308,8 @@ impl Scheduler {
             None => None,
         };
         options.max_len = options.max_len.min(self.config.capacity);
-        if prompt.len() >= options.max_len {
-            return Err(Error::PromptTooLong {
-                len: prompt.len(),
-                max_len: options.max_len,
-            });
-        }
-        let eos = match &options.eos_token_ids {
-            Some(ids) => ids.clone(),
-            None => {
-                let mut ids = self.model.config.eos_token_ids.clone();
-                let from_tokenizer = self
-                    .tokenizer
-                    .iter()
-                    .flat_map(|t| t.eos_token_ids().iter().copied());
-                add_missing(&mut ids, from_tokenizer);
-                ids
-            }
-        };
+        request::check_length(&prompt, options.max_len)?;
+        let eos = request::eos_ids(&self.model, self.tokenizer.as_deref(), &options);
         let sampler = Sampler::new(options.sampler.clone(), &[options.sampler.seed])?;
         let id = self.next_id;
         self.next_id += 1;
@@ -358,28 +334,8 @@ impl Scheduler {
     }
 
     fn validate(&self, prompt: &[u32], o: &GenerateOptions) -> Result<()> {
-        if prompt.is_empty() {
-            return Err(Error::invalid("a prompt is empty: give at least one token"));
-        }
-        let vocab = self.model.config.vocab_size as u32;
-        if let Some(bad) = prompt.iter().find(|&&id| id >= vocab) {
-            return Err(Error::invalid(format!(
-                "token id {bad} is outside the model's vocabulary (size {vocab})"
-            )));
-        }
-        if o.max_new_tokens == 0 {
-            return Err(Error::invalid("max_new_tokens must be at least 1"));
-        }
-        if o.max_len == 0 {
-            return Err(Error::invalid("max_len must be at least 1"));
-        }
-        if !o.stop.is_empty() && self.tokenizer.is_none() {
-            return Err(Error::invalid("stop strings need a tokenizer"));
-        }
-        if o.stop.iter().any(String::is_empty) {
-            return Err(Error::invalid("stop strings must not be empty"));
-        }
-        o.sampler.validate()
+        request::check_prompt(&self.model, prompt)?;
+        request::check_options(o, self.tokenizer.is_some())
     }
 
     /// Drops a request wherever it is (queued, mid-prefill, decoding) and

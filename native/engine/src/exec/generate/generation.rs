@@ -12,7 +12,6 @@ use super::constrained::{Constraints, Rules};
 use super::options::{cache_capacity, validate};
 use super::rows::Row;
 use super::{GenerateOptions, RowDelta, Stats};
-use crate::checkpoint::config::add_missing;
 use crate::error::{Error, Result};
 use crate::kv::cache::KvCache;
 use crate::model::{AttentionMask, Model};
@@ -74,17 +73,7 @@ impl Generation {
     ) -> Result<Self> {
         let started = Instant::now();
         validate(&model, tokenizer.as_deref(), prompts, &options)?;
-        let eos = match &options.eos_token_ids {
-            Some(ids) => ids.clone(),
-            None => {
-                let mut ids = model.config.eos_token_ids.clone();
-                let from_tokenizer = tokenizer
-                    .iter()
-                    .flat_map(|t| t.eos_token_ids().iter().copied());
-                add_missing(&mut ids, from_tokenizer);
-                ids
-            }
-        };
+        let eos = crate::exec::request::eos_ids(&model, tokenizer.as_deref(), &options);
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
         let padding = prompts
             .iter()

@@ -85,44 +85,12 @@ pub(super) fn validate(
             prompts.len()
         )));
     }
-    if o.max_new_tokens == 0 {
-        return Err(Error::invalid("max_new_tokens must be at least 1"));
-    }
-    if o.max_len == 0 {
-        return Err(Error::invalid("max_len must be at least 1"));
-    }
-    if let Some(t) = tokenizer {
-        if t.vocab_size() > model.config.vocab_size as usize {
-            return Err(Error::invalid(format!(
-                "the tokenizer has {} tokens but the model only {}: they belong to different models",
-                t.vocab_size(),
-                model.config.vocab_size
-            )));
-        }
-    }
-    if !o.stop.is_empty() && tokenizer.is_none() {
-        return Err(Error::invalid("stop strings need a tokenizer"));
-    }
-    if o.stop.iter().any(String::is_empty) {
-        return Err(Error::invalid("stop strings must not be empty"));
-    }
-    o.sampler.validate()?;
-    let vocab = model.config.vocab_size as u32;
+    use crate::exec::request::{check_length, check_options, check_prompt, check_tokenizer};
+    check_tokenizer(model, tokenizer)?;
+    check_options(o, tokenizer.is_some())?;
     for p in prompts {
-        if p.is_empty() {
-            return Err(Error::invalid("a prompt is empty: give at least one token"));
-        }
-        if let Some(bad) = p.iter().find(|&&id| id >= vocab) {
-            return Err(Error::invalid(format!(
-                "token id {bad} is outside the model's vocabulary (size {vocab})"
-            )));
-        }
-        if p.len() >= o.max_len {
-            return Err(Error::PromptTooLong {
-                len: p.len(),
-                max_len: o.max_len,
-            });
-        }
+        check_prompt(model, p)?;
+        check_length(p, o.max_len)?;
     }
     Ok(())
 }
