@@ -2,6 +2,7 @@
 //! any, into a free slot.
 
 use super::*;
+
 impl Scheduler {
     /// Makes `request` the prompt being prefilled, from its cached prefix if any.
     pub(super) fn start_prefill(&mut self, mut request: Request) -> Result<()> {

@@ -5,6 +5,7 @@ use super::*;
 /// A waiting request passed over this many times is prefilled next,
 /// however long its prompt.
 const MAX_PASSED_OVER: usize = 8;
+
 impl Scheduler {
     /// The waiting request to prefill next: the shortest prompt (the oldest
     /// among equals), so that a short request is not held behind the

@@ -2,6 +2,7 @@
 //! read back, the next queued before this one is read.
 
 use super::*;
+
 impl Scheduler {
     /// Up to `max_steps` decode steps. With device samplers the next step
     /// is queued, its inputs being this step's tokens still on the device,
