@@ -228,7 +228,7 @@ impl Attention {
                     heads_first(qk.index((.., .., nq.., ..)))?,
                 )
             }
-            Rope::Fused(_) => {
+            Rope::Fused { .. } => {
                 let q = heads.index((.., .., ..nq, ..));
                 let k = heads.index((.., .., nq..nq + nkv, ..));
                 let (q, k) = match &self.norm {
@@ -260,7 +260,7 @@ impl Attention {
                 }
             }
             Rope::Table { .. } => heads_first(q)?,
-            Rope::Fused(_) => q,
+            Rope::Fused { .. } => q,
         };
         let out = attend(&q, &keys, &values, mask)?
             .transpose_axes(&[0, 2, 1, 3])?

@@ -178,6 +178,22 @@ impl Scaled {
             }
         }
     }
+}
+
+/// A scaled RoPE as MLX's `rope` takes it, made once per forward pass (not
+/// per layer): the frequencies as an array, and the input scale.
+pub struct Scaling {
+    freqs: Array,
+    input_scale: f32,
+}
+
+impl Scaling {
+    fn of(c: &ModelConfig) -> Option<Scaling> {
+        Scaled::of(c).map(|s| Scaling {
+            freqs: Array::from_slice(&s.freqs, &[s.freqs.len() as i32]),
+            input_scale: s.input_scale as f32,
+        })
+    }
 
     /// `x` times the input scale, in `x`'s dtype (as mlx-lm multiplies by a
     /// Python float), or `x` itself for a scale of 1.
@@ -185,15 +201,19 @@ impl Scaled {
         if self.input_scale == 1.0 {
             return Ok(x.clone());
         }
-        let s = Array::from_f32(self.input_scale as f32).as_dtype(x.dtype())?;
+        let s = Array::from_f32(self.input_scale).as_dtype(x.dtype())?;
         Ok(x.multiply(&s)?)
     }
 }
 
 /// The rotation of one forward pass's positions.
 pub enum Rope {
-    /// MLX's `rope` per call (its fused kernel on a GPU).
-    Fused(RopeOffset),
+    /// MLX's `rope` per call (its fused kernel on a GPU), with the model's
+    /// scaling if any.
+    Fused {
+        offset: RopeOffset,
+        scaling: Option<Scaling>,
+    },
     /// Per-position factors for `[B, L, heads, head_dim]` arrays, broadcast
     /// over `heads` query-plus-key heads: `x * cos + swapped(x) * signed_sin`.
     Table {
@@ -237,7 +257,7 @@ impl Rope {
         table: bool,
     ) -> Result<Self> {
         if !table {
-            return Ok(Rope::Fused(offset));
+            return Ok(Rope::fused(c, offset));
         }
         let hd = c.head_dim;
         let rows = match &offset {
@@ -249,7 +269,7 @@ impl Rope {
         // would get the last row's rotation.
         let ones = zeros_dtype(&[rows, 1, len, hd], probe.dtype())?.add(probe)?;
         // [rows, 1, len, hd] -> [rows, len, 1, hd]
-        let table = Rope::Fused(offset)
+        let table = Rope::fused(c, offset)
             .rotate_heads_first(c, &ones)?
             .transpose_axes(&[0, 2, 1, 3])?;
         let half = hd / 2;
@@ -281,44 +301,47 @@ impl Rope {
         })
     }
 
+    /// MLX's rope at `offset` for `c`, its scaling (see [`Scaled`]) made here.
+    pub fn fused(c: &ModelConfig, offset: RopeOffset) -> Rope {
+        Rope::Fused {
+            offset,
+            scaling: Scaling::of(c),
+        }
+    }
+
     /// Rotates `x`, laid out `[B, heads, L, head_dim]`, with MLX's `rope`
     /// (only for [`Rope::Fused`]).
     /// A scaled RoPE (see [`Scaled`]) scales `x` and rotates it by its own
     /// frequencies.
     pub fn rotate_heads_first(&self, c: &ModelConfig, x: &Array) -> Result<Array> {
-        let scaled = Scaled::of(c);
-        let (x, base, freqs) = match &scaled {
-            Some(s) => (
-                s.scale_input(x)?,
-                None,
-                Some(Array::from_slice(&s.freqs, &[s.freqs.len() as i32])),
-            ),
+        let Rope::Fused { offset, scaling } = self else {
+            return Err(crate::error::Error::invalid(
+                "a RoPE table rotates [B, L, heads, head_dim] arrays",
+            ));
+        };
+        let (x, base, freqs) = match scaling {
+            Some(s) => (s.scale_input(x)?, None, Some(&s.freqs)),
             None => (x.clone(), Some(c.rope_theta), None),
         };
-        Ok(match self {
-            Rope::Fused(RopeOffset::Scalar(offset)) => rope(
+        Ok(match offset {
+            RopeOffset::Scalar(offset) => rope(
                 &x,
                 c.head_dim,
                 c.rope_traditional,
                 base,
                 c.rope_scale,
                 *offset,
-                freqs.as_ref(),
+                freqs,
             )?,
-            Rope::Fused(RopeOffset::PerRow(offsets)) => rope_dynamic(
+            RopeOffset::PerRow(offsets) => rope_dynamic(
                 &x,
                 c.head_dim,
                 c.rope_traditional,
                 base,
                 c.rope_scale,
                 offsets,
-                freqs.as_ref(),
+                freqs,
             )?,
-            Rope::Table { .. } => {
-                return Err(crate::error::Error::invalid(
-                    "a RoPE table rotates [B, L, heads, head_dim] arrays",
-                ))
-            }
         })
     }
 
@@ -426,7 +449,7 @@ mod tests {
                     ]
                 };
                 for (fused, table) in offsets().into_iter().zip(offsets()) {
-                    let expected = Rope::Fused(fused)
+                    let expected = Rope::fused(&c, fused)
                         .rotate_heads_first(&c, &x.transpose_axes(&[0, 2, 1, 3]).unwrap())
                         .unwrap()
                         .transpose_axes(&[0, 2, 1, 3])
@@ -469,7 +492,7 @@ mod tests {
                 assert!((scaled.input_scale - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-12);
                 let probe = probe(c.head_dim, traditional, Dtype::Float32).unwrap();
                 let offset = || RopeOffset::PerRow(Array::from_slice(&[3i32, 90], &[2]));
-                let expected = Rope::Fused(offset())
+                let expected = Rope::fused(&c, offset())
                     .rotate_heads_first(&c, &x.transpose_axes(&[0, 2, 1, 3]).unwrap())
                     .unwrap()
                     .transpose_axes(&[0, 2, 1, 3])
@@ -482,7 +505,7 @@ mod tests {
                 let worst = crate::nn::layers::tests::relative_error(&flat(&got), &flat(&expected));
                 assert!(worst < 1e-6, "traditional={traditional}: {worst}");
                 // Unscaled, the rotation differs: the scaling was applied.
-                let plain = Rope::Fused(offset())
+                let plain = Rope::fused(&config(traditional), offset())
                     .rotate_heads_first(
                         &config(traditional),
                         &x.transpose_axes(&[0, 2, 1, 3]).unwrap(),
