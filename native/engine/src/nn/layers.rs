@@ -156,7 +156,7 @@ impl Weight {
         })
     }
 
-    fn arrays(&self) -> Vec<&Array> {
+    pub(crate) fn arrays(&self) -> Vec<&Array> {
         match self {
             Weight::Dense(w) => vec![w],
             Weight::Quantized {

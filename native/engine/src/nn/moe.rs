@@ -20,7 +20,7 @@ use mlx_rs::Array;
 use crate::checkpoint::config::{MoeConfig, QuantSpec};
 use crate::checkpoint::weights::{Join, Weights};
 use crate::error::{Error, Result};
-use crate::nn::layers::{dequantized_on_gpu, Linear, LoadPlan, Workers};
+use crate::nn::layers::{dequantized_on_gpu, Linear, LoadPlan, Weight, Workers};
 
 /// Tokens times experts from which the tokens are sorted by expert before
 /// the gathered products, so that each expert's rows are read in one run
@@ -41,17 +41,6 @@ pub fn expert_joins(moe: &MoeConfig) -> Vec<Join> {
                 .collect(),
         })
         .collect()
-}
-
-/// One projection of every expert, `[experts, out, in]`.
-enum ExpertWeight {
-    Dense(Array),
-    Quantized {
-        w: Array,
-        scales: Array,
-        biases: Array,
-        spec: QuantSpec,
-    },
 }
 
 /// A stacked tensor of the projection `switch` (`{switch}.{suffix}`,
@@ -84,10 +73,12 @@ fn take_stacked(
     Ok(stack(&parts, 0)?)
 }
 
-impl ExpertWeight {
+/// Every expert's projection stacked, `[experts, out, in]`, and its product
+/// with the rows routed to each.
+impl Weight {
     /// Projection `switch` of `experts` experts, each `[rows, cols]`
     /// logically; quantized in the checkpoint exactly when it has scales.
-    fn load(
+    fn load_experts(
         weights: &mut Weights,
         switch: &str,
         member: &dyn Fn(i32) -> String,
@@ -109,7 +100,7 @@ impl ExpertWeight {
             let w = take("weight", cols * spec.bits / 32)?;
             let scales = take("scales", cols / spec.group_size)?;
             let biases = take("biases", cols / spec.group_size)?;
-            return Ok(ExpertWeight::Quantized {
+            return Ok(Weight::Quantized {
                 w,
                 scales: scales.as_dtype(plan.dtype)?,
                 biases: biases.as_dtype(plan.dtype)?,
@@ -122,26 +113,24 @@ impl ExpertWeight {
             // the checkpoint's dtype, where the groups divide the inputs.
             Some(spec) if cols % spec.group_size == 0 => {
                 let (w, scales, biases) = quantize(&w, spec.group_size, spec.bits)?;
-                Ok(ExpertWeight::Quantized {
+                Ok(Weight::Quantized {
                     w,
                     scales: scales.as_dtype(plan.dtype)?,
                     biases: biases.as_dtype(plan.dtype)?,
                     spec,
                 })
             }
-            _ => Ok(ExpertWeight::Dense(w.as_dtype(plan.dtype)?)),
+            _ => Ok(Weight::Dense(w.as_dtype(plan.dtype)?)),
         }
     }
 
     /// `x` (`[..., 1, in]`) times the transposed weight of the expert each
     /// of its rows is routed to (`idx`, broadcast against `x`'s leading
     /// axes), `sorted` when `idx` is in ascending order.
-    fn apply(&self, x: &Array, idx: &Array, sorted: bool) -> Result<Array> {
+    fn gather(&self, x: &Array, idx: &Array, sorted: bool) -> Result<Array> {
         Ok(match self {
-            ExpertWeight::Dense(w) => {
-                gather_mm(x, swap_axes(w, -1, -2)?, None::<&Array>, idx, sorted)?
-            }
-            ExpertWeight::Quantized {
+            Weight::Dense(w) => gather_mm(x, swap_axes(w, -1, -2)?, None::<&Array>, idx, sorted)?,
+            Weight::Quantized {
                 w,
                 scales,
                 biases,
@@ -178,27 +167,14 @@ impl ExpertWeight {
             }
         })
     }
-
-    fn arrays(&self) -> Vec<&Array> {
-        match self {
-            ExpertWeight::Dense(w) => vec![w],
-            ExpertWeight::Quantized {
-                w, scales, biases, ..
-            } => vec![w, scales, biases],
-        }
-    }
-
-    fn is_quantized(&self) -> bool {
-        matches!(self, ExpertWeight::Quantized { .. })
-    }
 }
 
 /// A layer's routed experts with their router.
 pub(crate) struct SparseMoe {
     router: Linear,
-    gate: ExpertWeight,
-    up: ExpertWeight,
-    down: ExpertWeight,
+    gate: Weight,
+    up: Weight,
+    down: Weight,
     top_k: i32,
     norm_topk_prob: bool,
 }
@@ -233,7 +209,7 @@ impl SparseMoe {
         let mut projection = |proj: &str, shape: [i32; 2]| {
             let switch = format!("{prefix}.mlp.switch_mlp.{proj}");
             let member = |i: i32| format!("{prefix}.mlp.experts.{i}.{proj}");
-            ExpertWeight::load(weights, &switch, &member, e, shape, plan(&switch))
+            Weight::load_experts(weights, &switch, &member, e, shape, plan(&switch))
         };
         Ok(SparseMoe {
             gate: projection("gate_proj", [inner, hidden])?,
@@ -267,10 +243,10 @@ impl SparseMoe {
         let x = expand_dims_axes(x, &[-2, -3])?;
         let k = picked.dim(-1);
         let mlp = |x: &Array, idx: &Array, sorted: bool| -> Result<Array> {
-            let up = self.up.apply(x, idx, sorted)?;
-            let gate = self.gate.apply(x, idx, sorted)?;
+            let up = self.up.gather(x, idx, sorted)?;
+            let gate = self.gate.gather(x, idx, sorted)?;
             let act = gate.multiply(sigmoid(&gate)?)?.multiply(&up)?;
-            self.down.apply(&act, idx, sorted)
+            self.down.gather(&act, idx, sorted)
         };
         if (picked.size() as i32) < SORT_FROM {
             return Ok(squeeze_axes(&mlp(&x, picked, false)?, &[-2])?);
