@@ -488,37 +488,26 @@ defmodule EMLXAxon.Hub do
   end
 
   defp link(ctx, file, blob, path) do
-    case Cache.link(blob, path) do
-      :ok ->
-        :ok
-
-      {:error, reason} ->
-        {:error,
-         Error.exception(
-           kind: :io,
-           message:
-             "could not put #{file} of the Hugging Face repository #{ctx.repo} in the cache " <>
-               "at #{path}: #{:file.format_error(reason)}"
-         )}
-    end
+    io_result(
+      Cache.link(blob, path),
+      "could not put #{file} of the Hugging Face repository #{ctx.repo} in the cache at #{path}"
+    )
   end
 
   defp write_ref(%{revision: commit, commit: commit}, commit), do: :ok
 
   defp write_ref(ctx, commit) do
-    case Cache.write_ref(ctx.repo_dir, ctx.revision, commit) do
-      :ok ->
-        :ok
+    io_result(
+      Cache.write_ref(ctx.repo_dir, ctx.revision, commit),
+      "could not record revision #{ctx.revision} of #{ctx.repo} in the cache #{ctx.repo_dir}"
+    )
+  end
 
-      {:error, reason} ->
-        {:error,
-         Error.exception(
-           kind: :io,
-           message:
-             "could not record revision #{ctx.revision} of #{ctx.repo} in the cache " <>
-               "#{ctx.repo_dir}: #{:file.format_error(reason)}"
-         )}
-    end
+  # A cache write's result, its failure an :io error saying what failed.
+  defp io_result(:ok, _what), do: :ok
+
+  defp io_result({:error, reason}, what) do
+    {:error, Error.exception(kind: :io, message: "#{what}: #{:file.format_error(reason)}")}
   end
 
   ## From the cache

@@ -73,14 +73,8 @@ defmodule EMLXAxon.Hub.Cache do
   def write_atomic(path, data) do
     tmp = tmp_name(path)
 
-    with :ok <- File.mkdir_p(Path.dirname(path)),
-         :ok <- File.write(tmp, data),
-         :ok <- File.rename(tmp, path) do
-      :ok
-    else
-      error ->
-        File.rm(tmp)
-        error
+    with :ok <- File.mkdir_p(Path.dirname(path)) do
+      replace(File.write(tmp, data), tmp, path)
     end
   end
 
@@ -99,13 +93,19 @@ defmodule EMLXAxon.Hub.Cache do
           :ok
         end
 
-      with :ok <- result, :ok <- File.rename(tmp, link) do
-        :ok
-      else
-        error ->
-          File.rm(tmp)
-          error
-      end
+      replace(result, tmp, link)
+    end
+  end
+
+  # Renames `tmp`, once `made` says it was written, over `path`; removes it
+  # where that failed, so no half-written file stays.
+  defp replace(made, tmp, path) do
+    with :ok <- made, :ok <- File.rename(tmp, path) do
+      :ok
+    else
+      error ->
+        File.rm(tmp)
+        error
     end
   end
 
