@@ -7,6 +7,8 @@ defmodule EMLXAxon.SchedulerDownTest do
   # answers at once. Not async: it kills processes holding MLX work.
   use ExUnit.Case, async: false
 
+  import EMLXAxon.TestCallers
+
   alias EMLXAxon.{Error, Scheduler, TestFixtures, TextGeneration}
 
   @moduletag :fixtures
@@ -32,30 +34,17 @@ defmodule EMLXAxon.SchedulerDownTest do
     name
   end
 
-  # Each caller in a task, reporting what it got (a raise included).
-  defp caller(fun) do
-    Task.async(fn ->
-      try do
-        {:returned, fun.()}
-      rescue
-        error -> {:raised, error}
-      end
-    end)
-  end
-
-  defp wait_until(fun, ms \\ 30_000) do
-    deadline = System.monotonic_time(:millisecond) + ms
-
-    Enum.find_value(Stream.repeatedly(fn -> :tick end), fn _ ->
-      cond do
-        fun.() -> true
-        System.monotonic_time(:millisecond) > deadline -> flunk("timed out waiting")
-        true -> Process.sleep(5) && nil
-      end
-    end)
-  end
-
   defp running(name), do: Scheduler.occupancy(name).running
+
+  # A caller reading a long stream, telling `test` of every piece.
+  defp streaming_caller(name, test) do
+    caller(fn ->
+      name
+      |> Scheduler.stream("Hello", @long)
+      |> Stream.each(fn _ -> send(test, :streamed) end)
+      |> Stream.run()
+    end)
+  end
 
   # Kills the scheduler; every task must answer within a second, with the
   # scheduler's exit as an error. Then the restarted scheduler serves.
@@ -151,13 +140,7 @@ defmodule EMLXAxon.SchedulerDownTest do
     name = start(ctx, slots: 2, steps_per_call: 1)
     test = self()
 
-    task =
-      caller(fn ->
-        name
-        |> Scheduler.stream("Hello", @long)
-        |> Stream.each(fn _ -> send(test, :streamed) end)
-        |> Stream.run()
-      end)
+    task = streaming_caller(name, test)
 
     assert_receive :streamed, 30_000
     kill_and_check(name, [task])
@@ -178,13 +161,7 @@ defmodule EMLXAxon.SchedulerDownTest do
     name = start(ctx, slots: 1, max_queue: 0, steps_per_call: 1)
     test = self()
 
-    running =
-      caller(fn ->
-        name
-        |> Scheduler.stream("Hello", @long)
-        |> Stream.each(fn _ -> send(test, :streamed) end)
-        |> Stream.run()
-      end)
+    running = streaming_caller(name, test)
 
     assert_receive :streamed, 30_000
     started = System.monotonic_time(:millisecond)

@@ -7,6 +7,7 @@ if Code.ensure_loaded?(Nx.Serving) do
     # async: it reads MLX's global memory figures.
     use ExUnit.Case, async: false
 
+    import EMLXAxon.TestCallers
     import EMLXAxon.TestMemory
 
     alias EMLXAxon.{Error, TestFixtures, TextGeneration}
@@ -43,28 +44,6 @@ if Code.ensure_loaded?(Nx.Serving) do
       |> Supervisor.which_children()
       |> Enum.sort()
       |> Enum.map(fn {_partition, pid, _, _} -> pid end)
-    end
-
-    defp caller(fun) do
-      Task.async(fn ->
-        try do
-          {:returned, fun.()}
-        rescue
-          error -> {:raised, error}
-        end
-      end)
-    end
-
-    defp wait_until(fun, ms) do
-      deadline = System.monotonic_time(:millisecond) + ms
-
-      Enum.find_value(Stream.repeatedly(fn -> :tick end), fn _ ->
-        cond do
-          fun.() -> true
-          System.monotonic_time(:millisecond) > deadline -> flunk("timed out waiting")
-          true -> Process.sleep(5) && nil
-        end
-      end)
     end
 
     defp restarted(name, old) do
