@@ -299,19 +299,7 @@ fn sampled_tokens_follow_the_distribution() {
                 ids.eval().unwrap();
                 ids.as_slice::<u32>().to_vec()
             };
-            let mut counts = vec![0usize; case.logits.len()];
-            for id in ids {
-                counts[id as usize] += 1;
-            }
-            for (i, (&n, &p)) in counts.iter().zip(&case.probs).enumerate() {
-                let freq = n as f64 / DRAWS as f64;
-                let bound = 5.0 * (p * (1.0 - p) / DRAWS as f64).sqrt() + 1e-9;
-                assert!(
-                    (freq - p).abs() <= bound,
-                    "{} ({kind:?}): token {i} drawn {freq}, probability {p}",
-                    case.name
-                );
-            }
+            assert_frequencies(case, &format!("{kind:?}"), &ids);
             checked += 1;
         }
     }
@@ -354,7 +342,6 @@ fn kernel_draws_follow_the_distribution_and_the_host_reference() {
         eprintln!("skipped: the sampling kernel runs only where our CUDA kernels do");
         return;
     };
-    let mut counts = vec![0usize; case.logits.len()];
     for (r, &id) in ids.iter().enumerate() {
         let u = uniform(seeds[r], positions[r]);
         assert!(
@@ -362,14 +349,24 @@ fn kernel_draws_follow_the_distribution_and_the_host_reference() {
             "{}: row {r} drew {id} at u = {u}",
             case.name
         );
+    }
+    assert_frequencies(case, "kernel", &ids);
+}
+
+/// Every token's share of `ids` within five standard errors of mlx-lm's
+/// probability for it.
+fn assert_frequencies(case: &Case, path: &str, ids: &[u32]) {
+    let draws = ids.len() as f64;
+    let mut counts = vec![0usize; case.logits.len()];
+    for &id in ids {
         counts[id as usize] += 1;
     }
     for (i, (&n, &p)) in counts.iter().zip(&case.probs).enumerate() {
-        let freq = n as f64 / DRAWS as f64;
-        let bound = 5.0 * (p * (1.0 - p) / DRAWS as f64).sqrt() + 1e-9;
+        let freq = n as f64 / draws;
+        let bound = 5.0 * (p * (1.0 - p) / draws).sqrt() + 1e-9;
         assert!(
             (freq - p).abs() <= bound,
-            "{}: token {i} drawn {freq}, probability {p}",
+            "{} ({path}): token {i} drawn {freq}, probability {p}",
             case.name
         );
     }
