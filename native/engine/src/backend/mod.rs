@@ -76,13 +76,15 @@ impl Paths {
         self.main(work).map_or("none", Path::name)
     }
 
-    pub fn merge(&mut self, other: Paths) {
-        for (key, n) in other.counts {
+    /// Adds `other`'s counts and its fallbacks not yet here (a forward pass
+    /// of a batch is merged into every row's, so it is borrowed).
+    pub fn merge(&mut self, other: &Paths) {
+        for (&key, &n) in &other.counts {
             *self.counts.entry(key).or_default() += n;
         }
-        for reason in other.fallbacks {
-            if !self.fallbacks.contains(&reason) {
-                self.fallbacks.push(reason);
+        for reason in &other.fallbacks {
+            if !self.fallbacks.contains(reason) {
+                self.fallbacks.push(reason.clone());
             }
         }
     }

@@ -389,7 +389,7 @@ impl Generation {
     /// Takes what the backend noted on this thread into this generation's
     /// paths.
     pub(super) fn collect_paths(&mut self) {
-        self.paths.merge(crate::backend::take());
+        self.paths.merge(&crate::backend::take());
     }
 
     pub fn stats(&self) -> Stats {

@@ -50,7 +50,7 @@ impl Scheduler {
         let logits = self
             .model
             .forward(&ids, &mut p.cache, &mask, last, &self.workers)?;
-        p.request.paths.merge(crate::backend::take());
+        p.request.paths.merge(&crate::backend::take());
         p.done = end;
         if !last {
             transforms::eval(p.cache.arrays())?;

@@ -119,7 +119,7 @@ impl Scheduler {
             .forward(&ids, &mut self.cache, &mask, false, &self.workers)?;
         let ran = crate::backend::take();
         for running in self.slots[..n].iter_mut().flatten() {
-            running.request.paths.merge(ran.clone());
+            running.request.paths.merge(&ran);
         }
         Ok(Forward {
             logits: logits.reshape(&[rows, logits.dim(-1)])?,

@@ -81,7 +81,7 @@ impl Scheduler {
             .forward_at(&ids, &mut cache, &mask, &at, &self.workers)?;
         let ran = crate::backend::take();
         for r in group.iter_mut() {
-            r.paths.merge(ran.clone());
+            r.paths.merge(&ran);
         }
         let logits = logits.reshape(&[n as i32, logits.dim(-1)])?;
         let mut rows: Vec<Option<&mut Request>> = group.iter_mut().map(Some).collect();
