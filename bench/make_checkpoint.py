@@ -1,9 +1,11 @@
-"""Write random-weight Qwen3-0.6B checkpoints for the benchmarks, in the exact
-layout mlx-lm writes for a 4-bit model (as mlx-community/Qwen3-0.6B-4bit).
+"""Write random-weight Qwen3 checkpoints for the benchmarks, in the exact
+layout mlx-lm writes for a 4-bit model (as mlx-community/Qwen3-0.6B-4bit):
+the 0.6B shape, and the 4B, 8B and 32B shapes (`bench/run --shape`), whose
+configurations are Qwen's own with the 0.6B's other fields.
 
 Usage:
     .venv/bin/python bench/make_checkpoint.py [--out .cache/bench] [--force]
-        [--only qwen3-0.6b-4bit-g64,...]
+        [--only qwen3-0.6b-4bit-g64,qwen3-8b-4bit-g64,...]
 
 Each folder holds config.json (the real Qwen3-0.6B configuration plus the
 `quantization` / `quantization_config` blocks, written by mlx-lm's own
@@ -79,9 +81,25 @@ GENERATION_CONFIG = {
     "transformers_version": "4.51.0",
 }
 
+# What Qwen/Qwen3-4B, -8B and -32B's config.json change of the 0.6B's.
+SHAPES = {
+    "0.6b": {},
+    "4b": {"hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "max_window_layers": 36},
+    "8b": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "max_window_layers": 36,
+           "tie_word_embeddings": False},
+    "32b": {"hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64,
+            "num_attention_heads": 64, "num_key_value_heads": 8, "max_window_layers": 64,
+            "tie_word_embeddings": False},
+}
+
 CHECKPOINTS = {
-    "qwen3-0.6b-4bit-g64": {"bits": 4, "group_size": 64},
-    "qwen3-0.6b-4bit-g128": {"bits": 4, "group_size": 128},
+    "qwen3-0.6b-4bit-g64": {"bits": 4, "group_size": 64, "shape": "0.6b"},
+    "qwen3-0.6b-4bit-g128": {"bits": 4, "group_size": 128, "shape": "0.6b"},
+    "qwen3-4b-4bit-g64": {"bits": 4, "group_size": 64, "shape": "4b"},
+    "qwen3-8b-4bit-g64": {"bits": 4, "group_size": 64, "shape": "8b"},
+    "qwen3-32b-4bit-g64": {"bits": 4, "group_size": 64, "shape": "32b"},
 }
 
 # Embedding rows dequantize to about +-EMBED_RANGE: with the tied output
@@ -164,10 +182,12 @@ def build_weights(config, bits, group_size, rng):
         w.norm(f"{p}.input_layernorm.weight", d)
         w.norm(f"{p}.post_attention_layernorm.weight", d)
     w.norm("model.norm.weight", d)
+    if not c["tie_word_embeddings"]:
+        w.quantized("lm_head", c["vocab_size"], d, EMBED_RANGE)
     return w
 
 
-def write_checkpoint(folder, bits, group_size, seed):
+def write_checkpoint(folder, bits, group_size, shape, seed):
     import mlx.core as mx
     from mlx_lm.utils import save_config
 
@@ -176,7 +196,8 @@ def write_checkpoint(folder, bits, group_size, seed):
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
     rng = np.random.default_rng(seed)
-    w = build_weights(QWEN3_0_6B, bits, group_size, rng)
+    config = dict(QWEN3_0_6B, **SHAPES[shape])
+    w = build_weights(config, bits, group_size, rng)
     tensors = dict(sorted(w.tensors.items()))
     mx.save_safetensors(str(folder / "model.safetensors"), tensors, metadata={"format": "mlx"})
     index = {
@@ -187,7 +208,6 @@ def write_checkpoint(folder, bits, group_size, seed):
         "weight_map": {k: "model.safetensors" for k in tensors},
     }
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
-    config = dict(QWEN3_0_6B)
     # As mlx_lm.utils.quantize_model records it; save_config copies it into
     # quantization_config.
     config["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine"}
@@ -247,7 +267,8 @@ def main():
             log(f"{name}: up to date")
             continue
         spec = CHECKPOINTS[name]
-        write_checkpoint(folder, spec["bits"], spec["group_size"], SEED + list(CHECKPOINTS).index(name))
+        write_checkpoint(folder, spec["bits"], spec["group_size"], spec["shape"],
+                         SEED + list(CHECKPOINTS).index(name))
         check_logits(folder)
         stamp_file.write_text(stamp + "\n")
 

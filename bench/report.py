@@ -20,6 +20,8 @@ import statistics
 import sys
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
+
 PEER_ORDER = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-sampled", "rust-sampled-device", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream",
               "mlx-lm-cli", "llama.cpp"]
 PEER_NAMES = {
@@ -389,6 +391,7 @@ def model_section(name, folder, settings):
         rows.append(row)
     lines += ["Medians (ratios are of medians; above 1 means more of the metric: faster for tok/s, "
               "slower for ms, more memory for MB):", "", table(header, rows), ""]
+    lines += roofline_lines(metrics, peers, settings)
 
     # Every repetition.
     reps = sorted({r for (m, p), v in metrics.values.items() for r in v})
@@ -472,6 +475,47 @@ def ids_section(metrics, peers, dtype):
             out.append(f"- {PEER_NAMES.get(peer, peer)}, rep {rep}: {verdict}")
     out.append("")
     return out, mismatch
+
+
+# HBM bandwidth of an NVIDIA H200 (bytes/s).
+H200_BANDWIDTH = 4.8e12
+
+
+def bytes_per_token(settings):
+    """Bytes a batch-1 decode step reads at least: every weight the step
+    uses (the checkpoint, less the embedding table where the output
+    projection is a matrix of its own: a step reads one row of it) and the
+    bfloat16 keys and values of the mean context over the decode."""
+    try:
+        config = json.loads((ROOT / settings["model_dir"] / "config.json").read_text())
+    except (KeyError, OSError, ValueError):
+        return None
+    weights = settings.get("checkpoint_bytes") or 0
+    q = config.get("quantization") or {}
+    d, vocab = config["hidden_size"], config["vocab_size"]
+    if not config.get("tie_word_embeddings", True) and q:
+        weights -= vocab * d * (q["bits"] / 8 + 4 / q["group_size"])
+    head_dim = config.get("head_dim") or d // config["num_attention_heads"]
+    context = settings.get("decode_len", 0) + settings.get("tokens", 0) / 2
+    kv = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * context * 2
+    return weights + kv, kv
+
+
+def roofline_lines(metrics, peers, settings):
+    """Each peer's batch-1 decode as a share of the H200's HBM bandwidth."""
+    if settings.get("device") != "gpu":
+        return []
+    need = bytes_per_token(settings)
+    if not need:
+        return []
+    total, kv = need
+    cells = [f"{PEER_NAMES.get(p, p)} {100 * metrics.med('decode, batch 1', p) * total / H200_BANDWIDTH:.1f}%"
+             for p in peers if metrics.med("decode, batch 1", p)]
+    if not cells:
+        return []
+    return [f"HBM roofline: a decode step reads at least {total / 1e6:.0f} MB ({kv / 1e6:.0f} MB of it keys and "
+            f"values at the mean context); batch-1 decode x that / 4.8 TB/s (an H200's bandwidth): "
+            + ", ".join(cells) + ".", ""]
 
 
 def goals_section(s, settings):

@@ -697,11 +697,14 @@ impl Bench {
             ("lm_head", c.vocab_size, d, 1.0),
         ];
         for (name, out, inp, times) in shapes {
+            // In usize: an output head's bits overflow an i32 from a
+            // hidden size of 4,096 on.
+            let (n, k) = (out as usize, inp as usize);
             let w = Array::from_slice(
-                &random_u32((out * inp * q.bits / 32) as usize),
+                &random_u32(n * k * q.bits as usize / 32),
                 &[out, inp * q.bits / 32],
             );
-            let groups = (out * inp / q.group_size) as usize;
+            let groups = n * k / q.group_size as usize;
             let scales = Array::from_slice(&vec![0.01f32; groups], &[out, inp / q.group_size])
                 .as_dtype(dtype)?;
             let biases = Array::from_slice(&vec![-0.05f32; groups], &[out, inp / q.group_size])

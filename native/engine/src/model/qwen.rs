@@ -658,7 +658,7 @@ mod tests {
                     assert!(out.is_some(), "{name}: layer {i} was not taken");
                 }
 
-                let (batch_1, two_slots) = one_token_steps_both_ways(&model, true);
+                let (batch_1, two_slots) = one_token_steps_both_ways(&model, true, 5);
                 assert!(batch_1 < 1e-5, "{name}: batch 1: {batch_1}");
                 assert!(two_slots < 1e-5, "{name}: two slots: {two_slots}");
             });
@@ -668,9 +668,10 @@ mod tests {
     /// Relative error between one-token steps that may take the layer nodes
     /// or kernels (no mask, or ranges) and the same steps built from MLX's
     /// separate ops (an array mask of the same content): batch 1 for three
-    /// steps after a 5-token prompt, then two slots at positions 5 and 3
-    /// (the second holding the first three prompt tokens), one step each.
-    fn one_token_steps_both_ways(model: &Model, cpu_ops: bool) -> (f32, f32) {
+    /// steps after a `prompt_len`-token prompt, then two slots at positions
+    /// `prompt_len` and 3 (the second holding the first three prompt
+    /// tokens), one step each.
+    fn one_token_steps_both_ways(model: &Model, cpu_ops: bool, prompt_len: i32) -> (f32, f32) {
         use crate::kv::slots::SlotCache;
         let all_keys = |len: i32| {
             AttentionMask::Array(Array::from_slice(
@@ -684,9 +685,15 @@ mod tests {
                 .as_slice::<f32>()
                 .to_vec()
         };
-        let prompt = Array::from_slice(&[3u32, 14, 15, 92, 6], &[1, 5]);
+        let ids: Vec<u32> = [3u32, 14, 15, 92, 6]
+            .into_iter()
+            .chain((5..prompt_len as u32).map(|i| (i * 7919) % 151_000))
+            .take(prompt_len as usize)
+            .collect();
+        let prompt = Array::from_slice(&ids, &[1, prompt_len]);
+        let capacity = prompt_len + 11;
         let prefilled = || {
-            let mut cache = KvCache::new(&model.kv_shape(), 1, 16).unwrap();
+            let mut cache = KvCache::new(&model.kv_shape(), 1, capacity).unwrap();
             let mask = AttentionMask::Causal;
             model
                 .forward_ops(&prompt, &mut cache, &mask, Take::All, &[], cpu_ops)
@@ -712,10 +719,10 @@ mod tests {
         };
         let two_slots = |fused: bool| {
             let full = prefilled();
-            let mut slots = SlotCache::new(&model.kv_shape(), 2, 16).unwrap();
-            slots.write_prompt(0, &full.prefix(5)).unwrap();
+            let mut slots = SlotCache::new(&model.kv_shape(), 2, capacity).unwrap();
+            slots.write_prompt(0, &full.prefix(prompt_len)).unwrap();
             slots.write_prompt(1, &full.prefix(3)).unwrap();
-            slots.set_positions(&[5, 3]).unwrap();
+            slots.set_positions(&[prompt_len, 3]).unwrap();
             let mask = match slots.key_ranges().unwrap() {
                 Some(mask) if !fused => AttentionMask::Array(mask),
                 Some(mask) => AttentionMask::Ranges(mask),
@@ -757,13 +764,20 @@ mod tests {
                     ..LoadOptions::default()
                 };
                 let model = Model::load(&fixture(name), &options).unwrap();
-                let (batch_1, two_slots) = one_token_steps_both_ways(&model, false);
-                assert_eq!(cuda::layer::checked(), Some(true), "kernels unavailable");
-                assert!(batch_1 < bound, "{name} ({dtype:?}): batch 1: {batch_1}");
-                assert!(
-                    two_slots < bound,
-                    "{name} ({dtype:?}): two slots: {two_slots}"
-                );
+                // 600 keys: the attention kernel splits a row's keys over
+                // blocks.
+                for prompt_len in [5, 600] {
+                    let (batch_1, two_slots) = one_token_steps_both_ways(&model, false, prompt_len);
+                    assert_eq!(cuda::layer::checked(), Some(true), "kernels unavailable");
+                    assert!(
+                        batch_1 < bound,
+                        "{name} ({dtype:?}, {prompt_len}-token prompt): batch 1: {batch_1}"
+                    );
+                    assert!(
+                        two_slots < bound,
+                        "{name} ({dtype:?}, {prompt_len}-token prompt): two slots: {two_slots}"
+                    );
+                }
             });
         }
     }

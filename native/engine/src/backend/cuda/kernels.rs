@@ -8,7 +8,7 @@ use mlx_rs::{Array, Dtype};
 use emlx_axon_kernels::QuantWeight;
 
 use crate::backend::cuda::kernel::{CudaKernel, Template};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// A warp's trip to memory for the keys and values `j0..j0 + U` (clamped
 /// to `last`), all loads before any use: `load`, and the registers of a
@@ -99,6 +99,20 @@ const SWIGLU: &str = include_str!("cu/swiglu.cu");
 /// for a 151,936-wide row on an NVIDIA H200, its loads one value each.
 const ARGMAX: &str = include_str!("cu/argmax.cu");
 
+/// Int32 zeros `out` `[N]`: the attention kernel's counts, made in a step
+/// by a kernel of ours so that a replayed step makes them too.
+const ZEROS: &str = include_str!("cu/zeros.cu");
+
+/// Blocks a one-token attention's row and head may be split into, at most
+/// (a power of two), and the fewest keys a split takes.
+const ATTEND_SPLITS: i32 = 32;
+const ATTEND_MIN_KEYS: i32 = 128;
+
+/// Int32 counts [`Kernels::qkv_attend`] takes, at least: MLX keeps arrays
+/// of a few bytes in memory the host and device share, and these take
+/// atomic adds.
+const COUNTS_MIN: i32 = 64;
+
 /// Each row's sampled token, as mlx-lm's sampler draws it with top-k of at
 /// most 64, over `x` `[rows, V]`, one block a row in linear time: the
 /// row's largest value and log-sum-exp, the values at or above a bound on
@@ -114,9 +128,12 @@ const SAMPLE: &str = include_str!("cu/sample.cu");
 /// `GS` values of a row) with a tile of `BT` input rows, after one of the
 /// prologues below has put the tile's inputs into shared memory. Each warp
 /// takes `R` outputs, each from `PER_OUT` weight rows (two for SwiGLU: the
-/// gate row and the up row `OUTS` further on), all fetched before the
+/// gate row and the up row `OUTS` further on), fetched before the
 /// prologue (`GEMV_START`) so that their trips to memory overlap its
-/// (with `LOOP`, further outputs a grid apart, see `LOOP_OUTPUTS`). A
+/// (with `LOOP`, further outputs a grid apart, see `LOOP_OUTPUTS`); rows
+/// wider than a lane's four chunks are taken two chunks a lane at a time,
+/// the next two in flight while these are used, so that registers stay
+/// bounded at any width. A
 /// lane takes chunks of four words (16 bytes, in one group), and every
 /// weight value `scale * q + bias` (float32) is used for all rows of the
 /// tile. A lane reads its chunk's inputs with 16-byte loads, and the
@@ -214,6 +231,7 @@ pub(crate) struct Kernels {
     argmax: CudaKernel,
     sample: CudaKernel,
     embed_norm: CudaKernel,
+    zeros: CudaKernel,
 }
 
 /// How a product's input tile is made.
@@ -294,6 +312,9 @@ pub(crate) struct QkvAttend<'a> {
     pub positions: &'a Array,
     /// `[rows]` int32: each row's first attended key.
     pub starts: &'a Array,
+    /// Zeros from [`Kernels::attend_counts`], for every layer of a step in
+    /// turn (each launch leaves them zero).
+    pub counts: &'a Array,
 }
 
 fn eps_bits(eps: f32) -> Template {
@@ -315,8 +336,9 @@ impl Kernels {
                     "starts",
                     "keys",
                     "values",
+                    "counts",
                 ],
-                &["out"],
+                &["out", "part"],
                 &[
                     QKV_ATTEND_HEAD,
                     ATTEND_LOAD,
@@ -357,6 +379,7 @@ impl Kernels {
                 &["out"],
                 SAMPLE,
             )?,
+            zeros: CudaKernel::new("emlx_axon_zeros", &[], &["out"], ZEROS)?,
             embed_norm: CudaKernel::new(
                 "emlx_axon_embed_norm",
                 &["ids", "wq", "scales", "biases", "nw"],
@@ -396,19 +419,52 @@ impl Kernels {
         Ok(pair(out))
     }
 
+    /// Zeroed counts for [`Kernels::qkv_attend`] over `rows` rows of
+    /// `heads` heads.
+    pub(crate) fn attend_counts(&self, rows: i32, heads: i32) -> Result<Array> {
+        let n = (rows * heads).max(COUNTS_MIN);
+        let mut out = self.zeros.apply(
+            &[],
+            &[(&[n], Dtype::Int32)],
+            (n, 1, 1),
+            (BLOCK.min(n), 1, 1),
+            &[("N", Template::Int(n))],
+        )?;
+        Ok(out.remove(0))
+    }
+
     /// Attention's output `[rows, 1, heads * head_dim]`; the new keys and
-    /// values go into the cache.
+    /// values go into the cache. A row's keys are split over enough blocks
+    /// to fill the GPU about twice (flash-decoding), so that the time of a
+    /// long row's attention falls with the multiprocessors it runs on.
     pub(crate) fn qkv_attend(&self, p: &QkvAttend) -> Result<Array> {
         let h = &p.heads;
         let (rows, hd) = (h.qkv.dim(0), h.cos.dim(-1));
+        if p.counts.size() < (rows * h.heads) as usize {
+            return Err(Error::invalid("the attention kernel's counts are too few"));
+        }
         // Threads for the query and the key at once.
         let threads = BLOCK.max(2 * hd);
+        let blocks = rows * h.heads;
+        let sms = crate::backend::cuda::kernel::multiprocessors().unwrap_or(1);
+        // A power of two: few variants to compile as batches change size.
+        let fill = (2 * sms / blocks).clamp(1, ATTEND_SPLITS);
+        let splits = 1 << (31 - fill.leading_zeros());
         let mut templates = h.templates();
-        templates.push(("BLOCK", Template::Int(threads)));
+        templates.extend([
+            ("BLOCK", Template::Int(threads)),
+            ("SPLITS", Template::Int(splits)),
+            ("MIN_KEYS", Template::Int(ATTEND_MIN_KEYS)),
+        ]);
+        let mut inputs = h.inputs(&[p.positions, p.starts]);
+        inputs.push(p.counts);
         let mut out = self.qkv_attend.apply(
-            &h.inputs(&[p.positions, p.starts]),
-            &[(&[rows, 1, h.heads * hd], h.qkv.dtype())],
-            (h.heads * threads, rows, 1),
+            &inputs,
+            &[
+                (&[rows, 1, h.heads * hd], h.qkv.dtype()),
+                (&[rows, h.heads, splits, hd + 2], Dtype::Float32),
+            ],
+            (h.heads * threads, rows, splits),
             (threads, 1, 1),
             &templates,
         )?;

@@ -323,6 +323,7 @@ pub(crate) fn forward<C: KvStore>(
             (h, x)
         }
     };
+    let counts = k.attend_counts(n, c.num_heads)?;
     let attend = |qkv: &Array, block: &Block, i: usize| -> Result<Array> {
         let (keys, values) = cache.buffers(i);
         k.qkv_attend(&QkvAttend {
@@ -339,6 +340,7 @@ pub(crate) fn forward<C: KvStore>(
             },
             positions: &positions,
             starts: &starts,
+            counts: &counts,
         })
     };
     if let Some(weights) = GEMV.then(|| products(blocks, dtype)).flatten() {
@@ -627,11 +629,15 @@ fn check_gemv(k: &Kernels, dtype: Dtype) -> Result<()> {
     // One row (the default path's grid), six (one tile) and nine (two
     // tiles, the second part full); widths with two outputs a warp and
     // an output head's (four a warp), the last block part full; inputs
-    // read 16 bytes at a time (rows of 256) and a value at a time (320).
-    let cases: [(i32, i32, i32, i32, &[i32]); 5] = [
+    // read 16 bytes at a time (rows of 256) and a value at a time (320);
+    // rows of 4,608 (4- and 8-bit) taken in windows, the last one part
+    // full.
+    let cases: [(i32, i32, i32, i32, &[i32]); 7] = [
         (72, 256, 4, 64, &[1, 6, 9]),
         (72, 256, 8, 32, &[1, 6, 9]),
         (72, 320, 4, 64, &[1, 6, 9]),
+        (72, 4608, 4, 64, &[1, 6]),
+        (72, 2304, 8, 32, &[1]),
         (8200, 256, 4, 64, &[1]),
         (32776, 256, 4, 64, &[1, 6]),
     ];
@@ -690,9 +696,9 @@ fn check_gemv(k: &Kernels, dtype: Dtype) -> Result<()> {
 }
 
 /// Random inputs for a check of the q/k kernels: a q/k/v product `[rows,
-/// L, (4 + 2 * 2) * 64]`, norm weights, tables of 16 positions and a cache
-/// `[cache_rows, 2, 16, 64]`, with a copy of the cache in buffers of its own
-/// (the kernels overwrite it).
+/// L, (4 + 2 * 2) * 64]`, norm weights, tables of `capacity` positions and
+/// a cache `[cache_rows, 2, capacity, 64]`, with a copy of the cache in
+/// buffers of its own (the kernels overwrite it).
 pub(super) struct HeadsCase {
     pub(super) qkv: Array,
     pub(super) q_norm: Array,
@@ -710,11 +716,17 @@ impl HeadsCase {
     pub(super) const HEADS: i32 = 4;
     pub(super) const KV_HEADS: i32 = 2;
     pub(super) const HEAD_DIM: i32 = 64;
-    pub(super) const CAPACITY: i32 = 16;
 
     /// Drawn from seeds `seed..seed + 7`.
-    pub(super) fn new(rows: i32, l: i32, cache_rows: i32, seed: u64, dtype: Dtype) -> Result<Self> {
-        let (nq, nkv, hd, cap) = (Self::HEADS, Self::KV_HEADS, Self::HEAD_DIM, Self::CAPACITY);
+    pub(super) fn new(
+        rows: i32,
+        l: i32,
+        cache_rows: i32,
+        cap: i32,
+        seed: u64,
+        dtype: Dtype,
+    ) -> Result<Self> {
+        let (nq, nkv, hd) = (Self::HEADS, Self::KV_HEADS, Self::HEAD_DIM);
         let shape = [cache_rows, nkv, cap, hd];
         let (keys, values) = (
             normal(&shape, seed + 5, dtype)?,
@@ -759,9 +771,10 @@ fn normal(shape: &[i32], seed: u64, dtype: Dtype) -> Result<Array> {
 }
 
 /// Two rows at different positions over a cache with a spare row (as the
-/// scheduler's slots have), the second attending from key 3: the output
-/// against MLX's norm, rotation and attention over the same keys, and the
-/// cache against the old one with the new keys and values put in.
+/// scheduler's slots have), the second attending from key 3 and long
+/// enough for its keys to be split over blocks: the output against MLX's
+/// norm, rotation and attention over the same keys, and the cache against
+/// the old one with the new keys and values put in.
 fn check_qkv_attend(k: &Kernels, dtype: Dtype) -> Result<()> {
     let (rows, nq, nkv, hd) = (
         2,
@@ -769,12 +782,12 @@ fn check_qkv_attend(k: &Kernels, dtype: Dtype) -> Result<()> {
         HeadsCase::KV_HEADS,
         HeadsCase::HEAD_DIM,
     );
-    let case = HeadsCase::new(rows, 1, rows + 1, 5, dtype)?;
+    let case = HeadsCase::new(rows, 1, rows + 1, 400, 5, dtype)?;
     let (qkv, cos, sin, eps) = (&case.qkv, &case.cos, &case.sin, case.eps);
     let (qw, kw) = (&case.q_norm, &case.k_norm);
     let (keys, values) = (&case.keys, &case.values);
     let (keys_before, values_before) = (&case.keys_before, &case.values_before);
-    let (at, from) = ([5, 11], [0, 3]);
+    let (at, from) = ([5, 390], [0, 3]);
     let (positions, starts) = (
         Array::from_slice(&at, &[rows]),
         Array::from_slice(&from, &[rows]),
@@ -783,6 +796,7 @@ fn check_qkv_attend(k: &Kernels, dtype: Dtype) -> Result<()> {
         heads: case.heads(),
         positions: &positions,
         starts: &starts,
+        counts: &k.attend_counts(rows, nq)?,
     })?;
     out.eval()?;
     let heads = qkv.reshape(&[rows, nq + 2 * nkv, hd])?;

@@ -1,13 +1,12 @@
 
   constexpr unsigned MASK = (1u << BITS) - 1u;
   constexpr int LOADS = CH * (int)sizeof(XT) / 16;
-  // The tile's products with one weight row, summed over the warp.
-  auto dot = [&](const Row& row, float (&acc)[BT]) {
+  // The tile's products with window `win` of one weight row, added to
+  // this lane's sums.
+  auto dot = [&](const Row& row, int win, float (&acc)[BT]) {
 #pragma unroll
-    for (int b = 0; b < BT; b++) acc[b] = 0.f;
-#pragma unroll
-    for (int it = 0; it < ITERS; it++) {
-      const int i = it * 32 + lane;
+    for (int it = 0; it < WIN; it++) {
+      const int i = (win * WIN + it) * 32 + lane;
       if (i >= CHUNKS) break;
       const uint32_t ws[4] = {row.words[it].x, row.words[it].y, row.words[it].z, row.words[it].w};
       float wv[CH];
@@ -31,24 +30,49 @@
         acc[b] = a;
       }
     }
+  };
+  // The lanes' sums, summed over the warp.
+  auto reduce = [&](float (&acc)[BT]) {
 #pragma unroll
     for (int b = 0; b < BT; b++) {
       for (int o = 16; o > 0; o >>= 1) acc[b] += __shfl_xor_sync(0xffffffff, acc[b], o);
     }
   };
   // With LOOP, a warp takes outputs a grid's width apart until they run
-  // out, fetching the next rows while it works on these.
+  // out. The next window (of these rows, or of the next outputs) is
+  // fetched while the warp works on this one.
   const int stride = gridDim.x * WARPS * R;
-  for (int base = n0;; base += stride) {
+  float sums[R][PER_OUT][BT];
+#pragma unroll
+  for (int rr = 0; rr < R; rr++) {
+#pragma unroll
+    for (int p = 0; p < PER_OUT; p++) {
+#pragma unroll
+      for (int b = 0; b < BT; b++) sums[rr][p][b] = 0.f;
+    }
+  }
+  for (int base = n0, win_ = 0;;) {
+    // A constant where rows are one window.
+    const int win = NWIN == 1 ? 0 : win_;
+    const int next_win = win + 1 == NWIN ? 0 : win + 1;
+    const int next_base = next_win == 0 ? base + stride : base;
+    const bool more = (NWIN > 1 && next_win != 0) || (LOOP && next_base < OUTS);
     Row next[R][PER_OUT];
-    const bool more = LOOP && base + stride < OUTS;
-    if (more) fetch(next, base + stride);
+    if (more) fetch(next, next_base, next_win);
 #pragma unroll
     for (int rr = 0; rr < R; rr++) {
       const int n = base + rr;
       if (n >= OUTS) break;
+#pragma unroll
+      for (int p = 0; p < PER_OUT; p++) dot(rows[rr][p], win, sums[rr][p]);
+      if (win != NWIN - 1) continue;
       float acc[BT];
-      dot(rows[rr][0], acc);
+#pragma unroll
+      for (int b = 0; b < BT; b++) {
+        acc[b] = sums[rr][0][b];
+        sums[rr][0][b] = 0.f;
+      }
+      reduce(acc);
       if constexpr (PER_OUT == 1) {
 #pragma unroll
         for (int b = 0; b < BT; b++) {
@@ -57,7 +81,12 @@
       } else {
         // `silu(gate) * up` of the products rounded as MLX's product rounds.
         float up[BT];
-        dot(rows[rr][1], up);
+#pragma unroll
+        for (int b = 0; b < BT; b++) {
+          up[b] = sums[rr][1][b];
+          sums[rr][1][b] = 0.f;
+        }
+        reduce(up);
 #pragma unroll
         for (int b = 0; b < BT; b++) {
           if (lane == 0 && b < nb) {
@@ -73,4 +102,6 @@
 #pragma unroll
       for (int p = 0; p < PER_OUT; p++) rows[rr][p] = next[rr][p];
     }
+    base = next_base;
+    win_ = next_win;
   }

@@ -9,6 +9,11 @@
   constexpr int CHUNKS = WORDS / 4;
   constexpr int GROUPS = K / GS;
   constexpr int ITERS = (CHUNKS + 31) / 32;
+  // A lane holds at most WIN of its chunks of a weight row at once (64
+  // bytes): wider rows are taken in NWIN windows, the next one fetched
+  // while this one is used, so that registers do not grow with K.
+  constexpr int WIN = ITERS <= 4 ? ITERS : 2;
+  constexpr int NWIN = (ITERS + WIN - 1) / WIN;
   constexpr int PER = (K + BLOCK - 1) / BLOCK;
   // Inputs move 16 bytes (PV values) at a time where rows allow it (VEC):
   // KC such pieces a row, each inside one lane chunk of the tile, a warp's
@@ -57,12 +62,13 @@
     }
   };
   struct Row {
-    uint4 words[ITERS];
-    float sc[ITERS];
-    float bi[ITERS];
+    uint4 words[WIN];
+    float sc[WIN];
+    float bi[WIN];
   };
-  // The weight rows of outputs base..base + R (and their up rows).
-  auto fetch = [&](Row (&rs)[R][PER_OUT], int base) {
+  // Window `win` of the weight rows of outputs base..base + R (and of
+  // their up rows).
+  auto fetch = [&](Row (&rs)[R][PER_OUT], int base, int win) {
 #pragma unroll
     for (int rr = 0; rr < R; rr++) {
 #pragma unroll
@@ -70,8 +76,8 @@
         const int n = base + rr + p * OUTS;
         const uint4* wr = reinterpret_cast<const uint4*>(wq + (size_t)n * WORDS);
 #pragma unroll
-        for (int it = 0; it < ITERS; it++) {
-          const int i = it * 32 + lane;
+        for (int it = 0; it < WIN; it++) {
+          const int i = (win * WIN + it) * 32 + lane;
           if (base + rr < OUTS && i < CHUNKS) {
             rs[rr][p].words[it] = wr[i];
             const size_t g = (size_t)n * GROUPS + i * CH / GS;
@@ -83,4 +89,4 @@
     }
   };
   Row rows[R][PER_OUT];
-  fetch(rows, n0);
+  fetch(rows, n0, 0);

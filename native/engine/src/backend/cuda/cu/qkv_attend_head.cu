@@ -10,8 +10,16 @@
   const int kv = head / GQA;
   const T* src = qkv + (size_t)row * (NQ + 2 * NKV) * D;
   const int pos = positions[row];
-  const int first = starts[row];
-  const int last = pos;
+  // A long row's keys are split over up to SPLITS blocks (blockIdx.z) of at
+  // least MIN_KEYS keys each, so a one-row step still fills the GPU; the
+  // last block of a row's head to finish combines their partial sums.
+  const int begin = starts[row];
+  const int keys_n = pos - begin + 1;
+  const int splits = min(SPLITS, max(1, keys_n / MIN_KEYS));
+  const int split = blockIdx.z;
+  if (split >= splits) return;
+  const int first = begin + (int)((long)split * keys_n / splits);
+  const int last = begin + (int)((long)(split + 1) * keys_n / splits) - 1;
   const float neg_inf = __int_as_float(0xff800000);
 
   __shared__ float partial[WARPS];

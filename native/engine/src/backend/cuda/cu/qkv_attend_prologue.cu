@@ -31,7 +31,7 @@
                                  static_cast<float>(normed[role][partner]) * sn);
   }
   __syncthreads();
-  if (head % GQA == 0 && role == 1) {
+  if (split == 0 && head % GQA == 0 && role == 1) {
     T* kc = const_cast<T*>(keys) + row * keys_strides[0] + kv * keys_strides[1] + (long)pos * keys_strides[2];
     T* vc = const_cast<T*>(values) + row * values_strides[0] + kv * values_strides[1] +
             (long)pos * values_strides[2];
