@@ -753,6 +753,9 @@ mod tests {
             return;
         }
         let lease = Lease::new(DeviceKind::Gpu).unwrap();
+        // Every case runs before any is asserted, so that a failure shows
+        // them all.
+        let mut failed = Vec::new();
         for (name, dtype, bound) in [
             ("qwen3-wide", Dtype::Float32, 1e-4),
             ("qwen2-rope-traditional", Dtype::Float32, 1e-4),
@@ -769,16 +772,16 @@ mod tests {
                 for prompt_len in [5, 600] {
                     let (batch_1, two_slots) = one_token_steps_both_ways(&model, false, prompt_len);
                     assert_eq!(cuda::layer::checked(), Some(true), "kernels unavailable");
-                    assert!(
-                        batch_1 < bound,
-                        "{name} ({dtype:?}, {prompt_len}-token prompt): batch 1: {batch_1}"
-                    );
-                    assert!(
-                        two_slots < bound,
-                        "{name} ({dtype:?}, {prompt_len}-token prompt): two slots: {two_slots}"
-                    );
+                    for (what, error) in [("batch 1", batch_1), ("two slots", two_slots)] {
+                        if error.is_nan() || error >= bound {
+                            failed.push(format!(
+                                "{name} ({dtype:?}, {prompt_len}-token prompt): {what}: {error}"
+                            ));
+                        }
+                    }
                 }
             });
         }
+        assert!(failed.is_empty(), "{}", failed.join("; "));
     }
 }

@@ -447,8 +447,12 @@ impl Kernels {
         let threads = BLOCK.max(2 * hd);
         let blocks = rows * h.heads;
         let sms = crate::backend::cuda::kernel::multiprocessors().unwrap_or(1);
+        // No more than a full cache would use: a short generation's grid
+        // has no blocks that would only find no keys of theirs and exit.
         // A power of two: few variants to compile as batches change size.
-        let fill = (2 * sms / blocks).clamp(1, ATTEND_SPLITS);
+        let capacity = h.keys.dim(2);
+        let most = capacity / ATTEND_MIN_KEYS;
+        let fill = (2 * sms / blocks).clamp(1, ATTEND_SPLITS).min(most.max(1));
         let splits = 1 << (31 - fill.leading_zeros());
         let mut templates = h.templates();
         templates.extend([
