@@ -84,7 +84,26 @@ defmodule EMLXAxon.Options do
       default_doc: "the model's and the tokenizer's",
       doc: "the tokens ending generation (`finish_reason: :eos`)"
     ],
-    ignore_eos: [type: :boolean, default: false, doc: "keep generating past EOS tokens"]
+    ignore_eos: [type: :boolean, default: false, doc: "keep generating past EOS tokens"],
+    kv_bits: [
+      type: {:or, [nil, {:in, [2, 3, 4, 5, 6, 8]}]},
+      default: nil,
+      doc:
+        "keep the KV cache quantized to this many bits once it holds `:quantized_kv_start` " <>
+          "positions, as mlx-lm's `kv_bits` (8 bits: about 0.53x of a bfloat16 cache); " <>
+          "attention then runs MLX's quantized products. Not offered by a scheduler's " <>
+          "slots: with one, requests asking for it fail"
+    ],
+    kv_group_size: [
+      type: {:in, [32, 64, 128]},
+      default: 64,
+      doc: "values of a head sharing one scale and bias in a quantized KV cache"
+    ],
+    quantized_kv_start: [
+      type: :non_neg_integer,
+      default: 5000,
+      doc: "positions the KV cache holds before `:kv_bits` quantizes it (mlx-lm's default)"
+    ]
   ]
 
   # At most one of them; see "Structured output" in EMLXAxon.TextGeneration.
@@ -479,6 +498,9 @@ defmodule EMLXAxon.Options do
       eos_token_ids: opts.eos_token_ids,
       ignore_eos: opts.ignore_eos,
       profile_timing: opts.profile_timing,
+      kv_bits: opts.kv_bits,
+      kv_group_size: opts.kv_group_size,
+      quantized_kv_start: opts.quantized_kv_start,
       row_seeds: Map.get(opts, :row_seeds)
     }
     |> put_constraints(Map.get(opts, :row_constraints))

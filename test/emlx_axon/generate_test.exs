@@ -397,6 +397,34 @@ defmodule EMLXAxon.Qwen3.GenerateTest do
                end)
     end
 
+    # Its values against mlx-lm's QuantizedKVCache are the engine's tests
+    # (native/engine/tests/kv_quantized.rs); here, that the options arrive.
+    test "kv_bits quantizes the KV cache, and the fused layers say they stepped aside",
+         %{state: state, ids: ids} do
+      opts = [max_new_tokens: 8, ignore_eos: true, kv_group_size: 32, quantized_kv_start: 0]
+
+      assert {:ok, %{token_ids: plain, timings: plain_timings}} =
+               Generate.generate(state, ids, opts)
+
+      quantized = "the KV cache is quantized"
+      refute Enum.any?(plain_timings.fallbacks || [], &String.contains?(&1, quantized))
+
+      assert {:ok, %{token_ids: ids8, timings: timings}} =
+               Generate.generate(state, ids, [kv_bits: 8] ++ opts)
+
+      assert length(ids8) == length(plain)
+      assert Enum.any?(timings.fallbacks, &String.contains?(&1, quantized))
+    end
+
+    test "a KV group size the model's heads cannot take is an error naming it",
+         %{state: state, ids: ids} do
+      # The fixture's heads are 32 values wide.
+      assert {:error, %Error{kind: :invalid_argument, message: message}} =
+               Generate.generate(state, ids, max_new_tokens: 2, kv_bits: 8, kv_group_size: 64)
+
+      assert message =~ "kv_group_size (64) must divide the model's head size (32)"
+    end
+
     test "bad options raise ArgumentError", %{state: state, ids: ids} do
       bad = [
         {[max_new_tokens: 0], ~r/:max_new_tokens to be a positive integer/},
@@ -420,6 +448,9 @@ defmodule EMLXAxon.Qwen3.GenerateTest do
         {[timeout: -5], ~r/:timeout/},
         {[chunk_size: 0], ~r/:chunk_size/},
         {[tokenizer: "x"], ~r/:tokenizer/},
+        {[kv_bits: 7], ~r/:kv_bits to be nil or one of 2, 3, 4, 5, 6, 8/},
+        {[kv_group_size: 48], ~r/:kv_group_size to be one of 32, 64, 128/},
+        {[quantized_kv_start: -1], ~r/:quantized_kv_start to be a non-negative integer/},
         {[bogus: 1],
          ~r/unknown option :bogus for EMLXAxon.Qwen3.Generate.generate\/3, valid options are: :max_new_tokens/},
         {:not_a_list, ~r/keyword list/}

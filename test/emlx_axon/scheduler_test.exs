@@ -237,6 +237,12 @@ defmodule EMLXAxon.SchedulerTest do
     assert {:error, %EMLXAxon.Error{kind: :invalid_argument}} =
              Scheduler.submit(server, [10_000_000])
 
+    # Slots keep float caches: a quantized one is refused, not ignored.
+    assert {:error, %EMLXAxon.Error{kind: :invalid_argument, message: message}} =
+             Scheduler.submit(server, plain, kv_bits: 8, kv_group_size: 32)
+
+    assert message =~ "kv_bits is not offered by the scheduler"
+
     assert_raise ArgumentError, ~r/model/, fn -> Scheduler.start_link(model: nil) end
 
     assert_raise ArgumentError, ~r/:prefill_chunk/, fn ->

@@ -1,6 +1,7 @@
 //! Chunked generation: start (prefill), next (decode a chunk), stats, free.
 
 use emlx_axon_engine::backend::Work;
+use emlx_axon_engine::kv::cache::KvQuant;
 use emlx_axon_engine::runtime::device::on_large_stack;
 use emlx_axon_engine::{GenerateOptions, Generation, RowOptions, SamplerConfig, SamplerKind};
 use rustler::{Atom, NifMap, ResourceArc, Term};
@@ -43,6 +44,17 @@ pub struct StartOptions {
     eos_token_ids: Option<Vec<u32>>,
     ignore_eos: bool,
     profile_timing: bool,
+    /// `nil` or the bits of a quantized KV cache, its group size and the
+    /// positions before it is quantized.
+    kv_bits: Option<i32>,
+    kv_group_size: i32,
+    quantized_kv_start: usize,
+}
+
+/// A quantized KV cache of `bits` bits (when given) in groups of
+/// `group_size`.
+pub(crate) fn kv_quant(bits: Option<i32>, group_size: i32) -> Option<KvQuant> {
+    bits.map(|bits| KvQuant { group_size, bits })
 }
 
 /// The engine's sampler for `:greedy`, `:top_p_cpu` or `:top_p_gpu`.
@@ -132,6 +144,8 @@ fn generation_start(
             ignore_eos: o.ignore_eos,
             stop: o.stop,
             profile_timing: o.profile_timing,
+            kv_quant: kv_quant(o.kv_bits, o.kv_group_size),
+            quantized_kv_start: o.quantized_kv_start,
             ..GenerateOptions::default()
         };
         let stream = stream.map(|s| s.get()).transpose()?;

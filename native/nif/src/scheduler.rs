@@ -57,6 +57,11 @@ pub struct RequestOptions {
     ignore_eos: bool,
     /// `nil` or `{:json_schema | :regex | :grammar, text}`.
     constraint: Option<(Atom, String)>,
+    /// `nil` or the bits of a quantized KV cache, its group size and the
+    /// positions before it is quantized.
+    kv_bits: Option<i32>,
+    kv_group_size: i32,
+    quantized_kv_start: usize,
 }
 
 #[rustler::nif(schedule = "DirtyCpu")]
@@ -109,6 +114,10 @@ fn scheduler_admit(
             eos_token_ids: o.eos_token_ids,
             ignore_eos: o.ignore_eos,
             stop: o.stop,
+            // Passed on so that the scheduler refuses them, rather than
+            // running an unquantized cache silently.
+            kv_quant: crate::generation::kv_quant(o.kv_bits, o.kv_group_size),
+            quantized_kv_start: o.quantized_kv_start,
             ..GenerateOptions::default()
         };
         // Compiling a grammar evaluates no MLX graph, but can recurse deeply.

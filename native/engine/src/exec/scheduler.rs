@@ -334,6 +334,11 @@ impl Scheduler {
 
     fn validate(&self, prompt: &[u32], o: &GenerateOptions) -> Result<()> {
         request::check_prompt(&self.model, prompt)?;
+        if o.kv_quant.is_some() {
+            return Err(Error::invalid(
+                "kv_bits is not offered by the scheduler's slots: generate without a scheduler (scheduler: false) for a quantized KV cache",
+            ));
+        }
         request::check_options(o, self.tokenizer.is_some())
     }
 

@@ -1,10 +1,13 @@
 //! Preallocated KV cache: one `[B, kv_heads, capacity, head_dim]` buffer per
-//! layer for keys and for values, written in place at the current offset.
+//! layer for keys and for values, written in place at the current offset,
+//! or, once [`KvCache::quantize`]d, MLX's affine quantization of them (as
+//! mlx-lm's `QuantizedKVCache` keeps them: packed values, scales and biases
+//! per group of `group_size` along the head dimension).
 //! [`KvStore`] is what the model needs of a cache, so a cache whose rows sit
 //! at different positions (the scheduler's slots) runs the same layers.
 
 use mlx_rs::ops::indexing::{IndexOp, TryIndexMutOp};
-use mlx_rs::ops::zeros_dtype;
+use mlx_rs::ops::{dequantize, quantize, zeros_dtype};
 use mlx_rs::Array;
 
 use crate::error::{Error, Result};
@@ -24,12 +27,38 @@ pub struct StepRows {
     pub starts: Vec<i32>,
 }
 
+/// How a quantized cache stores keys and values: MLX's affine
+/// quantization, `bits` bits a value, a scale and a bias per `group_size`
+/// values of a head.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KvQuant {
+    pub group_size: i32,
+    pub bits: i32,
+}
+
+/// What attention reads of a layer: `[B, kv_heads, S, head_dim]` keys and
+/// values, or their quantization (`[packed, scales, biases]` each).
+pub enum KvView {
+    Dense(Array, Array),
+    Quantized {
+        keys: [Array; 3],
+        values: [Array; 3],
+        quant: KvQuant,
+    },
+}
+
 /// A cache the model's layers write keys and values into.
 pub trait KvStore {
     fn rope_offset(&self) -> RopeOffset;
     /// Stores `k`, `v` (`[B, kv_heads, L, head_dim]`) of layer `layer` and
-    /// returns the keys and values attention reads.
-    fn update(&mut self, layer: usize, k: &Array, v: &Array) -> Result<(Array, Array)>;
+    /// returns what attention reads.
+    fn update(&mut self, layer: usize, k: &Array, v: &Array) -> Result<KvView>;
+    /// How keys and values are quantized, if they are: such a cache has no
+    /// dense [`KvStore::buffers`], and the backends' fused layers leave it
+    /// to MLX's ops.
+    fn quantized(&self) -> Option<KvQuant> {
+        None
+    }
     /// Called once per forward pass with the number of new positions.
     fn advance(&mut self, n: i32);
     /// The rows of a one-token step, for layers that read the cache's
@@ -55,8 +84,15 @@ pub struct KvShape {
     pub dtype: mlx_rs::Dtype,
 }
 
+/// A layer's quantized keys and values, `[packed, scales, biases]` each.
+type QuantizedLayer = ([Array; 3], [Array; 3]);
+
 pub struct KvCache {
+    /// Dense buffers; empty arrays once quantized.
     layers: Vec<(Array, Array)>,
+    /// Once quantized: each layer's keys and values, `[packed, scales,
+    /// biases]` over the whole capacity.
+    quantized: Option<(KvQuant, Vec<QuantizedLayer>)>,
     offset: i32,
     capacity: i32,
 }
@@ -73,9 +109,40 @@ impl KvCache {
         }
         Ok(KvCache {
             layers,
+            quantized: None,
             offset: 0,
             capacity,
         })
+    }
+
+    /// From now on keeps keys and values quantized (mlx-lm's `to_quantized`:
+    /// what is stored is quantized as it stands); a no-op once quantized.
+    /// `quant` must be one MLX quantizes with (group sizes 32, 64 or 128
+    /// dividing the head size; 2, 3, 4, 5, 6 or 8 bits).
+    pub fn quantize(&mut self, quant: KvQuant) -> Result<()> {
+        if self.quantized.is_some() {
+            return Ok(());
+        }
+        let triple = |a: &Array| -> Result<[Array; 3]> {
+            let (w, scales, biases) = quantize(a, quant.group_size, quant.bits)?;
+            Ok([w, scales, biases])
+        };
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for (k, v) in &self.layers {
+            layers.push((triple(k)?, triple(v)?));
+        }
+        let dtype = self.layers.first().map(|(k, _)| k.dtype());
+        let empty =
+            || -> Result<Array> { Ok(zeros_dtype(&[0], dtype.unwrap_or(mlx_rs::Dtype::Float32))?) };
+        for layer in &mut self.layers {
+            *layer = (empty()?, empty()?);
+        }
+        self.quantized = Some((quant, layers));
+        Ok(())
+    }
+
+    pub fn is_quantized(&self) -> bool {
+        self.quantized.is_some()
     }
 
     pub fn offset(&self) -> i32 {
@@ -102,11 +169,29 @@ impl KvCache {
         Ok(())
     }
 
-    /// Keys and values of the first `len` positions of every layer.
-    pub fn prefix(&self, len: i32) -> Vec<(Array, Array)> {
-        self.layers
+    /// Keys and values of the first `len` positions of every layer (a
+    /// quantized cache's dequantized).
+    pub fn prefix(&self, len: i32) -> Result<Vec<(Array, Array)>> {
+        let Some((q, layers)) = &self.quantized else {
+            return Ok(self
+                .layers
+                .iter()
+                .map(|(k, v)| (k.index((.., .., ..len, ..)), v.index((.., .., ..len, ..))))
+                .collect());
+        };
+        let dense = |[w, s, b]: &[Array; 3]| -> Result<Array> {
+            let first = |a: &Array| a.index((.., .., ..len, ..));
+            Ok(dequantize(
+                first(w),
+                first(s),
+                &first(b),
+                q.group_size,
+                q.bits,
+            )?)
+        };
+        layers
             .iter()
-            .map(|(k, v)| (k.index((.., .., ..len, ..)), v.index((.., .., ..len, ..))))
+            .map(|(k, v)| Ok((dense(k)?, dense(v)?)))
             .collect()
     }
 
@@ -117,7 +202,16 @@ impl KvCache {
 
     /// Every buffer, for evaluation alongside a step's output.
     pub fn arrays(&self) -> impl Iterator<Item = &Array> {
-        self.layers.iter().flat_map(|(k, v)| [k, v])
+        let quantized = self
+            .quantized
+            .iter()
+            .flat_map(|(_, layers)| layers.iter().flat_map(|(k, v)| k.iter().chain(v.iter())));
+        let dense = self
+            .layers
+            .iter()
+            .filter(|_| self.quantized.is_none())
+            .flat_map(|(k, v)| [k, v]);
+        dense.chain(quantized)
     }
 }
 
@@ -130,7 +224,14 @@ impl KvStore for KvCache {
         self.offset += n;
     }
 
+    fn quantized(&self) -> Option<KvQuant> {
+        self.quantized.as_ref().map(|(q, _)| *q)
+    }
+
     fn step_rows(&self) -> Option<StepRows> {
+        if self.quantized.is_some() {
+            return None;
+        }
         let rows = self.layers.first()?.0.dim(0) as usize;
         (self.offset < self.capacity).then(|| StepRows {
             positions: vec![self.offset; rows],
@@ -150,7 +251,7 @@ impl KvStore for KvCache {
     /// the filled part of the buffers. Replacing our handle with the update's
     /// result leaves the graph as the buffer's only owner, so MLX donates it
     /// and the write happens in place.
-    fn update(&mut self, layer: usize, k: &Array, v: &Array) -> Result<(Array, Array)> {
+    fn update(&mut self, layer: usize, k: &Array, v: &Array) -> Result<KvView> {
         let (start, end) = (self.offset, self.offset + k.dim(2));
         if end > self.capacity {
             return Err(Error::invalid(format!(
@@ -158,15 +259,29 @@ impl KvStore for KvCache {
                 self.capacity
             )));
         }
+        let put = |buffer: &mut Array, new: &Array| -> Result<Array> {
+            buffer
+                .try_index_mut((.., .., start..end, ..), new)
+                .map_err(|e| Error::Mlx(e.to_string()))?;
+            Ok(buffer.index((.., .., ..end, ..)))
+        };
+        if let Some((quant, layers)) = &mut self.quantized {
+            let (keys, values) = &mut layers[layer];
+            let put_quantized = |stored: &mut [Array; 3], new: &Array| -> Result<[Array; 3]> {
+                let (w, s, b) = quantize(new, quant.group_size, quant.bits)?;
+                Ok([
+                    put(&mut stored[0], &w)?,
+                    put(&mut stored[1], &s)?,
+                    put(&mut stored[2], &b)?,
+                ])
+            };
+            return Ok(KvView::Quantized {
+                keys: put_quantized(keys, k)?,
+                values: put_quantized(values, v)?,
+                quant: *quant,
+            });
+        }
         let (keys, values) = &mut self.layers[layer];
-        keys.try_index_mut((.., .., start..end, ..), k)
-            .map_err(|e| Error::Mlx(e.to_string()))?;
-        values
-            .try_index_mut((.., .., start..end, ..), v)
-            .map_err(|e| Error::Mlx(e.to_string()))?;
-        Ok((
-            keys.index((.., .., ..end, ..)),
-            values.index((.., .., ..end, ..)),
-        ))
+        Ok(KvView::Dense(put(keys, k)?, put(values, v)?))
     }
 }

@@ -14,7 +14,7 @@ use mlx_rs::Array;
 
 use crate::error::{Error, Result};
 use crate::kv::cache::KvShape;
-use crate::kv::cache::{KvStore, RopeOffset, StepRows};
+use crate::kv::cache::{KvStore, KvView, RopeOffset, StepRows};
 
 pub struct SlotCache {
     layers: Vec<(Array, Array)>,
@@ -172,7 +172,7 @@ impl KvStore for SlotCache {
     /// scatter's result leaves the buffer to the graph alone, so MLX updates
     /// it in place; the scatter covers every slot (zeros at position 0 of the
     /// free ones past `rows`) so that it stays one in-place write.
-    fn update(&mut self, layer: usize, k: &Array, v: &Array) -> Result<(Array, Array)> {
+    fn update(&mut self, layer: usize, k: &Array, v: &Array) -> Result<KvView> {
         if k.dim(2) != 1 || k.dim(0) != self.rows {
             return Err(Error::invalid(
                 "the slot cache takes one new position for every row of the step",
@@ -189,7 +189,7 @@ impl KvStore for SlotCache {
         let (keys, values) = &mut self.layers[layer];
         *keys = keys.put_along_axis(&self.scatter_at, &k, 2)?;
         *values = values.put_along_axis(&self.scatter_at, &v, 2)?;
-        Ok((
+        Ok(KvView::Dense(
             keys.index((..self.rows, .., ..self.attend, ..)),
             values.index((..self.rows, .., ..self.attend, ..)),
         ))

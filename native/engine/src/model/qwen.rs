@@ -104,6 +104,8 @@ unsafe impl Sync for Model {}
 /// Why a MoE model's layers run MLX's ops.
 const MOE_DECLINED: &str =
     "layers: routed experts (MoE) run MLX's ops; the fused layer kernels take dense MLPs only";
+const QUANTIZED_KV_DECLINED: &str =
+    "layers: the KV cache is quantized; attention reads it through MLX's quantized products";
 
 /// A layer's gate and up projections, read stacked.
 fn gate_up_join() -> Join {
@@ -384,6 +386,11 @@ impl Model {
         if sparse && !cpu_ops && cuda::layer::wanted() {
             declined(MOE_DECLINED);
         }
+        // A quantized cache has no dense buffers for the fused layers.
+        let quantized_kv = cache.quantized().is_some();
+        if quantized_kv && (cpu_ops || cuda::layer::wanted()) {
+            declined(QUANTIZED_KV_DECLINED);
+        }
         if let (Some(rows), false, false) = (&step_rows, cpu_ops, sparse) {
             let stack = cuda::layer::Stack {
                 embed: self.embed.quantized(),
@@ -430,7 +437,7 @@ impl Model {
         // `device::prepare_mlx`).
         let commit_every =
             (ids.dim(1) > 1 && !cpu_ops && !cfg!(feature = "metal")).then_some(COMMIT_LAYERS);
-        if ids.dim(1) > 1 && !cpu_ops && !sparse {
+        if ids.dim(1) > 1 && !cpu_ops && !sparse && !quantized_kv {
             let prompt = cuda::prefill::Prompt {
                 config: c,
                 blocks: &self.blocks,
@@ -720,8 +727,10 @@ mod tests {
         let two_slots = |fused: bool| {
             let full = prefilled();
             let mut slots = SlotCache::new(&model.kv_shape(), 2, capacity).unwrap();
-            slots.write_prompt(0, &full.prefix(prompt_len)).unwrap();
-            slots.write_prompt(1, &full.prefix(3)).unwrap();
+            slots
+                .write_prompt(0, &full.prefix(prompt_len).unwrap())
+                .unwrap();
+            slots.write_prompt(1, &full.prefix(3).unwrap()).unwrap();
             slots.set_positions(&[prompt_len, 3]).unwrap();
             let mask = match slots.key_ranges().unwrap() {
                 Some(mask) if !fused => AttentionMask::Array(mask),

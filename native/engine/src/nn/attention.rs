@@ -10,13 +10,16 @@
 
 use mlx_rs::fast::{rms_norm, scaled_dot_product_attention, ScaledDotProductAttentionMask};
 use mlx_rs::ops::indexing::IndexOp;
-use mlx_rs::ops::{broadcast_to, concatenate, matmul, softmax_axis};
+use mlx_rs::ops::{
+    arange, broadcast_to, concatenate, expand_dims, ge, matmul, quantized_matmul, select,
+    softmax_axis,
+};
 use mlx_rs::{Array, Dtype};
 
 use crate::checkpoint::config::ModelConfig;
 use crate::checkpoint::weights::{Join, Weights};
 use crate::error::Result;
-use crate::kv::cache::KvStore;
+use crate::kv::cache::{KvQuant, KvStore, KvView};
 use crate::nn::layers::{Linear, LinearGroup, LoadPlan, Member, RmsNorm, Workers};
 use crate::nn::rope::Rope;
 
@@ -245,7 +248,23 @@ impl Attention {
             }
         };
         let v = heads_first(heads.index((.., .., nq + nkv.., ..)))?;
-        let (keys, values) = cache.update(layer, &k, &v)?;
+        let (keys, values) = match cache.update(layer, &k, &v)? {
+            KvView::Dense(keys, values) => (keys, values),
+            KvView::Quantized {
+                keys,
+                values,
+                quant,
+            } => {
+                let q = match rope {
+                    Rope::Table { .. } => heads_first(q)?,
+                    Rope::Fused { .. } => q,
+                };
+                let out = attend_quantized(&q, &keys, &values, quant, mask)?
+                    .transpose_axes(&[0, 2, 1, 3])?
+                    .reshape(&[b, l, nq * hd])?;
+                return self.o.forward(&out, workers);
+            }
+        };
         let q = match rope {
             Rope::Table { .. }
                 if matches!(mask, AttentionMask::None)
@@ -317,6 +336,84 @@ impl Attention {
                 .reshape(&[b, l, nq * hd])?
         }))
     }
+}
+
+/// Attention over a quantized cache as mlx-lm computes it
+/// (`quantized_scaled_dot_product_attention`): the scaled queries, each
+/// key head's query heads side by side, times the quantized keys, masked
+/// with the dtype's lowest value, a precise softmax, times the quantized
+/// values. `q` `[B, heads, L, head_dim]`, `keys`/`values` `[packed, scales,
+/// biases]` of `[B, kv_heads, S, ...]`: `[B, heads, L, head_dim]`.
+pub(crate) fn attend_quantized(
+    q: &Array,
+    keys: &[Array; 3],
+    values: &[Array; 3],
+    quant: KvQuant,
+    mask: &AttentionMask,
+) -> Result<Array> {
+    let (b, nq, l, hd) = (q.dim(0), q.dim(1), q.dim(2), q.dim(3));
+    let nkv = keys[0].dim(1);
+    let repeats = nq / nkv;
+    let scale = Array::from_f32((hd as f32).powf(-0.5)).as_dtype(q.dtype())?;
+    let mut q = q.multiply(&scale)?;
+    let grouped = |a: &Array| -> Result<Array> {
+        Ok(if repeats > 1 {
+            expand_dims(a, -3)?
+        } else {
+            a.clone()
+        })
+    };
+    let (kw, ks, kb) = (grouped(&keys[0])?, grouped(&keys[1])?, grouped(&keys[2])?);
+    let (vw, vs, vb) = (
+        grouped(&values[0])?,
+        grouped(&values[1])?,
+        grouped(&values[2])?,
+    );
+    if repeats > 1 {
+        q = q.reshape(&[b, nkv, repeats, l, hd])?;
+    }
+    let (gs, bits) = (quant.group_size, quant.bits);
+    let scores = quantized_matmul(&q, &kw, &ks, &kb, true, gs, bits)?;
+    let s = scores.dim(-1);
+    let allowed = match mask {
+        AttentionMask::None => None,
+        AttentionMask::Causal => {
+            let queries = arange::<_, i32>(s - l, s, 1)?.reshape(&[l, 1])?;
+            let keys = arange::<_, i32>(0, s, 1)?.reshape(&[1, s])?;
+            Some(ge(&queries, &keys)?)
+        }
+        AttentionMask::Array(m) | AttentionMask::Ranges(m) => {
+            Some(if repeats > 1 && m.ndim() > 3 {
+                expand_dims(m, -3)?
+            } else {
+                m.clone()
+            })
+        }
+    };
+    let scores = match allowed {
+        Some(m) if m.dtype() == mlx_rs::Dtype::Bool => {
+            select(&m, &scores, lowest(scores.dtype())?)?
+        }
+        Some(m) => scores.add(&m)?,
+        None => scores,
+    };
+    let weights = softmax_axis(&scores, -1, true)?;
+    let out = quantized_matmul(&weights, &vw, &vs, &vb, false, gs, bits)?;
+    Ok(if repeats > 1 {
+        out.reshape(&[b, nq, l, hd])?
+    } else {
+        out
+    })
+}
+
+/// The lowest finite value of `dtype` (NumPy's `finfo(dtype).min`), which
+/// masked scores take.
+fn lowest(dtype: mlx_rs::Dtype) -> Result<Array> {
+    Ok(match dtype {
+        mlx_rs::Dtype::Float16 => Array::from_f32(-65504.0).as_dtype(dtype)?,
+        mlx_rs::Dtype::Bfloat16 => Array::from_f32(-3.389_531_4e38).as_dtype(dtype)?,
+        _ => Array::from_f32(f32::MIN).as_dtype(dtype)?,
+    })
 }
 
 /// Attention of queries `[B, heads, L, head_dim]` over `keys`/`values`

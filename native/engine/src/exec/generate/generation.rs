@@ -163,11 +163,28 @@ impl Generation {
         }
         let ids = Array::from_slice(&ids, &[batch, longest as i32]);
         let chunk = self.options.prefill_chunk.max(1) as i32;
+        let longest = longest as i32;
+        // With a quantized cache asked for, the prompt's last token goes on
+        // its own, as mlx-lm's generate_step feeds it: after the cache may
+        // have been quantized.
+        let body = if self.options.kv_quant.is_some() && longest > 1 {
+            longest - 1
+        } else {
+            longest
+        };
+        let mut parts = Vec::new();
         let mut start = 0;
-        loop {
-            let end = (start + chunk).min(longest as i32);
+        while start < body {
+            let end = (start + chunk).min(body);
+            parts.push((start, end));
+            start = end;
+        }
+        if body < longest {
+            parts.push((body, longest));
+        }
+        for (i, &(start, end)) in parts.iter().enumerate() {
             let part = ids.index((.., start..end));
-            let last = end == longest as i32;
+            let last = i + 1 == parts.len();
             let logits = self.forward(&part, last)?;
             if last {
                 self.pending = Some(Pending::Array(self.sample(&logits)?));
@@ -176,7 +193,6 @@ impl Generation {
             }
             // Bound the graph: materialize the cache before the next chunk.
             transforms::eval(self.cache.arrays())?;
-            start = end;
         }
         if self.options.profile_timing {
             transforms::eval(self.pending.iter().filter_map(Pending::array))?;
@@ -383,6 +399,13 @@ impl Generation {
             .model
             .forward(ids, &mut self.cache, &mask, last_only, &self.workers);
         self.collect_paths();
+        // As mlx-lm: after the forward pass that brings the cache to
+        // `quantized_kv_start` positions, what it holds is quantized.
+        if let Some(quant) = self.options.kv_quant {
+            if self.cache.offset() as usize >= self.options.quantized_kv_start {
+                self.cache.quantize(quant)?;
+            }
+        }
         logits
     }
 

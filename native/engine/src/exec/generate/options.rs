@@ -2,6 +2,7 @@
 //! model and the prompts, and the KV cache they need.
 
 use crate::error::{Error, Result};
+use crate::kv::cache::KvQuant;
 use crate::model::Model;
 use crate::sample::SamplerConfig;
 use crate::text::constraint::ConstraintSpec;
@@ -35,6 +36,15 @@ pub struct GenerateOptions {
     /// replay is checked bit for bit against MLX's step before it is used.
     /// `EMLX_AXON_STEP_REPLAY=0` turns it off for the whole process.
     pub step_replay: bool,
+    /// Keys and values kept quantized once the cache holds
+    /// `quantized_kv_start` positions (mlx-lm's `kv_bits`,
+    /// `kv_group_size`): the cache then takes about `bits / 16 + 2 / group`
+    /// of a bfloat16 cache's memory, and attention runs MLX's quantized
+    /// products instead of the fused layers.
+    pub kv_quant: Option<KvQuant>,
+    /// Positions the cache holds before it is quantized (mlx-lm's
+    /// `quantized_kv_start`; default 5,000, as mlx-lm's).
+    pub quantized_kv_start: usize,
 }
 
 /// Settings of one batch row that override the generation's.
@@ -65,6 +75,8 @@ impl Default for GenerateOptions {
             rows: vec![],
             fast_forward: true,
             step_replay: true,
+            kv_quant: None,
+            quantized_kv_start: 5000,
         }
     }
 }
@@ -91,6 +103,33 @@ pub(super) fn validate(
     for p in prompts {
         check_prompt(model, p)?;
         check_length(p, o.max_len)?;
+    }
+    if let Some(q) = o.kv_quant {
+        check_kv_quant(model, q)?;
+    }
+    Ok(())
+}
+
+/// A KV quantization MLX can apply to this model's heads.
+fn check_kv_quant(model: &Model, q: KvQuant) -> Result<()> {
+    if !matches!(q.bits, 2 | 3 | 4 | 5 | 6 | 8) {
+        return Err(Error::invalid(format!(
+            "kv_bits must be 2, 3, 4, 5, 6 or 8, got {}",
+            q.bits
+        )));
+    }
+    if !matches!(q.group_size, 32 | 64 | 128) {
+        return Err(Error::invalid(format!(
+            "kv_group_size must be 32, 64 or 128, got {}",
+            q.group_size
+        )));
+    }
+    let hd = model.config.head_dim;
+    if hd % q.group_size != 0 {
+        return Err(Error::invalid(format!(
+            "kv_group_size ({}) must divide the model's head size ({hd})",
+            q.group_size
+        )));
     }
     Ok(())
 }

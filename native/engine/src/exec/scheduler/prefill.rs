@@ -61,7 +61,7 @@ impl Scheduler {
         let token = sample_one(&mut p.request.sampler, &logits)?;
         transforms::eval(p.cache.arrays())?;
         let Prefill { request, cache, .. } = self.prefill.take().expect("the prefill is running");
-        let prompt_kv = cache.prefix(len as i32);
+        let prompt_kv = cache.prefix(len as i32)?;
         self.seat(request, token, prompt_kv, true).map(Some)
     }
 

@@ -92,7 +92,7 @@ impl Scheduler {
             tokens.push(sample_one(&mut r.sampler, &logits.index((i..i + 1, ..)))?);
         }
         transforms::eval(cache.arrays())?;
-        let kv = cache.prefix(longest as i32);
+        let kv = cache.prefix(longest as i32)?;
         let mut events = Vec::with_capacity(n);
         for (i, (request, token)) in group.into_iter().zip(tokens).enumerate() {
             let (i, len) = (i as i32, request.prompt.len() as i32);

@@ -1,0 +1,230 @@
+//! A quantized KV cache (mlx-lm's `kv_bits` / `kv_group_size` /
+//! `quantized_kv_start`) against mlx-lm's `QuantizedKVCache`: teacher-forced
+//! float32 logits after the cache is quantized, and the greedy ids of a
+//! generation asking for it, from `reference_kv{bits}g32.safetensors` of
+//! `test/fixtures/build_rope_moe_fixtures.py`.
+
+mod common;
+
+use common::*;
+use emlx_axon_engine::kv::cache::{KvCache, KvQuant, KvStore};
+use emlx_axon_engine::model::AttentionMask;
+use emlx_axon_engine::{generate, Error, GenerateOptions, SamplerConfig};
+use mlx_rs::Array;
+
+const FIXTURE: &str = "qwen3-yarn-4bit";
+
+struct KvReference {
+    ids: Vec<u32>,
+    prompt: usize,
+    greedy: Vec<u32>,
+    /// `[ids - prompt + 1, vocab]`: from the prompt's last position on.
+    logits: Vec<f32>,
+}
+
+fn kv_reference(bits: i32) -> KvReference {
+    let path = fixture(FIXTURE).join(format!("reference_kv{bits}g32.safetensors"));
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{path:?}: {e}: run scripts/setup"));
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let ints = |name: &str| -> Vec<u32> {
+        st.tensor(name)
+            .unwrap()
+            .data()
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as u32)
+            .collect()
+    };
+    KvReference {
+        ids: ints("ids"),
+        prompt: ints("prompt")[0] as usize,
+        greedy: ints("greedy"),
+        logits: st
+            .tensor("logits")
+            .unwrap()
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect(),
+    }
+}
+
+fn quant(bits: i32) -> KvQuant {
+    KvQuant {
+        group_size: 32,
+        bits,
+    }
+}
+
+/// Each position's largest difference, relative to mlx-lm's largest logit
+/// magnitude there.
+fn worst(ours: &[f32], theirs: &[f32], vocab: usize) -> f32 {
+    assert_eq!(ours.len(), theirs.len());
+    ours.chunks(vocab)
+        .zip(theirs.chunks(vocab))
+        .map(|(a, b)| {
+            let scale = b.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+            a.iter()
+                .zip(b)
+                .fold(0f32, |m, (x, y)| m.max((x - y).abs() / scale))
+        })
+        .fold(0f32, f32::max)
+}
+
+#[test]
+fn quantized_cache_logits_match_mlx_lm() {
+    let model = load_f32(FIXTURE);
+    let vocab = model.config.vocab_size as usize;
+    for bits in [8, 4] {
+        let r = kv_reference(bits);
+        let _ = emlx_axon_engine::backend::take();
+        let mut cache = KvCache::new(&model.kv_shape(), 1, r.ids.len() as i32 + 8).unwrap();
+        let run = |cache: &mut KvCache, ids: &[u32], mask: AttentionMask| -> Vec<f32> {
+            let input = Array::from_slice(ids, &[1, ids.len() as i32]);
+            let out = model
+                .forward(&input, cache, &mask, true, &[])
+                .unwrap()
+                .as_dtype(mlx_rs::Dtype::Float32)
+                .unwrap();
+            out.as_slice::<f32>().to_vec()
+        };
+        run(&mut cache, &r.ids[..r.prompt - 1], AttentionMask::Causal);
+        cache.quantize(quant(bits)).unwrap();
+        assert_eq!(cache.quantized(), Some(quant(bits)));
+        let mut ours = Vec::new();
+        for &id in &r.ids[r.prompt - 1..] {
+            ours.extend(run(&mut cache, &[id], AttentionMask::None));
+        }
+        let error = worst(&ours, &r.logits, vocab);
+        eprintln!("{bits}-bit keys and values: worst {error:e}");
+        assert!(
+            error < 1e-4,
+            "{bits}-bit: logits differ from mlx-lm by {error}"
+        );
+        // The fused layers said why they did not take these steps.
+        let paths = emlx_axon_engine::backend::take();
+        assert!(
+            paths
+                .fallbacks
+                .iter()
+                .any(|f| f.contains("KV cache is quantized")),
+            "{:?}",
+            paths.fallbacks
+        );
+    }
+}
+
+/// The comparison above sees the quantization: the float cache's logits
+/// are further from mlx-lm's quantized ones than ours are, at 4 bits.
+#[test]
+fn the_quantization_matters() {
+    let model = load_f32(FIXTURE);
+    let vocab = model.config.vocab_size as usize;
+    let r = kv_reference(4);
+    let mut cache = KvCache::new(&model.kv_shape(), 1, r.ids.len() as i32 + 8).unwrap();
+    let input = Array::from_slice(&r.ids, &[1, r.ids.len() as i32]);
+    let out = model
+        .forward(&input, &mut cache, &AttentionMask::Causal, false, &[])
+        .unwrap()
+        .as_dtype(mlx_rs::Dtype::Float32)
+        .unwrap();
+    let all = out.as_slice::<f32>();
+    let dense = &all[(r.prompt - 1) * vocab..];
+    let error = worst(dense, &r.logits, vocab);
+    eprintln!("a float cache: worst {error:e}");
+    assert!(error > 1e-3, "a float cache is as close: {error}");
+}
+
+#[test]
+fn generation_with_kv_bits_gives_mlx_lm_greedy_ids() {
+    let model = load_f32(FIXTURE);
+    for bits in [8, 4] {
+        let r = kv_reference(bits);
+        let options = GenerateOptions {
+            kv_quant: Some(quant(bits)),
+            quantized_kv_start: 0,
+            ..options(r.greedy.len(), SamplerConfig::default())
+        };
+        let out = generate(model.clone(), None, &r.ids[..r.prompt], options).unwrap();
+        assert_eq!(out.ids, r.greedy, "{bits}-bit: greedy ids");
+        assert!(
+            out.stats
+                .paths
+                .fallbacks
+                .iter()
+                .any(|f| f.contains("KV cache is quantized")),
+            "{bits}-bit: {:?}",
+            out.stats.paths.fallbacks
+        );
+    }
+}
+
+/// Below `quantized_kv_start` positions nothing is quantized: the ids are
+/// those of a generation without `kv_bits`.
+#[test]
+fn below_the_start_nothing_is_quantized() {
+    let model = load_f32(FIXTURE);
+    let r = kv_reference(4);
+    let prompt = &r.ids[..r.prompt];
+    let plain = generate(
+        model.clone(),
+        None,
+        prompt,
+        options(8, SamplerConfig::default()),
+    );
+    let late = GenerateOptions {
+        kv_quant: Some(quant(4)),
+        quantized_kv_start: 10_000,
+        ..options(8, SamplerConfig::default())
+    };
+    let late = generate(model.clone(), None, prompt, late);
+    assert_eq!(plain.unwrap().ids, late.unwrap().ids);
+}
+
+/// 8-bit keys and values with float32 scales and biases per 32 values
+/// take `(8 + 2 * 32 / 32) / 32` of the float32 cache's bytes.
+#[test]
+fn a_quantized_cache_takes_its_share_of_the_memory() {
+    let model = load_f32(FIXTURE);
+    let mut cache = KvCache::new(&model.kv_shape(), 1, 256).unwrap();
+    let bytes = |c: &KvCache| -> usize {
+        let arrays: Vec<&Array> = c.arrays().collect();
+        mlx_rs::transforms::eval(arrays.iter().copied()).unwrap();
+        arrays.iter().map(|a| a.nbytes()).sum()
+    };
+    let dense = bytes(&cache);
+    cache.quantize(quant(8)).unwrap();
+    let quantized = bytes(&cache);
+    let share = quantized as f64 / dense as f64;
+    assert!((share - 10.0 / 32.0).abs() < 1e-3, "share {share}");
+}
+
+#[test]
+fn bad_kv_settings_are_errors_naming_them() {
+    let model = load_f32(FIXTURE);
+    let ask = |q: KvQuant| {
+        let options = GenerateOptions {
+            kv_quant: Some(q),
+            ..options(4, SamplerConfig::default())
+        };
+        match generate(model.clone(), None, &[5, 6, 7], options) {
+            Err(Error::InvalidArgument(m)) => m,
+            other => panic!("{q:?}: {:?}", other.map(|o| o.ids)),
+        }
+    };
+    assert!(ask(KvQuant {
+        group_size: 32,
+        bits: 7
+    })
+    .contains("kv_bits"));
+    assert!(ask(KvQuant {
+        group_size: 48,
+        bits: 8
+    })
+    .contains("kv_group_size"));
+    // The fixture's heads are 32 values wide.
+    assert!(ask(KvQuant {
+        group_size: 64,
+        bits: 8
+    })
+    .contains("head size"));
+}
