@@ -103,6 +103,15 @@ defmodule EMLXAxon.Options do
       type: :non_neg_integer,
       default: 5000,
       doc: "positions the KV cache holds before `:kv_bits` quantizes it (mlx-lm's default)"
+    ],
+    max_kv_size: [
+      type: {:or, [nil, :pos_integer]},
+      default: nil,
+      doc:
+        "a rotating KV cache of at most this many positions, the first 4 always kept, as " <>
+          "mlx-lm's `max_kv_size`: memory stays bounded and older tokens are forgotten " <>
+          "(raise `:max_len` to generate past it); prompts of one length. Not offered by a " <>
+          "scheduler's slots, nor with `:kv_bits`"
     ]
   ]
 
@@ -501,6 +510,7 @@ defmodule EMLXAxon.Options do
       kv_bits: opts.kv_bits,
       kv_group_size: opts.kv_group_size,
       quantized_kv_start: opts.quantized_kv_start,
+      max_kv_size: opts.max_kv_size,
       row_seeds: Map.get(opts, :row_seeds)
     }
     |> put_constraints(Map.get(opts, :row_constraints))

@@ -416,6 +416,19 @@ defmodule EMLXAxon.Qwen3.GenerateTest do
       assert Enum.any?(timings.fallbacks, &String.contains?(&1, quantized))
     end
 
+    test "max_kv_size keeps a rotating window: the fused layers say they stepped aside",
+         %{state: state, ids: ids} do
+      opts = [max_new_tokens: 24, ignore_eos: true, max_kv_size: 16]
+      assert {:ok, %{token_ids: window, timings: timings}} = Generate.generate(state, ids, opts)
+      assert length(window) == 24
+      assert Enum.any?(timings.fallbacks, &String.contains?(&1, "rotating window"))
+
+      assert {:error, %Error{kind: :invalid_argument, message: message}} =
+               Generate.generate(state, ids, max_kv_size: 4)
+
+      assert message =~ "max_kv_size must be more than 4"
+    end
+
     test "a KV group size the model's heads cannot take is an error naming it",
          %{state: state, ids: ids} do
       # The fixture's heads are 32 values wide.
@@ -451,6 +464,7 @@ defmodule EMLXAxon.Qwen3.GenerateTest do
         {[kv_bits: 7], ~r/:kv_bits to be nil or one of 2, 3, 4, 5, 6, 8/},
         {[kv_group_size: 48], ~r/:kv_group_size to be one of 32, 64, 128/},
         {[quantized_kv_start: -1], ~r/:quantized_kv_start to be a non-negative integer/},
+        {[max_kv_size: 0], ~r/:max_kv_size to be nil or a positive integer/},
         {[bogus: 1],
          ~r/unknown option :bogus for EMLXAxon.Qwen3.Generate.generate\/3, valid options are: :max_new_tokens/},
         {:not_a_list, ~r/keyword list/}

@@ -342,6 +342,21 @@ defmodule EMLXAxon.TextGenerationTest do
       end
     end
 
+    test "a quantized or rotating KV cache asks a serving for static batches" do
+      config = EMLXAxon.TextGeneration.Config
+
+      assert_raise ArgumentError, ~r/:kv_bits need static batches \(scheduler: false\)/, fn ->
+        config.serving!(kv_bits: 8)
+      end
+
+      assert_raise ArgumentError, ~r/:kv_bits and :max_kv_size need static batches/, fn ->
+        config.serving!(kv_bits: 8, max_kv_size: 64)
+      end
+
+      assert %{kv_bits: 8, scheduler: false} = config.serving!(kv_bits: 8, scheduler: false)
+      assert %{max_kv_size: 64} = config.serving!(max_kv_size: 64, scheduler: false)
+    end
+
     test "bad inputs raise ArgumentError", %{tokenizer: tokenizer, state: state} do
       for {input, message} <- [
             {[], ~r/empty list/},

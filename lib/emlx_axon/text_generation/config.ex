@@ -281,6 +281,7 @@ defmodule EMLXAxon.TextGeneration.Config do
 
     chunk_size = opts.chunk_size || if(streaming?, do: @stream_chunk_size, else: @run_chunk_size)
     scheduler = schedulers!(opts.scheduler, mlx_stream)
+    own_cache!(opts, scheduler)
 
     %{
       opts
@@ -289,6 +290,18 @@ defmodule EMLXAxon.TextGeneration.Config do
         chunk_size: chunk_size,
         scheduler: scheduler
     }
+  end
+
+  # A quantized or rotating KV cache belongs to one generation: a
+  # scheduler's slots do not offer it.
+  defp own_cache!(opts, scheduler) do
+    given = for key <- [:kv_bits, :max_kv_size], opts[key] != nil, do: key
+
+    if given != [] and scheduler != false do
+      raise ArgumentError,
+            "#{Enum.map_join(given, " and ", &inspect/1)} need static batches " <>
+              "(scheduler: false): a scheduler's slots keep float caches"
+    end
   end
 
   # A serving's own schedulers run on MLX's default stream: one given an

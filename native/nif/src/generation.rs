@@ -49,6 +49,8 @@ pub struct StartOptions {
     kv_bits: Option<i32>,
     kv_group_size: i32,
     quantized_kv_start: usize,
+    /// `nil` or the positions of a rotating KV cache.
+    max_kv_size: Option<usize>,
 }
 
 /// A quantized KV cache of `bits` bits (when given) in groups of
@@ -146,6 +148,7 @@ fn generation_start(
             profile_timing: o.profile_timing,
             kv_quant: kv_quant(o.kv_bits, o.kv_group_size),
             quantized_kv_start: o.quantized_kv_start,
+            max_kv_size: o.max_kv_size,
             ..GenerateOptions::default()
         };
         let stream = stream.map(|s| s.get()).transpose()?;

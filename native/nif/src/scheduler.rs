@@ -62,6 +62,8 @@ pub struct RequestOptions {
     kv_bits: Option<i32>,
     kv_group_size: i32,
     quantized_kv_start: usize,
+    /// `nil` or the positions of a rotating KV cache.
+    max_kv_size: Option<usize>,
 }
 
 #[rustler::nif(schedule = "DirtyCpu")]
@@ -118,6 +120,7 @@ fn scheduler_admit(
             // running an unquantized cache silently.
             kv_quant: crate::generation::kv_quant(o.kv_bits, o.kv_group_size),
             quantized_kv_start: o.quantized_kv_start,
+            max_kv_size: o.max_kv_size,
             ..GenerateOptions::default()
         };
         // Compiling a grammar evaluates no MLX graph, but can recurse deeply.

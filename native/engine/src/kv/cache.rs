@@ -11,6 +11,7 @@ use mlx_rs::ops::{dequantize, quantize, zeros_dtype};
 use mlx_rs::Array;
 
 use crate::error::{Error, Result};
+use crate::kv::window::Window;
 
 /// Where RoPE starts for the new positions of a forward pass.
 pub enum RopeOffset {
@@ -53,10 +54,14 @@ pub trait KvStore {
     /// Stores `k`, `v` (`[B, kv_heads, L, head_dim]`) of layer `layer` and
     /// returns what attention reads.
     fn update(&mut self, layer: usize, k: &Array, v: &Array) -> Result<KvView>;
-    /// How keys and values are quantized, if they are: such a cache has no
-    /// dense [`KvStore::buffers`], and the backends' fused layers leave it
-    /// to MLX's ops.
+    /// How keys and values are quantized, if they are.
     fn quantized(&self) -> Option<KvQuant> {
+        None
+    }
+    /// Why this cache has no whole dense buffers with each row's keys at
+    /// its positions (quantized, or a rotating window), if it has none:
+    /// the backends' fused layers then leave it to MLX's ops.
+    fn no_buffers(&self) -> Option<&'static str> {
         None
     }
     /// Called once per forward pass with the number of new positions.
@@ -93,6 +98,8 @@ pub struct KvCache {
     /// Once quantized: each layer's keys and values, `[packed, scales,
     /// biases]` over the whole capacity.
     quantized: Option<(KvQuant, Vec<QuantizedLayer>)>,
+    /// A rotating window: `layers` then hold its positions, growing.
+    window: Option<Window>,
     offset: i32,
     capacity: i32,
 }
@@ -110,9 +117,42 @@ impl KvCache {
         Ok(KvCache {
             layers,
             quantized: None,
+            window: None,
             offset: 0,
             capacity,
         })
+    }
+
+    /// A rotating window of at most `max_size` positions, the first `keep`
+    /// kept (mlx-lm's `RotatingKVCache`); it grows as it is written, and
+    /// holds any number of positions.
+    pub fn rotating(kv: &KvShape, max_size: i32, keep: i32) -> Result<Self> {
+        if max_size <= keep {
+            return Err(Error::invalid(format!(
+                "max_kv_size ({max_size}) must be more than the {keep} positions always kept"
+            )));
+        }
+        let empty = || -> Result<Array> { Ok(zeros_dtype(&[0], kv.dtype)?) };
+        let layers = (0..kv.layers)
+            .map(|_| Ok((empty()?, empty()?)))
+            .collect::<Result<_>>()?;
+        Ok(KvCache {
+            layers,
+            quantized: None,
+            window: Some(Window::new(kv.layers, max_size, keep)),
+            offset: 0,
+            capacity: i32::MAX,
+        })
+    }
+
+    /// The mask of a pass of `n` tokens where a rotating window is
+    /// narrower than what the pass attends (`[1, 1, n, keys]` bool); `None`
+    /// where a causal mask (or none, for one token) is right.
+    pub fn window_mask(&self, n: i32) -> Result<Option<Array>> {
+        match &self.window {
+            Some(w) => w.mask(self.offset, n),
+            None => Ok(None),
+        }
     }
 
     /// From now on keeps keys and values quantized (mlx-lm's `to_quantized`:
@@ -122,6 +162,11 @@ impl KvCache {
     pub fn quantize(&mut self, quant: KvQuant) -> Result<()> {
         if self.quantized.is_some() {
             return Ok(());
+        }
+        if self.window.is_some() {
+            return Err(Error::invalid(
+                "a rotating KV cache is not quantized (as in mlx-lm)",
+            ));
         }
         let triple = |a: &Array| -> Result<[Array; 3]> {
             let (w, scales, biases) = quantize(a, quant.group_size, quant.bits)?;
@@ -156,6 +201,9 @@ impl KvCache {
     /// Starts the cache with the keys and values of a prompt prefix: per
     /// layer `[B, kv_heads, len, head_dim]` arrays.
     pub fn load_prefix(&mut self, layers: &[(Array, Array)]) -> Result<()> {
+        if self.window.is_some() {
+            return Err(Error::invalid("a rotating KV cache takes no cached prefix"));
+        }
         if layers.len() != self.layers.len() {
             return Err(Error::invalid(
                 "a cached prefix has the wrong number of layers",
@@ -172,6 +220,9 @@ impl KvCache {
     /// Keys and values of the first `len` positions of every layer (a
     /// quantized cache's dequantized).
     pub fn prefix(&self, len: i32) -> Result<Vec<(Array, Array)>> {
+        if self.window.is_some() {
+            return Err(Error::invalid("a rotating KV cache keeps no prefix"));
+        }
         let Some((q, layers)) = &self.quantized else {
             return Ok(self
                 .layers
@@ -228,8 +279,18 @@ impl KvStore for KvCache {
         self.quantized.as_ref().map(|(q, _)| *q)
     }
 
-    fn step_rows(&self) -> Option<StepRows> {
+    fn no_buffers(&self) -> Option<&'static str> {
         if self.quantized.is_some() {
+            Some("the KV cache is quantized; attention reads it through MLX's quantized products")
+        } else if self.window.is_some() {
+            Some("the KV cache is a rotating window; attention reads it through MLX's ops")
+        } else {
+            None
+        }
+    }
+
+    fn step_rows(&self) -> Option<StepRows> {
+        if self.no_buffers().is_some() {
             return None;
         }
         let rows = self.layers.first()?.0.dim(0) as usize;
@@ -252,6 +313,11 @@ impl KvStore for KvCache {
     /// result leaves the graph as the buffer's only owner, so MLX donates it
     /// and the write happens in place.
     fn update(&mut self, layer: usize, k: &Array, v: &Array) -> Result<KvView> {
+        if let Some(window) = &mut self.window {
+            let (keys, values) =
+                window.update(layer, &mut self.layers[layer], self.offset, k, v)?;
+            return Ok(KvView::Dense(keys, values));
+        }
         let (start, end) = (self.offset, self.offset + k.dim(2));
         if end > self.capacity {
             return Err(Error::invalid(format!(

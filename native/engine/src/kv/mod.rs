@@ -5,3 +5,4 @@
 pub mod cache;
 pub mod prefix;
 pub mod slots;
+mod window;

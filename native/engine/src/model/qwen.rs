@@ -104,8 +104,6 @@ unsafe impl Sync for Model {}
 /// Why a MoE model's layers run MLX's ops.
 const MOE_DECLINED: &str =
     "layers: routed experts (MoE) run MLX's ops; the fused layer kernels take dense MLPs only";
-const QUANTIZED_KV_DECLINED: &str =
-    "layers: the KV cache is quantized; attention reads it through MLX's quantized products";
 
 /// A layer's gate and up projections, read stacked.
 fn gate_up_join() -> Join {
@@ -386,10 +384,11 @@ impl Model {
         if sparse && !cpu_ops && cuda::layer::wanted() {
             declined(MOE_DECLINED);
         }
-        // A quantized cache has no dense buffers for the fused layers.
-        let quantized_kv = cache.quantized().is_some();
-        if quantized_kv && (cpu_ops || cuda::layer::wanted()) {
-            declined(QUANTIZED_KV_DECLINED);
+        // A quantized cache or a rotating window has no dense buffers for
+        // the fused layers.
+        let no_buffers = cache.no_buffers();
+        if let Some(why) = no_buffers.filter(|_| cpu_ops || cuda::layer::wanted()) {
+            declined(&format!("layers: {why}"));
         }
         if let (Some(rows), false, false) = (&step_rows, cpu_ops, sparse) {
             let stack = cuda::layer::Stack {
@@ -437,7 +436,7 @@ impl Model {
         // `device::prepare_mlx`).
         let commit_every =
             (ids.dim(1) > 1 && !cpu_ops && !cfg!(feature = "metal")).then_some(COMMIT_LAYERS);
-        if ids.dim(1) > 1 && !cpu_ops && !sparse && !quantized_kv {
+        if ids.dim(1) > 1 && !cpu_ops && !sparse && no_buffers.is_none() {
             let prompt = cuda::prefill::Prompt {
                 config: c,
                 blocks: &self.blocks,

@@ -9,7 +9,7 @@ use mlx_rs::ops::{arange, ge, le, logical_and};
 use mlx_rs::{transforms, Array};
 
 use super::constrained::{Constraints, Rules};
-use super::options::{cache_capacity, validate};
+use super::options::{cache_capacity, validate, KV_KEEP};
 use super::rows::Row;
 use super::{GenerateOptions, RowDelta, Stats};
 use crate::error::{Error, Result};
@@ -95,8 +95,9 @@ impl Generation {
         } else {
             vec![]
         };
-        let cache = MlxStream::run_on(stream.as_ref(), || {
-            KvCache::new(&model.kv_shape(), prompts.len() as i32, capacity)
+        let cache = MlxStream::run_on(stream.as_ref(), || match options.max_kv_size {
+            Some(size) => KvCache::rotating(&model.kv_shape(), size as i32, KV_KEEP as i32),
+            None => KvCache::new(&model.kv_shape(), prompts.len() as i32, capacity),
         })?;
         let mut generation = Generation {
             model,
@@ -164,10 +165,11 @@ impl Generation {
         let ids = Array::from_slice(&ids, &[batch, longest as i32]);
         let chunk = self.options.prefill_chunk.max(1) as i32;
         let longest = longest as i32;
-        // With a quantized cache asked for, the prompt's last token goes on
-        // its own, as mlx-lm's generate_step feeds it: after the cache may
-        // have been quantized.
-        let body = if self.options.kv_quant.is_some() && longest > 1 {
+        // With a quantized or rotating cache asked for, the prompt's last
+        // token goes on its own, as mlx-lm's generate_step feeds it: after
+        // the cache may have been quantized, and as a step of the window.
+        let own_last = self.options.kv_quant.is_some() || self.options.max_kv_size.is_some();
+        let body = if own_last && longest > 1 {
             longest - 1
         } else {
             longest
@@ -203,6 +205,9 @@ impl Generation {
 
     /// The attention mask for `len` new positions at the cache's offset.
     fn mask(&self, len: i32) -> Result<AttentionMask> {
+        if let Some(window) = self.cache.window_mask(len)? {
+            return Ok(AttentionMask::Array(window));
+        }
         let Some(padding) = &self.padding else {
             return Ok(if len > 1 {
                 AttentionMask::Causal

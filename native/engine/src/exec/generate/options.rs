@@ -45,7 +45,15 @@ pub struct GenerateOptions {
     /// Positions the cache holds before it is quantized (mlx-lm's
     /// `quantized_kv_start`; default 5,000, as mlx-lm's).
     pub quantized_kv_start: usize,
+    /// A rotating KV cache of at most this many positions, the first 4
+    /// always kept (mlx-lm's `max_kv_size`): memory stays bounded however
+    /// long the generation, and tokens past the window are forgotten.
+    /// Attention then runs MLX's ops instead of the fused layers.
+    pub max_kv_size: Option<usize>,
 }
+
+/// Positions a rotating KV cache always keeps (mlx-lm's `keep`).
+pub const KV_KEEP: usize = 4;
 
 /// Settings of one batch row that override the generation's.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -77,6 +85,7 @@ impl Default for GenerateOptions {
             step_replay: true,
             kv_quant: None,
             quantized_kv_start: 5000,
+            max_kv_size: None,
         }
     }
 }
@@ -106,6 +115,23 @@ pub(super) fn validate(
     }
     if let Some(q) = o.kv_quant {
         check_kv_quant(model, q)?;
+    }
+    if let Some(size) = o.max_kv_size {
+        if size <= KV_KEEP || size > i32::MAX as usize {
+            return Err(Error::invalid(format!(
+                "max_kv_size must be more than {KV_KEEP} (the positions always kept), got {size}"
+            )));
+        }
+        if o.kv_quant.is_some() {
+            return Err(Error::invalid(
+                "kv_bits and max_kv_size cannot be combined: a rotating KV cache is not quantized (as in mlx-lm)",
+            ));
+        }
+        if prompts.iter().any(|p| p.len() != prompts[0].len()) {
+            return Err(Error::invalid(
+                "max_kv_size needs prompts of one length (a rotating window has no padding mask)",
+            ));
+        }
     }
     Ok(())
 }
@@ -156,6 +182,11 @@ pub(super) fn cache_capacity(
     let positions = longest
         .checked_add(o.max_new_tokens.min(o.max_len))
         .ok_or_else(too_long)?;
+    // A rotating window holds its size, and a prefill chunk beside it.
+    let positions = match o.max_kv_size {
+        Some(size) => positions.min(size.saturating_add(o.prefill_chunk.max(1))),
+        None => positions,
+    };
     let positions = positions
         .checked_next_multiple_of(bucket)
         .map_or(positions, |p| p.min(i32::MAX as usize).max(positions));

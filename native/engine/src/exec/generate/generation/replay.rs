@@ -125,6 +125,8 @@ impl Generation {
             "cuda_replay: turned off by the generation's options"
         } else if self.options.kv_quant.is_some() {
             "cuda_replay: the KV cache is quantized, or will be"
+        } else if self.options.max_kv_size.is_some() {
+            "cuda_replay: the KV cache is a rotating window"
         } else if steps_left.saturating_sub(2) < MIN_STEPS_LEFT {
             "cuda_replay: too few steps left to repay building a replay"
         } else if !self.sampler.is_greedy()

@@ -1,8 +1,9 @@
 //! A quantized KV cache (mlx-lm's `kv_bits` / `kv_group_size` /
-//! `quantized_kv_start`) against mlx-lm's `QuantizedKVCache`: teacher-forced
-//! float32 logits after the cache is quantized, and the greedy ids of a
-//! generation asking for it, from `reference_kv{bits}g32.safetensors` of
-//! `test/fixtures/build_rope_moe_fixtures.py`.
+//! `quantized_kv_start`) against mlx-lm's `QuantizedKVCache`, and a rotating
+//! one (`max_kv_size`) against its `RotatingKVCache`: teacher-forced float32
+//! logits, and the greedy ids of a generation asking for them, from
+//! `reference_kv{bits}g32.safetensors` and `reference_window16.safetensors`
+//! of `test/fixtures/build_rope_moe_fixtures.py`.
 
 mod common;
 
@@ -22,8 +23,15 @@ struct KvReference {
     logits: Vec<f32>,
 }
 
+/// The window of `reference_window16`.
+const WINDOW: i32 = 16;
+
 fn kv_reference(bits: i32) -> KvReference {
-    let path = fixture(FIXTURE).join(format!("reference_kv{bits}g32.safetensors"));
+    named_reference(&format!("kv{bits}g32"))
+}
+
+fn named_reference(name: &str) -> KvReference {
+    let path = fixture(FIXTURE).join(format!("reference_{name}.safetensors"));
     let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{path:?}: {e}: run scripts/setup"));
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let ints = |name: &str| -> Vec<u32> {
@@ -227,4 +235,126 @@ fn bad_kv_settings_are_errors_naming_them() {
         bits: 8
     })
     .contains("head size"));
+}
+
+/// Our logits from the prompt's last position on: the prompt but its last
+/// id at once, then one id at a time, as mlx-lm's generate_step feeds them.
+fn window_logits(model: &emlx_axon_engine::Model, r: &KvReference) -> Vec<f32> {
+    let mut cache = KvCache::rotating(&model.kv_shape(), WINDOW, 4).unwrap();
+    let run = |ids: &[u32], cache: &mut KvCache| -> Vec<f32> {
+        let n = ids.len() as i32;
+        let mask = match cache.window_mask(n).unwrap() {
+            Some(m) => AttentionMask::Array(m),
+            None if n > 1 => AttentionMask::Causal,
+            None => AttentionMask::None,
+        };
+        let input = Array::from_slice(ids, &[1, n]);
+        let out = model
+            .forward(&input, cache, &mask, true, &[])
+            .unwrap()
+            .as_dtype(mlx_rs::Dtype::Float32)
+            .unwrap();
+        out.as_slice::<f32>().to_vec()
+    };
+    run(&r.ids[..r.prompt - 1], &mut cache);
+    let mut ours = Vec::new();
+    for &id in &r.ids[r.prompt - 1..] {
+        ours.extend(run(&[id], &mut cache));
+    }
+    ours
+}
+
+#[test]
+fn rotating_window_logits_match_mlx_lm() {
+    let model = load_f32(FIXTURE);
+    let vocab = model.config.vocab_size as usize;
+    let r = named_reference("window16");
+    // The prompt is wider than the window and the steps wrap around it.
+    assert!(r.prompt as i32 > WINDOW && r.greedy.len() as i32 > WINDOW);
+    let _ = emlx_axon_engine::backend::take();
+    let error = worst(&window_logits(&model, &r), &r.logits, vocab);
+    eprintln!("rotating window: worst {error:e}");
+    assert!(error < 1e-4, "logits differ from mlx-lm by {error}");
+    let paths = emlx_axon_engine::backend::take();
+    assert!(
+        paths
+            .fallbacks
+            .iter()
+            .any(|f| f.contains("rotating window")),
+        "{:?}",
+        paths.fallbacks
+    );
+}
+
+/// The comparison above sees the window: a cache that keeps everything
+/// gives logits far from mlx-lm's windowed ones.
+#[test]
+fn the_window_matters() {
+    let model = load_f32(FIXTURE);
+    let vocab = model.config.vocab_size as usize;
+    let r = named_reference("window16");
+    let mut cache = KvCache::new(&model.kv_shape(), 1, r.ids.len() as i32 + 8).unwrap();
+    let input = Array::from_slice(&r.ids, &[1, r.ids.len() as i32]);
+    let out = model
+        .forward(&input, &mut cache, &AttentionMask::Causal, false, &[])
+        .unwrap()
+        .as_dtype(mlx_rs::Dtype::Float32)
+        .unwrap();
+    let error = worst(
+        &out.as_slice::<f32>()[(r.prompt - 1) * vocab..],
+        &r.logits,
+        vocab,
+    );
+    eprintln!("a cache keeping every position: worst {error:e}");
+    assert!(error > 1e-2, "a full cache is as close: {error}");
+}
+
+#[test]
+fn generation_with_max_kv_size_gives_mlx_lm_greedy_ids() {
+    let model = load_f32(FIXTURE);
+    let r = named_reference("window16");
+    let options = GenerateOptions {
+        max_kv_size: Some(WINDOW as usize),
+        ..options(r.greedy.len(), SamplerConfig::default())
+    };
+    let out = generate(model, None, &r.ids[..r.prompt], options).unwrap();
+    assert_eq!(out.ids, r.greedy);
+    assert!(
+        out.stats
+            .paths
+            .fallbacks
+            .iter()
+            .any(|f| f.contains("rotating window")),
+        "{:?}",
+        out.stats.paths.fallbacks
+    );
+}
+
+#[test]
+fn bad_window_settings_are_errors_naming_them() {
+    let model = load_f32(FIXTURE);
+    let ask = |o: GenerateOptions, prompts: &[Vec<u32>]| match emlx_axon_engine::Generation::start(
+        model.clone(),
+        None,
+        None,
+        prompts,
+        o,
+    ) {
+        Err(Error::InvalidArgument(m)) => m,
+        Err(other) => panic!("{other}"),
+        Ok(_) => panic!("accepted"),
+    };
+    let one = vec![vec![5u32, 6, 7]];
+    let with = |size: usize| GenerateOptions {
+        max_kv_size: Some(size),
+        ..options(4, SamplerConfig::default())
+    };
+    assert!(ask(with(4), &one).contains("max_kv_size must be more than 4"));
+    let both = GenerateOptions {
+        kv_quant: Some(quant(8)),
+        ..with(64)
+    };
+    assert!(ask(both, &one).contains("cannot be combined"));
+    let ragged = vec![vec![5u32, 6, 7], vec![5u32, 6]];
+    assert!(ask(with(64), &ragged).contains("prompts of one length"));
 }
