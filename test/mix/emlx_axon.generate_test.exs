@@ -159,6 +159,25 @@ defmodule Mix.Tasks.EmlxAxon.GenerateTest do
     end
   end
 
+  test "--kv-bits and --max-kv-size reach the generation" do
+    %{"prompt_ids" => prompt_ids} = TestFixtures.reference("qwen3-4bit-g64")["prompts"]["plain"]
+    ids = Enum.join(prompt_ids, ",")
+    args = ["--prompt-ids", ids, "--max-new-tokens", "8", "--json" | @exact]
+
+    quantized = ["--kv-bits", "8", "--kv-group-size", "32", "--quantized-kv-start", "0"]
+
+    for extra <- [quantized, ["--max-kv-size", "8"]] do
+      json = TestJSON.decode!(run_task(args ++ extra))
+      assert %{"finish_reason" => "length", "generated_ids" => generated} = json
+      assert length(generated) == 8
+    end
+
+    # The fixture's heads are 32 values wide: a group of 64 is refused.
+    assert_raise Mix.Error, ~r/kv_group_size \(64\) must divide/, fn ->
+      run_task(args ++ ["--kv-bits", "8"])
+    end
+  end
+
   test "a bad flag is named, with the accepted ones" do
     error = assert_raise Mix.Error, fn -> run_task(["--max-tokens", "3"]) end
     assert error.message =~ "invalid option --max-tokens: unknown option"

@@ -17,6 +17,11 @@ defmodule Mix.Tasks.EmlxAxon.Generate do
     * `--max-new-tokens N` - default 32
     * `--max-len N` - the KV cache length per prompt, prompt included
       (default 2048)
+    * `--kv-bits N` - keep the KV cache quantized to N bits (2-6 or 8) once it
+      holds `--quantized-kv-start` positions (default 5000), in groups of
+      `--kv-group-size` (32, 64 or 128; default 64), as mlx-lm's `--kv-bits`
+    * `--max-kv-size N` - a rotating KV cache of at most N positions, as
+      mlx-lm's `--max-kv-size`
     * `--sampler greedy|top_p_cpu|top_p_gpu` - default `greedy`
     * `--seed N`, `--temperature F`, `--top-p F`, `--top-k N`
     * `--json` - print exactly one JSON object instead, with the keys
@@ -57,6 +62,10 @@ defmodule Mix.Tasks.EmlxAxon.Generate do
     dtype: :string,
     max_new_tokens: :integer,
     max_len: :integer,
+    kv_bits: :integer,
+    kv_group_size: :integer,
+    quantized_kv_start: :integer,
+    max_kv_size: :integer,
     sampler: :string,
     seed: :integer,
     temperature: :float,
@@ -125,7 +134,17 @@ defmodule Mix.Tasks.EmlxAxon.Generate do
         max_len: Keyword.get(opts, :max_len, 2048),
         sampler: parse_sampler!(Keyword.get(opts, :sampler, "greedy")),
         profile_timing: true
-      ] ++ Keyword.take(opts, [:seed, :temperature, :top_p, :top_k])
+      ] ++
+        Keyword.take(opts, [
+          :seed,
+          :temperature,
+          :top_p,
+          :top_k,
+          :kv_bits,
+          :kv_group_size,
+          :quantized_kv_start,
+          :max_kv_size
+        ])
 
     {:ok, prompt_ids} = prompt_ids(tokenizer, state, input)
 
