@@ -7,6 +7,7 @@
 
 mod common;
 
+use common::forced::worst_relative;
 use common::*;
 use emlx_axon_engine::kv::cache::{KvCache, KvQuant, KvStore};
 use emlx_axon_engine::model::AttentionMask;
@@ -63,19 +64,45 @@ fn quant(bits: i32) -> KvQuant {
     }
 }
 
-/// Each position's largest difference, relative to mlx-lm's largest logit
-/// magnitude there.
-fn worst(ours: &[f32], theirs: &[f32], vocab: usize) -> f32 {
-    assert_eq!(ours.len(), theirs.len());
-    ours.chunks(vocab)
-        .zip(theirs.chunks(vocab))
-        .map(|(a, b)| {
-            let scale = b.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
-            a.iter()
-                .zip(b)
-                .fold(0f32, |m, (x, y)| m.max((x - y).abs() / scale))
-        })
-        .fold(0f32, f32::max)
+/// The fused layers said why they did not take the steps.
+fn assert_stepped_aside(fallbacks: &[String], why: &str) {
+    assert!(
+        fallbacks.iter().any(|f| f.contains(why)),
+        "no fallback says {why:?}: {fallbacks:?}"
+    );
+}
+
+/// Our logits from the prompt's last position on, fed as mlx-lm's
+/// generate_step feeds them: the prompt but its last id at once into
+/// `cache`, then `between` (the quantization), then one id at a time.
+fn fed_as_generate_step(
+    model: &emlx_axon_engine::Model,
+    mut cache: KvCache,
+    r: &KvReference,
+    between: impl FnOnce(&mut KvCache),
+) -> Vec<f32> {
+    let run = |ids: &[u32], cache: &mut KvCache| -> Vec<f32> {
+        let n = ids.len() as i32;
+        let mask = match cache.window_mask(n).unwrap() {
+            Some(m) => AttentionMask::Array(m),
+            None if n > 1 => AttentionMask::Causal,
+            None => AttentionMask::None,
+        };
+        let input = Array::from_slice(ids, &[1, n]);
+        let out = model
+            .forward(&input, cache, &mask, true, &[])
+            .unwrap()
+            .as_dtype(mlx_rs::Dtype::Float32)
+            .unwrap();
+        out.as_slice::<f32>().to_vec()
+    };
+    run(&r.ids[..r.prompt - 1], &mut cache);
+    between(&mut cache);
+    let mut ours = Vec::new();
+    for &id in &r.ids[r.prompt - 1..] {
+        ours.extend(run(&[id], &mut cache));
+    }
+    ours
 }
 
 #[test]
@@ -85,24 +112,12 @@ fn quantized_cache_logits_match_mlx_lm() {
     for bits in [8, 4] {
         let r = kv_reference(bits);
         let _ = emlx_axon_engine::backend::take();
-        let mut cache = KvCache::new(&model.kv_shape(), 1, r.ids.len() as i32 + 8).unwrap();
-        let run = |cache: &mut KvCache, ids: &[u32], mask: AttentionMask| -> Vec<f32> {
-            let input = Array::from_slice(ids, &[1, ids.len() as i32]);
-            let out = model
-                .forward(&input, cache, &mask, true, &[])
-                .unwrap()
-                .as_dtype(mlx_rs::Dtype::Float32)
-                .unwrap();
-            out.as_slice::<f32>().to_vec()
-        };
-        run(&mut cache, &r.ids[..r.prompt - 1], AttentionMask::Causal);
-        cache.quantize(quant(bits)).unwrap();
-        assert_eq!(cache.quantized(), Some(quant(bits)));
-        let mut ours = Vec::new();
-        for &id in &r.ids[r.prompt - 1..] {
-            ours.extend(run(&mut cache, &[id], AttentionMask::None));
-        }
-        let error = worst(&ours, &r.logits, vocab);
+        let cache = KvCache::new(&model.kv_shape(), 1, r.ids.len() as i32 + 8).unwrap();
+        let ours = fed_as_generate_step(&model, cache, &r, |cache| {
+            cache.quantize(quant(bits)).unwrap();
+            assert_eq!(cache.quantized(), Some(quant(bits)));
+        });
+        let error = worst_relative(&ours, &r.logits, vocab);
         eprintln!("{bits}-bit keys and values: worst {error:e}");
         assert!(
             error < 1e-4,
@@ -110,14 +125,7 @@ fn quantized_cache_logits_match_mlx_lm() {
         );
         // The fused layers said why they did not take these steps.
         let paths = emlx_axon_engine::backend::take();
-        assert!(
-            paths
-                .fallbacks
-                .iter()
-                .any(|f| f.contains("KV cache is quantized")),
-            "{:?}",
-            paths.fallbacks
-        );
+        assert_stepped_aside(&paths.fallbacks, "KV cache is quantized");
     }
 }
 
@@ -126,8 +134,16 @@ fn quantized_cache_logits_match_mlx_lm() {
 #[test]
 fn the_quantization_matters() {
     let model = load_f32(FIXTURE);
-    let vocab = model.config.vocab_size as usize;
     let r = kv_reference(4);
+    let error = full_cache_error(&model, &r);
+    eprintln!("a float cache: worst {error:e}");
+    assert!(error > 1e-3, "a float cache is as close: {error}");
+}
+
+/// How far a float cache keeping every position is from mlx-lm's logits
+/// of `r`, from the prompt's last position on (all ids in one pass).
+fn full_cache_error(model: &emlx_axon_engine::Model, r: &KvReference) -> f32 {
+    let vocab = model.config.vocab_size as usize;
     let mut cache = KvCache::new(&model.kv_shape(), 1, r.ids.len() as i32 + 8).unwrap();
     let input = Array::from_slice(&r.ids, &[1, r.ids.len() as i32]);
     let out = model
@@ -135,11 +151,11 @@ fn the_quantization_matters() {
         .unwrap()
         .as_dtype(mlx_rs::Dtype::Float32)
         .unwrap();
-    let all = out.as_slice::<f32>();
-    let dense = &all[(r.prompt - 1) * vocab..];
-    let error = worst(dense, &r.logits, vocab);
-    eprintln!("a float cache: worst {error:e}");
-    assert!(error > 1e-3, "a float cache is as close: {error}");
+    worst_relative(
+        &out.as_slice::<f32>()[(r.prompt - 1) * vocab..],
+        &r.logits,
+        vocab,
+    )
 }
 
 #[test]
@@ -154,15 +170,7 @@ fn generation_with_kv_bits_gives_mlx_lm_greedy_ids() {
         };
         let out = generate(model.clone(), None, &r.ids[..r.prompt], options).unwrap();
         assert_eq!(out.ids, r.greedy, "{bits}-bit: greedy ids");
-        assert!(
-            out.stats
-                .paths
-                .fallbacks
-                .iter()
-                .any(|f| f.contains("KV cache is quantized")),
-            "{bits}-bit: {:?}",
-            out.stats.paths.fallbacks
-        );
+        assert_stepped_aside(&out.stats.paths.fallbacks, "KV cache is quantized");
     }
 }
 
@@ -237,33 +245,6 @@ fn bad_kv_settings_are_errors_naming_them() {
     .contains("head size"));
 }
 
-/// Our logits from the prompt's last position on: the prompt but its last
-/// id at once, then one id at a time, as mlx-lm's generate_step feeds them.
-fn window_logits(model: &emlx_axon_engine::Model, r: &KvReference) -> Vec<f32> {
-    let mut cache = KvCache::rotating(&model.kv_shape(), WINDOW, 4).unwrap();
-    let run = |ids: &[u32], cache: &mut KvCache| -> Vec<f32> {
-        let n = ids.len() as i32;
-        let mask = match cache.window_mask(n).unwrap() {
-            Some(m) => AttentionMask::Array(m),
-            None if n > 1 => AttentionMask::Causal,
-            None => AttentionMask::None,
-        };
-        let input = Array::from_slice(ids, &[1, n]);
-        let out = model
-            .forward(&input, cache, &mask, true, &[])
-            .unwrap()
-            .as_dtype(mlx_rs::Dtype::Float32)
-            .unwrap();
-        out.as_slice::<f32>().to_vec()
-    };
-    run(&r.ids[..r.prompt - 1], &mut cache);
-    let mut ours = Vec::new();
-    for &id in &r.ids[r.prompt - 1..] {
-        ours.extend(run(&[id], &mut cache));
-    }
-    ours
-}
-
 #[test]
 fn rotating_window_logits_match_mlx_lm() {
     let model = load_f32(FIXTURE);
@@ -272,18 +253,13 @@ fn rotating_window_logits_match_mlx_lm() {
     // The prompt is wider than the window and the steps wrap around it.
     assert!(r.prompt as i32 > WINDOW && r.greedy.len() as i32 > WINDOW);
     let _ = emlx_axon_engine::backend::take();
-    let error = worst(&window_logits(&model, &r), &r.logits, vocab);
+    let cache = KvCache::rotating(&model.kv_shape(), WINDOW, 4).unwrap();
+    let ours = fed_as_generate_step(&model, cache, &r, |_| {});
+    let error = worst_relative(&ours, &r.logits, vocab);
     eprintln!("rotating window: worst {error:e}");
     assert!(error < 1e-4, "logits differ from mlx-lm by {error}");
     let paths = emlx_axon_engine::backend::take();
-    assert!(
-        paths
-            .fallbacks
-            .iter()
-            .any(|f| f.contains("rotating window")),
-        "{:?}",
-        paths.fallbacks
-    );
+    assert_stepped_aside(&paths.fallbacks, "rotating window");
 }
 
 /// The comparison above sees the window: a cache that keeps everything
@@ -291,20 +267,7 @@ fn rotating_window_logits_match_mlx_lm() {
 #[test]
 fn the_window_matters() {
     let model = load_f32(FIXTURE);
-    let vocab = model.config.vocab_size as usize;
-    let r = named_reference("window16");
-    let mut cache = KvCache::new(&model.kv_shape(), 1, r.ids.len() as i32 + 8).unwrap();
-    let input = Array::from_slice(&r.ids, &[1, r.ids.len() as i32]);
-    let out = model
-        .forward(&input, &mut cache, &AttentionMask::Causal, false, &[])
-        .unwrap()
-        .as_dtype(mlx_rs::Dtype::Float32)
-        .unwrap();
-    let error = worst(
-        &out.as_slice::<f32>()[(r.prompt - 1) * vocab..],
-        &r.logits,
-        vocab,
-    );
+    let error = full_cache_error(&model, &named_reference("window16"));
     eprintln!("a cache keeping every position: worst {error:e}");
     assert!(error > 1e-2, "a full cache is as close: {error}");
 }
@@ -319,15 +282,7 @@ fn generation_with_max_kv_size_gives_mlx_lm_greedy_ids() {
     };
     let out = generate(model, None, &r.ids[..r.prompt], options).unwrap();
     assert_eq!(out.ids, r.greedy);
-    assert!(
-        out.stats
-            .paths
-            .fallbacks
-            .iter()
-            .any(|f| f.contains("rotating window")),
-        "{:?}",
-        out.stats.paths.fallbacks
-    );
+    assert_stepped_aside(&out.stats.paths.fallbacks, "rotating window");
 }
 
 #[test]

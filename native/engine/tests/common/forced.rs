@@ -69,10 +69,15 @@ pub fn forced_logits(model: &Model, ids: &[u32], prompt: usize) -> (Vec<f32>, Pa
 /// The largest error over positions, each relative to the largest logit
 /// magnitude of mlx-lm's at that position.
 pub fn worst_error(ours: &[f32], reference: &Reference) -> f32 {
-    assert_eq!(ours.len(), reference.logits.len());
-    let v = reference.vocab;
+    worst_relative(ours, &reference.logits, reference.vocab)
+}
+
+/// [`worst_error`] of logits `[positions, vocab]` against `theirs`.
+pub fn worst_relative(ours: &[f32], theirs: &[f32], vocab: usize) -> f32 {
+    assert_eq!(ours.len(), theirs.len());
+    let v = vocab;
     ours.chunks(v)
-        .zip(reference.logits.chunks(v))
+        .zip(theirs.chunks(v))
         .map(|(a, b)| {
             let scale = b.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
             a.iter()
