@@ -33,7 +33,11 @@ defmodule EMLXAxon.TestFixtures do
         stop: [],
         eos_token_ids: nil,
         ignore_eos: true,
-        profile_timing: false
+        profile_timing: false,
+        kv_bits: nil,
+        kv_group_size: 64,
+        quantized_kv_start: 5000,
+        max_kv_size: nil
       },
       overrides
     )
