@@ -1,6 +1,7 @@
 //! Keys and values of earlier positions: the contract the layers write
-//! through ([`cache::KvStore`]), a batch's cache, the scheduler's slots and
-//! the prefix cache shared between requests.
+//! through ([`cache::KvStore`]), a batch's cache (preallocated, quantized,
+//! or a rotating window), the scheduler's slots and the prefix cache shared
+//! between requests.
 
 pub mod cache;
 pub mod prefix;
