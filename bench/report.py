@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-PEER_ORDER = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-sampled", "rust-sampled-device", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream",
+PEER_ORDER = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream",
               "mlx-lm-cli", "llama.cpp"]
 PEER_NAMES = {
     "rust": "Rust engine",
@@ -31,6 +31,7 @@ PEER_NAMES = {
     "rust-baseline": "Rust engine, baseline build",
     "rust-sampled": "Rust engine, Qwen3 sampling (host)",
     "rust-sampled-device": "Rust engine, Qwen3 sampling (device ops)",
+    "rust-structured": "Rust engine, structured output (JSON Schema)",
     "rust-ops": "Rust engine, layers from MLX's ops (fused GPU layer kernels off)",
     "rust-mlx-products": "Rust engine, fused GPU layers with MLX's quantized products",
     "mlx-lm-stream": "mlx-lm (stream_generate)",
@@ -42,10 +43,10 @@ PEER_NAMES = {
     "elixir-textgen": "Elixir (TextGeneration.stream)",
     "mlx-lm": "mlx-lm",
 }
-OURS = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-sampled", "rust-sampled-device", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen"]
+OURS = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen"]
 MLX_LM = ["mlx-lm", "mlx-lm-stream", "mlx-lm-cli"]
 # The engine under its GPU-relevant settings, each set against the mlx-lm paths.
-ENGINE_VARIANTS = ["rust", "rust-sampled", "rust-sampled-device", "rust-baseline", "rust-mlx-steps", "rust-mlx-prompt", "rust-ops", "rust-mlx-products"]
+ENGINE_VARIANTS = ["rust", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-baseline", "rust-mlx-steps", "rust-mlx-prompt", "rust-ops", "rust-mlx-products"]
 BEST_MLX = "best mlx-lm path"
 
 
@@ -369,7 +370,8 @@ def model_section(name, folder, settings):
         ratio_pairs += [(p, BEST_MLX) for p in ENGINE_VARIANTS if p in peers]
     if "rust" in peers and "rust-baseline" in peers:
         ratio_pairs.append(("rust", "rust-baseline"))
-    ratio_pairs += [(p, "rust") for p in ("rust-sampled", "rust-sampled-device") if p in peers and "rust" in peers]
+    ratio_pairs += [(p, "rust") for p in ("rust-sampled", "rust-sampled-device", "rust-structured")
+                    if p in peers and "rust" in peers]
     if "rust" in peers:
         ratio_pairs += [(p, "rust") for p in peers if p in ("elixir", "elixir-textgen")]
     if "llama.cpp" in peers and "rust" in peers:
@@ -436,8 +438,9 @@ def model_section(name, folder, settings):
 # ids must equal the engine's. llama.cpp runs a Q4_0 requantization of them,
 # and bf16 rounding may flip a near tie, so there a divergence is reported
 # with its position, not failed.
-# Peers that sample rather than decode greedily: their ids are not compared.
-SAMPLED = ["rust-sampled", "rust-sampled-device"]
+# Peers that sample rather than decode greedily, or decode under a
+# constraint: their ids are not compared.
+SAMPLED = ["rust-sampled", "rust-sampled-device", "rust-structured"]
 SAME_WEIGHTS = ["rust-mlx-steps", "rust-mlx-prompt", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream"]
 
 
@@ -578,6 +581,11 @@ def goals_section(s, settings):
             out.append(f"- Qwen3's recommended sampling ({PEER_NAMES[peer]}) >= 0.95x greedy decode at batch 1: "
                        f"{fmt(m.med('decode, batch 1', peer))} vs {fmt(rust)} tok/s, {fmt_ratio(rs)}: "
                        f"{'met' if rs >= 0.95 else '**not met**'}.")
+    rs = ratio(m.med("decode, batch 1", "rust-structured"), rust)
+    if rs is not None:
+        out.append(f"- A structured-output row (JSON Schema) >= 0.9x unconstrained greedy decode at batch 1: "
+                   f"{fmt(m.med('decode, batch 1', 'rust-structured'))} vs {fmt(rust)} tok/s, {fmt_ratio(rs)}: "
+                   f"{'met' if rs >= 0.9 else '**not met**'}.")
     for metric in ("decode, batch 1", "prefill"):
         cb = ratio(m.med(metric, "rust"), m.med(metric, "rust-baseline"))
         if cb is not None:

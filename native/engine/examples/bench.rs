@@ -5,12 +5,17 @@
 //!     (--prompts FILE | --prompt-ids 1,2,3) [--dtype float32|bfloat16|float16]
 //!     [--tokens N] [--batch-tokens N] [--batch 1,4,8] [--measures decode,prefill,batch,profile]
 //!     [--warmup K] [--warmup-mode full|light] [--runs R] [--profile-stream own|default] [--chunk C] [--label TEXT]
+//!     [--sampler greedy|top_p_cpu|top_p_gpu ...] [--json-schema FILE]
 //!
 //! --prompts is the JSON written by bench/prompts.py: `decode` (batch-1
 //! decode prompt), `prefill` (~512 ids, for prefill speed and time to first
 //! token) and `batch` (equal-length prompts, one per row). --prompt-ids uses
 //! one list for all three. The dtype defaults to the engine's: float32 on the
 //! CPU, bfloat16 on a GPU.
+//!
+//! --json-schema constrains every row to the schema in FILE (structured
+//! output; the checkpoint's tokenizer is loaded for it): a schema whose
+//! outputs are longer than --tokens keeps every row decoding to the end.
 //!
 //! Measures (all wall clock, greedy, EOS ignored so every row decodes exactly
 //! --tokens tokens):
@@ -38,7 +43,8 @@ use emlx_axon_engine::model::AttentionMask;
 use emlx_axon_engine::runtime::device::{gpu_available, mlx_version, DeviceKind, Lease};
 use emlx_axon_engine::sample::greedy;
 use emlx_axon_engine::{
-    Dtype, GenerateOptions, Generation, LoadOptions, Model, SamplerConfig, SamplerKind,
+    ConstraintSpec, Dtype, GenerateOptions, Generation, LoadOptions, Model, RowOptions,
+    SamplerConfig, SamplerKind, Tokenizer,
 };
 use mlx_rs::fast::{rms_norm, rope, scaled_dot_product_attention};
 use mlx_rs::ops::indexing::argmax_axis;
@@ -71,6 +77,8 @@ struct Args {
     label: String,
     /// How tokens are chosen (greedy unless `--sampler` says otherwise).
     sampler: SamplerConfig,
+    /// A JSON Schema every row's output must match.
+    json_schema: Option<String>,
 }
 
 fn ids_from(value: &Value, what: &str) -> AnyResult<Vec<u32>> {
@@ -119,6 +127,7 @@ fn parse() -> AnyResult<Args> {
         chunk: 16,
         label: "rust".into(),
         sampler: SamplerConfig::default(),
+        json_schema: None,
     };
     let float = |s: String, flag: &str| -> AnyResult<f32> {
         s.parse()
@@ -195,6 +204,12 @@ fn parse() -> AnyResult<Args> {
                         .into())
                     }
                 }
+            }
+            "--json-schema" => {
+                let path = v(&mut rest, &flag)?;
+                let text = std::fs::read_to_string(&path)
+                    .map_err(|e| format!("--json-schema {path}: {e}"))?;
+                args.json_schema = Some(text);
             }
             "--temperature" => args.sampler.temperature = float(v(&mut rest, &flag)?, &flag)?,
             "--top-p" => args.sampler.top_p = float(v(&mut rest, &flag)?, &flag)?,
@@ -284,6 +299,8 @@ fn round(x: f64, digits: i32) -> f64 {
 
 struct Bench {
     model: Arc<Model>,
+    /// The checkpoint's tokenizer, where rows are constrained.
+    tokenizer: Option<Arc<Tokenizer>>,
     args: Args,
     common: Map<String, Value>,
 }
@@ -320,22 +337,41 @@ impl Bench {
         println!("{}", Value::Object(out));
     }
 
-    fn options(&self, longest: usize, tokens: usize) -> GenerateOptions {
+    fn options(&self, rows: usize, longest: usize, tokens: usize) -> GenerateOptions {
+        let row = RowOptions {
+            seed: None,
+            constraint: self
+                .args
+                .json_schema
+                .clone()
+                .map(ConstraintSpec::JsonSchema),
+        };
         GenerateOptions {
             max_new_tokens: tokens,
             max_len: longest + tokens + 1,
             ignore_eos: true,
             profile_timing: true,
             sampler: self.args.sampler.clone(),
+            rows: if row.constraint.is_some() {
+                vec![row; rows]
+            } else {
+                vec![]
+            },
             ..GenerateOptions::default()
         }
     }
 
     fn generate(&self, prompts: &[Vec<u32>], tokens: usize) -> AnyResult<Timed> {
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-        let options = self.options(longest, tokens);
+        let options = self.options(prompts.len(), longest, tokens);
         let started = Instant::now();
-        let mut generation = Generation::start(self.model.clone(), None, None, prompts, options)?;
+        let mut generation = Generation::start(
+            self.model.clone(),
+            self.tokenizer.clone(),
+            None,
+            prompts,
+            options,
+        )?;
         generation.next(1)?;
         let first = Instant::now();
         while !generation.is_done() {
@@ -856,8 +892,13 @@ fn run(args: Args) -> AnyResult<()> {
     );
     common.insert("device".into(), json!(device));
     let digest = args.prompts.as_ref().map(|p| p.digest.clone());
+    let tokenizer = match &args.json_schema {
+        Some(_) => Some(Arc::new(Tokenizer::load(&args.model)?)),
+        None => None,
+    };
     let bench = Bench {
         model,
+        tokenizer,
         args,
         common,
     };
