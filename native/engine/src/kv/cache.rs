@@ -92,6 +92,12 @@ pub struct KvShape {
 /// A layer's quantized keys and values, `[packed, scales, biases]` each.
 type QuantizedLayer = ([Array; 3], [Array; 3]);
 
+/// Empty dense buffers, where a layer keeps its keys and values otherwise
+/// (quantized) or has none yet (a window before its first pass).
+fn no_layer(dtype: mlx_rs::Dtype) -> Result<(Array, Array)> {
+    Ok((zeros_dtype(&[0], dtype)?, zeros_dtype(&[0], dtype)?))
+}
+
 pub struct KvCache {
     /// Dense buffers; empty arrays once quantized.
     layers: Vec<(Array, Array)>,
@@ -132,9 +138,8 @@ impl KvCache {
                 "max_kv_size ({max_size}) must be more than the {keep} positions always kept"
             )));
         }
-        let empty = || -> Result<Array> { Ok(zeros_dtype(&[0], kv.dtype)?) };
         let layers = (0..kv.layers)
-            .map(|_| Ok((empty()?, empty()?)))
+            .map(|_| no_layer(kv.dtype))
             .collect::<Result<_>>()?;
         Ok(KvCache {
             layers,
@@ -176,18 +181,11 @@ impl KvCache {
         for (k, v) in &self.layers {
             layers.push((triple(k)?, triple(v)?));
         }
-        let dtype = self.layers.first().map(|(k, _)| k.dtype());
-        let empty =
-            || -> Result<Array> { Ok(zeros_dtype(&[0], dtype.unwrap_or(mlx_rs::Dtype::Float32))?) };
         for layer in &mut self.layers {
-            *layer = (empty()?, empty()?);
+            *layer = no_layer(layer.0.dtype())?;
         }
         self.quantized = Some((quant, layers));
         Ok(())
-    }
-
-    pub fn is_quantized(&self) -> bool {
-        self.quantized.is_some()
     }
 
     pub fn offset(&self) -> i32 {

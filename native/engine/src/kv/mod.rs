@@ -6,4 +6,4 @@
 pub mod cache;
 pub mod prefix;
 pub mod slots;
-mod window;
+pub(crate) mod window;

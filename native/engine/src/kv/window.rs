@@ -16,8 +16,8 @@ use crate::error::{Error, Result};
 const STEP: i32 = 256;
 
 pub(crate) struct Window {
-    pub(crate) max_size: i32,
-    pub(crate) keep: i32,
+    max_size: i32,
+    keep: i32,
     /// Each layer's next write position in its buffers (mlx-lm's `_idx`).
     idx: Vec<i32>,
 }
@@ -157,10 +157,20 @@ impl Window {
         if n <= 1 || offset + n <= self.max_size {
             return Ok(None);
         }
-        let keys = arange::<_, i32>(0, offset + n, 1)?.reshape(&[1, offset + n])?;
-        let queries = arange::<_, i32>(offset, offset + n, 1)?.reshape(&[n, 1])?;
-        let window = Array::from_int(self.max_size);
-        let mask = logical_and(ge(&queries, &keys)?, lt(&queries, keys.add(&window)?)?)?;
+        let mask = causal_mask(offset, n, Some(self.max_size))?;
         Ok(Some(mask.reshape(&[1, 1, n, offset + n])?))
     }
+}
+
+/// The causal mask (`[n, offset + n]` bool) of `n` queries at positions
+/// `offset..offset + n` over keys `0..offset + n`, each query seeing at most
+/// `window` keys where given (mlx-lm's `create_causal_mask`).
+pub(crate) fn causal_mask(offset: i32, n: i32, window: Option<i32>) -> Result<Array> {
+    let keys = arange::<_, i32>(0, offset + n, 1)?.reshape(&[1, offset + n])?;
+    let queries = arange::<_, i32>(offset, offset + n, 1)?.reshape(&[n, 1])?;
+    let causal = ge(&queries, &keys)?;
+    Ok(match window {
+        Some(w) => logical_and(causal, lt(&queries, keys.add(Array::from_int(w))?)?)?,
+        None => causal,
+    })
 }

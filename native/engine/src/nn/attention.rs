@@ -11,8 +11,7 @@
 use mlx_rs::fast::{rms_norm, scaled_dot_product_attention, ScaledDotProductAttentionMask};
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::{
-    arange, broadcast_to, concatenate, expand_dims, ge, matmul, quantized_matmul, select,
-    softmax_axis,
+    broadcast_to, concatenate, expand_dims, matmul, quantized_matmul, select, softmax_axis,
 };
 use mlx_rs::{Array, Dtype};
 
@@ -20,6 +19,7 @@ use crate::checkpoint::config::ModelConfig;
 use crate::checkpoint::weights::{Join, Weights};
 use crate::error::Result;
 use crate::kv::cache::{KvQuant, KvStore, KvView};
+use crate::kv::window::causal_mask;
 use crate::nn::layers::{Linear, LinearGroup, LoadPlan, Member, RmsNorm, Workers};
 use crate::nn::rope::Rope;
 
@@ -377,11 +377,7 @@ pub(crate) fn attend_quantized(
     let s = scores.dim(-1);
     let allowed = match mask {
         AttentionMask::None => None,
-        AttentionMask::Causal => {
-            let queries = arange::<_, i32>(s - l, s, 1)?.reshape(&[l, 1])?;
-            let keys = arange::<_, i32>(0, s, 1)?.reshape(&[1, s])?;
-            Some(ge(&queries, &keys)?)
-        }
+        AttentionMask::Causal => Some(causal_mask(s - l, l, None)?),
         AttentionMask::Array(m) | AttentionMask::Ranges(m) => {
             Some(if repeats > 1 && m.ndim() > 3 {
                 expand_dims(m, -3)?

@@ -234,6 +234,39 @@ pub(crate) struct Kernels {
     zeros: CudaKernel,
 }
 
+/// The sampling kernel, for a caller that checks it before use (the
+/// reference lives with the sampler; see `layer::sample_kernel`).
+pub(crate) struct SampleKernel(pub(super) &'static Kernels);
+
+impl SampleKernel {
+    /// Each row's sampled token (`[rows]` uint32) from `logits` `[rows, V]`:
+    /// `positions` `[rows]` int32 and `seeds` (uint64, one a row at least)
+    /// give each row's uniform draw, `params` ([`SAMPLE_PARAMS`] float32:
+    /// top-p, min-p, `ln(min_p)`, min-p's kept tokens, temperature, top-k
+    /// in `1..=`[`SAMPLE_TOP_K`]) the filters.
+    pub(crate) fn draw(
+        &self,
+        logits: &Array,
+        positions: &Array,
+        seeds: &Array,
+        params: &Array,
+    ) -> Result<Array> {
+        let rows = logits.dim(0);
+        let mut out = self.0.sample.apply(
+            &[logits, positions, seeds, params],
+            &[(&[rows], Dtype::Uint32)],
+            (rows * SAMPLE_BLOCK, 1, 1),
+            (SAMPLE_BLOCK, 1, 1),
+            &[
+                ("T", Template::Dtype(logits.dtype())),
+                ("BLOCK", Template::Int(SAMPLE_BLOCK)),
+                ("CAP", Template::Int(SAMPLE_CAP)),
+            ],
+        )?;
+        Ok(out.remove(0))
+    }
+}
+
 /// How a product's input tile is made.
 pub(crate) enum GemvInput<'a> {
     Plain(&'a Array),
@@ -546,32 +579,6 @@ impl Kernels {
             2 => ids,
             _ => ids.reshape(&shape[..shape.len() - 1])?,
         })
-    }
-
-    /// Each row's sampled token (`[rows]` uint32) from `logits` `[rows, V]`:
-    /// `positions` `[rows]` int32 and `seeds` (uint64, one a row at least)
-    /// give each row's uniform draw, `params` ([`SAMPLE_PARAMS`] float32)
-    /// the filters.
-    pub(crate) fn sample(
-        &self,
-        logits: &Array,
-        positions: &Array,
-        seeds: &Array,
-        params: &Array,
-    ) -> Result<Array> {
-        let rows = logits.dim(0);
-        let mut out = self.sample.apply(
-            &[logits, positions, seeds, params],
-            &[(&[rows], Dtype::Uint32)],
-            (rows * SAMPLE_BLOCK, 1, 1),
-            (SAMPLE_BLOCK, 1, 1),
-            &[
-                ("T", Template::Dtype(logits.dtype())),
-                ("BLOCK", Template::Int(SAMPLE_BLOCK)),
-                ("CAP", Template::Int(SAMPLE_CAP)),
-            ],
-        )?;
-        Ok(out.remove(0))
     }
 
     /// `silu(gate) * up` of a stacked gate/up product `[..., 2 * I]`.

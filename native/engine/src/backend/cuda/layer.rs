@@ -53,7 +53,7 @@ use crate::nn::layers::RmsNorm;
 use crate::nn::rope::PositionTable;
 use emlx_axon_kernels::QuantWeight;
 
-pub(crate) use super::kernels::{SAMPLE_PARAMS, SAMPLE_TOP_K};
+pub(crate) use super::kernels::{SampleKernel, SAMPLE_PARAMS, SAMPLE_TOP_K};
 
 /// On by default where MLX has a CUDA GPU; `EMLX_AXON_GPU_LAYER=0` keeps
 /// MLX's ops.
@@ -105,27 +105,6 @@ pub(crate) fn forget_step_positions() {
 /// layers did not take the step).
 pub(crate) fn take_step_positions() -> Option<Array> {
     STEP_POSITIONS.with(|p| p.borrow_mut().take())
-}
-
-/// The sampling kernel, for a caller that checks it (the reference lives
-/// with the sampler).
-pub(crate) struct SampleKernel(&'static Kernels);
-
-impl SampleKernel {
-    /// Each row's token (`[rows]` uint32) from `logits` `[rows, V]`:
-    /// `positions` `[rows]` int32 and `seeds` (uint64, at least one a row)
-    /// make each row's uniform draw, `params` ([`SAMPLE_PARAMS`] float32:
-    /// top-p, min-p, `ln(min_p)`, min-p's kept tokens, temperature, top-k
-    /// in `1..=`[`SAMPLE_TOP_K`]) the filters.
-    pub(crate) fn draw(
-        &self,
-        logits: &Array,
-        positions: &Array,
-        seeds: &Array,
-        params: &Array,
-    ) -> Result<Array> {
-        self.0.sample(logits, positions, seeds, params)
-    }
 }
 
 /// The sampling kernel for `logits` (`[rows, V]`), once `check` passed with

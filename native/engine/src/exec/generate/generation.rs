@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use mlx_rs::ops::indexing::IndexOp;
-use mlx_rs::ops::{arange, ge, le, logical_and};
+use mlx_rs::ops::{arange, ge, logical_and};
 use mlx_rs::{transforms, Array};
 
 use super::constrained::{Constraints, Rules};
@@ -14,6 +14,7 @@ use super::rows::Row;
 use super::{GenerateOptions, RowDelta, Stats};
 use crate::error::{Error, Result};
 use crate::kv::cache::KvCache;
+use crate::kv::window::causal_mask;
 use crate::model::{AttentionMask, Model};
 use crate::runtime::device::{DeviceKind, Lease, MlxStream};
 use crate::sample::Sampler;
@@ -217,12 +218,9 @@ impl Generation {
         };
         let offset = self.cache.offset();
         let keys = arange::<_, i32>(0, offset + len, 1)?.reshape(&[1, 1, 1, offset + len])?;
-        let queries = arange::<_, i32>(offset, offset + len, 1)?.reshape(&[1, 1, len, 1])?;
         let pad = Array::from_slice(padding, &[padding.len() as i32, 1, 1, 1]);
-        Ok(AttentionMask::Array(logical_and(
-            ge(&keys, &pad)?,
-            le(&keys, &queries)?,
-        )?))
+        let causal = causal_mask(offset, len, None)?.reshape(&[1, 1, len, offset + len])?;
+        Ok(AttentionMask::Array(logical_and(ge(&keys, &pad)?, causal)?))
     }
 
     /// Logits `[B, 1, V]` -> next tokens `[B]` (uint32), queued on the device.
