@@ -13,14 +13,11 @@ if Code.ensure_loaded?(Nx.Serving) do
 
     @model "qwen3-4bit-g64"
     @repo "test-org/qwen3-tiny-4bit"
-    @files ~w(config.json generation_config.json model.safetensors model.safetensors.index.json
-              tokenizer.json tokenizer_config.json)
 
     setup do
       hub = TestHub.start!()
       cache = Path.join(System.tmp_dir!(), "emlx_axon_hub_#{System.unique_integer([:positive])}")
-      dir = TestFixtures.path(@model)
-      TestHub.put_repo(hub, @repo, Map.new(@files, &{&1, File.read!(Path.join(dir, &1))}))
+      TestHub.put_repo(hub, @repo, TestHub.checkpoint_files(TestFixtures.path(@model)))
 
       on_exit(fn ->
         TestHub.stop(hub)
@@ -45,7 +42,7 @@ if Code.ensure_loaded?(Nx.Serving) do
       downloads =
         Enum.count(TestHub.requests(ctx.hub), &(&1.method == "GET" and &1.path =~ "/resolve/"))
 
-      assert downloads == length(@files)
+      assert downloads == length(TestHub.checkpoint_names())
 
       %{results: [result]} = Nx.Serving.run(serving, %{input_ids: prompt})
       assert result.token_ids == greedy

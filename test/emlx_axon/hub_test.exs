@@ -14,13 +14,11 @@ defmodule EMLXAxon.HubTest do
 
   @model "qwen3-4bit-g64"
   @repo "test-org/qwen3-tiny-4bit"
-  @files ~w(config.json generation_config.json model.safetensors model.safetensors.index.json
-            tokenizer.json tokenizer_config.json)
+  @files TestHub.checkpoint_names()
   @tokenizer_files ~w(tokenizer.json tokenizer_config.json generation_config.json)
 
   setup_all do
-    dir = TestFixtures.path(@model)
-    files = Map.new(@files, &{&1, File.read!(Path.join(dir, &1))})
+    files = TestHub.checkpoint_files(TestFixtures.path(@model))
     # Files a checkpoint does not need: listed by the Hub, never downloaded.
     extra = %{"README.md" => "# A tiny Qwen3\n", "reference.safetensors" => "not weights"}
 

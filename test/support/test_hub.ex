@@ -60,6 +60,15 @@ defmodule EMLXAxon.TestHub do
     :ok
   end
 
+  @checkpoint ~w(config.json generation_config.json model.safetensors model.safetensors.index.json
+                 tokenizer.json tokenizer_config.json)
+
+  @doc "The files of a checkpoint folder that a loader reads."
+  def checkpoint_names, do: @checkpoint
+
+  @doc "A checkpoint folder's files as `put_repo/4` takes them: `%{name => binary}`."
+  def checkpoint_files(dir), do: Map.new(@checkpoint, &{&1, File.read!(Path.join(dir, &1))})
+
   @doc """
   Serves `files` (`%{name => binary}`, or a folder whose files are read) as
   repository `repo`. Options: `:token` (a bearer token the repository
