@@ -228,12 +228,12 @@ fn host_selection_keeps_what_a_full_sort_keeps_at_vocabulary_size() {
 }
 
 /// The kept tokens by the filters' definitions over the whole vocabulary
-/// sorted, with the host's arithmetic (exponentials summed in float64, the
+/// sorted, with the host's arithmetic (its sum of exponentials, the
 /// log-sum-exp rounded to float32), which decides the last tokens of a
 /// nucleus holding most of the vocabulary.
 fn full_sort(c: &SamplerConfig, logits: &[f32]) -> Vec<usize> {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = logits.iter().map(|&x| (x - max).exp() as f64).sum();
+    let sum = filter::sum_exp(logits, max);
     let lse = max + (sum as f32).ln();
     let lp: Vec<f32> = logits.iter().map(|&x| x - lse).collect();
     let mut order: Vec<usize> = (0..lp.len()).collect();
@@ -304,6 +304,47 @@ fn sampled_tokens_follow_the_distribution() {
         }
     }
     assert_eq!(checked, 4, "no suitable sampler cases");
+}
+
+/// On a CPU stream the host's sampler is a node of the graph: queued with
+/// the step (`on_device`), and drawing, row by row and step by step, the
+/// tokens that reading the logits back and sampling on the host draws.
+#[test]
+fn host_sampling_as_a_cpu_node_draws_the_hosts_tokens() {
+    const ROWS: usize = 40;
+    let mut compared = 0;
+    mlx_rs::with_stream(&mlx_rs::Stream::cpu(), || {
+        for case in cases().iter().filter(|c| c.config.temperature > 0.0) {
+            let config = SamplerConfig {
+                kind: SamplerKind::TopPCpu,
+                seed: Some(11),
+                ..case.config.clone()
+            };
+            let mut node = Sampler::new(config.clone(), &vec![None; ROWS]).unwrap();
+            let mut host = Sampler::new(config, &vec![None; ROWS]).unwrap();
+            assert!(
+                node.on_device(),
+                "{}: not queued on a CPU stream",
+                case.name
+            );
+            let row = Array::from_slice(&case.logits, &[1, case.logits.len() as i32]);
+            let logits =
+                mlx_rs::ops::broadcast_to(&row, &[ROWS as i32, case.logits.len() as i32]).unwrap();
+            for step in 0..3 {
+                let queued = node.sample_device(&logits).unwrap();
+                queued.eval().unwrap();
+                let expected = host.sample_host(&logits).unwrap();
+                assert_eq!(
+                    queued.as_slice::<u32>(),
+                    &expected[..],
+                    "{} step {step}",
+                    case.name
+                );
+                compared += 1;
+            }
+        }
+    });
+    assert!(compared >= 30, "only {compared} cases compared");
 }
 
 /// Our CUDA sampling kernel over many rows of one distribution, each row at

@@ -6,6 +6,7 @@
 // `mlx::core::Stream`, which is the layout declared here.
 #pragma once
 
+#include <cstdint>
 #include <cstring>
 #include <exception>
 #include <optional>
@@ -25,6 +26,10 @@ typedef struct {
 typedef struct {
   void* ctx;
 } emlx_mlx_stream;
+// A host function over rows of floats (see RowsToIds): 0 when every row got
+// its id, nonzero otherwise; and the drop of its context.
+typedef int (*emlx_rows_fn)(void* ctx, const float* x, long rows, int width, uint32_t* out);
+typedef void (*emlx_drop_fn)(void* ctx);
 }
 
 namespace emlx {

@@ -1,6 +1,7 @@
 // MLX integration: MLX primitives whose CPU evaluation runs our kernels, so
 // a decode step stays one lazily built graph that MLX evaluates once, and a C
 // API for the Rust side (see glue.h for the handles).
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -253,6 +254,53 @@ class NormRope : public KernelPrimitive {
   bool traditional_;
 };
 
+// One uint32 per row of a float32 [rows, width] array, computed by a
+// function the caller hands over (the engine's host sampler), as a task of
+// the CPU stream: a token chosen on the host becomes a node of the step's
+// graph, so the host queues the next step instead of waiting for logits.
+// The function's context is shared with each queued task: an evaluated node
+// is detached before its task runs.
+class RowsToIds : public mx::UnaryPrimitive {
+ public:
+  RowsToIds(mx::Stream stream, emlx_rows_fn fn) : mx::UnaryPrimitive(stream), fn_(fn) {}
+
+  // From here on the node drops `ctx` with `drop` once no task needs it.
+  void own(void* ctx, emlx_drop_fn drop) { ctx_ = std::shared_ptr<void>(ctx, drop); }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("rows to ids: no GPU evaluation");
+  }
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const mx::array& x = inputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_output_array(out);
+    encoder.dispatch([x, fn = fn_, ctx = ctx_, y = out.data<uint32_t>()]() {
+      const long rows = x.shape(0);
+      const int width = x.shape(1);
+      std::vector<uint8_t> held;
+      if (!x.flags().row_contiguous) held = packed(x);
+      const float* p = held.empty() ? x.data<float>() : reinterpret_cast<const float*>(held.data());
+      // A failed row (the function reports it) reads as an id past any vocabulary.
+      if (!ctx || fn(ctx.get(), p, rows, width, y) != 0) std::fill(y, y + rows, UINT32_MAX);
+    });
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {{inputs[0].shape(0)}};
+  }
+
+  const char* name() const override { return "RowsToIds"; }
+
+  bool is_equivalent(const mx::Primitive&) const override { return false; }
+
+ private:
+  emlx_rows_fn fn_;
+  std::shared_ptr<void> ctx_;
+};
+
 // A raw-buffer kernel with a chosen variant: 0 when it ran, -1 when the
 // variant does not run on this CPU.
 template <typename Run>
@@ -336,6 +384,25 @@ int emlx_kernels_quantized_linear(emlx_mlx_array* out, emlx_mlx_array x, emlx_ml
         shape.back() = (int)N;
         auto primitive = std::make_shared<emlx::AffineQuantizedLinear>(s, group, bits);
         return mx::array(std::move(shape), mx::float32, primitive, {X, Wq, S, B});
+      });
+}
+
+// Builds RowsToIds (see the class) over x [rows, width] into *out. Returns 1
+// when built, the node then owning `ctx` (dropped with `drop`); 0 when not
+// ours (GPU stream, kernels off, not float32 2-D), `ctx` still the caller's;
+// -1 on an error, `ctx` then possibly the node's: the caller must not drop it.
+int emlx_kernels_rows_to_ids(emlx_mlx_array* out, emlx_mlx_array x, emlx_rows_fn fn, void* ctx,
+                             emlx_drop_fn drop, emlx_mlx_stream stream, char* err,
+                             size_t err_len) {
+  return emlx::build_node(
+      "rows to ids", out, x.ctx && fn && ctx && drop, stream, err, err_len,
+      [&](const mx::Stream& s) -> std::optional<mx::array> {
+        const auto& X = emlx::array_of(x);
+        if (X.dtype() != mx::float32 || X.ndim() != 2 || X.size() == 0) return {};
+        auto primitive = std::make_shared<emlx::RowsToIds>(s, fn);
+        mx::array y({X.shape(0)}, mx::uint32, primitive, {X});
+        primitive->own(ctx, drop);
+        return y;
       });
 }
 

@@ -142,6 +142,17 @@ extern "C" {
         isa: c_int,
         threads: c_int,
     ) -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    fn emlx_kernels_rows_to_ids(
+        out: *mut Handle,
+        x: Handle,
+        f: RowsCall,
+        ctx: *mut std::ffi::c_void,
+        drop: RowsDrop,
+        stream: Handle,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
     fn emlx_kernels_swiglu(
         out: *mut Handle,
         x: Handle,
@@ -370,6 +381,80 @@ pub fn causal_softmax(x: &Array, queries: i32) -> Result<Option<Array>, KernelEr
     node(|out, stream, err, n| unsafe {
         emlx_kernels_causal_softmax(out, handle(x), queries, stream, err, n)
     })
+}
+
+/// A function of one row (its index and values) to that row's id.
+pub type RowFn = Box<dyn FnMut(usize, &[f32]) -> u32 + Send>;
+
+/// The id a row gets when its function panicked: past any vocabulary.
+pub const FAILED_ROW: u32 = u32::MAX;
+
+type RowsCall = unsafe extern "C" fn(
+    *mut std::ffi::c_void,
+    *const f32,
+    std::ffi::c_long,
+    c_int,
+    *mut u32,
+) -> c_int;
+type RowsDrop = unsafe extern "C" fn(*mut std::ffi::c_void);
+
+/// Calls the boxed [`RowFn`] at `ctx` on each of `rows` rows of `width`
+/// floats at `x`, writing `out[row]`; -1 when it panicked (no panic
+/// crosses into C++).
+unsafe extern "C" fn rows_call(
+    ctx: *mut std::ffi::c_void,
+    x: *const f32,
+    rows: std::ffi::c_long,
+    width: c_int,
+    out: *mut u32,
+) -> c_int {
+    let (rows, width) = (rows.max(0) as usize, width.max(0) as usize);
+    // SAFETY: the C side passes the context `rows_to_ids` boxed, `rows *
+    // width` floats and `rows` outputs, alive for the call.
+    let (f, x, out) = unsafe {
+        (
+            &mut *(ctx as *mut RowFn),
+            std::slice::from_raw_parts(x, rows * width),
+            std::slice::from_raw_parts_mut(out, rows),
+        )
+    };
+    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        for (i, (row, y)) in x.chunks_exact(width.max(1)).zip(out.iter_mut()).enumerate() {
+            *y = f(i, row);
+        }
+    }));
+    if ran.is_ok() {
+        0
+    } else {
+        -1
+    }
+}
+
+/// Drops the boxed [`RowFn`] at `ctx`.
+unsafe extern "C" fn rows_drop(ctx: *mut std::ffi::c_void) {
+    // SAFETY: `ctx` came from `Box::into_raw` in `rows_to_ids`, dropped once.
+    let f = unsafe { Box::from_raw(ctx as *mut RowFn) };
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(f)));
+}
+
+/// One id per row of float32 `x` `[rows, width]`, computed by `f` as a task
+/// of the calling thread's CPU stream: a lazy node, so that a value chosen
+/// by host code (a sampled token) joins the graph instead of the host
+/// waiting for `x`. A row whose `f` panicked gets [`FAILED_ROW`]. `Ok(None)`
+/// when the case is not ours (kernels turned off, a GPU stream, not a
+/// float32 matrix).
+pub fn rows_to_ids(x: &Array, f: RowFn) -> Result<Option<Array>, KernelError> {
+    let ctx = Box::into_raw(Box::new(f)) as *mut std::ffi::c_void;
+    // SAFETY: see `node`; `ctx` is a boxed `RowFn` that the node owns once built.
+    let built = node(|out, stream, err, n| unsafe {
+        emlx_kernels_rows_to_ids(out, handle(x), rows_call, ctx, rows_drop, stream, err, n)
+    });
+    if matches!(built, Ok(None)) {
+        // SAFETY: not built, so the context is still ours (see the C entry).
+        unsafe { rows_drop(ctx) };
+    }
+    // On an error the node may hold the context: it is left to the node.
+    built
 }
 
 /// `silu(x[..., :F]) * x[..., F:]` for float32 `x` `[..., 2F]` (an MLP's gate

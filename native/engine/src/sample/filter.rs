@@ -163,9 +163,7 @@ pub fn kept_host(c: &SamplerConfig, logits: &[f32]) -> Vec<(usize, f32)> {
         Some(&i) => logits[i],
         None => logits.iter().copied().fold(f32::NEG_INFINITY, f32::max),
     };
-    // Masses add up in float64: a wide nucleus ends where each token holds
-    // less than float32's resolution of the running sum.
-    let sum: f64 = logits.iter().map(|&x| (x - max).exp() as f64).sum();
+    let sum = sum_exp(logits, max);
     let lse = max + (sum as f32).ln();
     let lp = |i: usize| logits[i] - lse;
     if !filtered {
@@ -219,6 +217,46 @@ pub fn kept_host(c: &SamplerConfig, logits: &[f32]) -> Vec<(usize, f32)> {
     }
 }
 
+/// `exp(x - max)` summed over `logits`, `max` their largest value. Masses
+/// add up in float64 across blocks of 256 (a wide nucleus ends where each
+/// token holds less than float32's resolution of a running sum); within a
+/// block, sixteen float32 lanes of [`exp_lanes`] that the compiler
+/// vectorizes, where the math library's exponential is a call per element.
+pub fn sum_exp(logits: &[f32], max: f32) -> f64 {
+    let blocks = logits.chunks_exact(256);
+    let rest = blocks.remainder();
+    let mut sum = 0f64;
+    for block in blocks {
+        let mut lanes = [0f32; 16];
+        for chunk in block.chunks_exact(16) {
+            for (lane, &x) in lanes.iter_mut().zip(chunk) {
+                *lane += exp_lanes(x - max);
+            }
+        }
+        sum += lanes.iter().map(|&l| l as f64).sum::<f64>();
+    }
+    sum + rest.iter().map(|&x| exp_lanes(x - max) as f64).sum::<f64>()
+}
+
+/// `exp(x)` for `x <= 0` within 3e-7 relative: `2^n * exp(r)`, `n` the
+/// nearest integer to `x / ln 2` and `exp(r)` its Taylor polynomial of degree
+/// 6 (`|r| <= ln 2 / 2`); below -87 (where float32 underflows) as at -87.
+#[inline(always)]
+fn exp_lanes(x: f32) -> f32 {
+    // Adding and taking away 1.5 * 2^23 rounds to the nearest integer.
+    const ROUND: f32 = 12_582_912.0;
+    let x = x.max(-87.0);
+    let n = (x * std::f32::consts::LOG2_E + ROUND) - ROUND;
+    // ln 2 as 355/512 (0.693359375, 9 bits: `n` times it is exact) minus a
+    // remainder.
+    let r = (x - n * 0.693_359_4) + n * 2.121_944_4e-4;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
 /// The ids of the `m` largest logits, largest first, the lower id first
 /// among equals. Few are asked for: one pass keeps them in a short sorted
 /// list that a new token rarely enters; many: a selection, then a sort.
@@ -265,4 +303,36 @@ pub fn distribution_kept(c: &SamplerConfig, kept: &[(usize, f32)]) -> Vec<(usize
     let total: f64 = p.iter().map(|&(_, x)| x).sum();
     p.iter_mut().for_each(|(_, x)| *x /= total);
     p
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_lanes_is_within_its_bound_down_to_underflow() {
+        let mut worst = 0f64;
+        for i in 0..=870_000 {
+            let x = -(i as f32) * 1e-4;
+            let exact = (x as f64).exp();
+            worst = worst.max((exp_lanes(x) as f64 - exact).abs() / exact);
+        }
+        assert!(worst < 3e-7, "relative error {worst}");
+    }
+
+    #[test]
+    fn sum_exp_adds_up_every_element() {
+        for len in [0, 1, 255, 256, 257, 151_936] {
+            let logits: Vec<f32> = (0..len)
+                .map(|i| ((i * 7919) % 1000) as f32 * -0.02)
+                .collect();
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let exact: f64 = logits.iter().map(|&x| ((x - max) as f64).exp()).sum();
+            let ours = sum_exp(&logits, max);
+            assert!(
+                (ours - exact).abs() <= 1e-6 * exact.max(1e-30),
+                "{len}: {ours} vs {exact}"
+            );
+        }
+    }
 }

@@ -21,7 +21,9 @@ use crate::error::{Error, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SamplerKind {
     Greedy,
-    /// Sampling on the host from logits copied back each step.
+    /// The host's filters and draws: on a CPU stream a node of the step's
+    /// graph (queued with it, as a device sampler is), on a GPU from logits
+    /// copied back each step.
     TopPCpu,
     /// Sampling as MLX ops, so decoding never waits on the host.
     TopPGpu,
@@ -183,9 +185,12 @@ impl Sampler {
         crate::backend::cuda::layer::sample_checked()
     }
 
-    /// Whether `sample_device` applies; otherwise use `sample_host`.
+    /// Whether `sample_device` applies (the tokens are queued with the
+    /// step); otherwise use `sample_host`.
     pub fn on_device(&self) -> bool {
-        self.config.is_greedy() || self.config.kind != SamplerKind::TopPCpu
+        self.config.is_greedy()
+            || self.config.kind != SamplerKind::TopPCpu
+            || (crate::runtime::device::on_cpu_stream() && crate::backend::cpu::available())
     }
 
     /// Moves row `row`'s random stream past `draws` draws, as if it had
@@ -219,12 +224,37 @@ impl Sampler {
             greedy(logits)?
         } else {
             self.check_rows(logits.dim(0) as usize)?;
-            match self.sample_kernel(logits)? {
-                Some(ids) => ids,
-                None => self.sample_ops(logits)?,
+            if self.config.kind == SamplerKind::TopPCpu {
+                self.host_node(logits)?
+            } else {
+                match self.sample_kernel(logits)? {
+                    Some(ids) => ids,
+                    None => self.sample_ops(logits)?,
+                }
             }
         };
         Ok(ids.as_dtype(Dtype::Uint32)?)
+    }
+
+    /// The host's filters and draws ([`Sampler::sample_host`]'s, with the
+    /// same random numbers, so the same tokens) as a node of the CPU
+    /// stream's graph; where none can be built, on the host now (noted).
+    fn host_node(&mut self, logits: &Array) -> Result<Array> {
+        let before = self.rngs.clone();
+        let draws: Vec<f64> = self.rngs.iter_mut().map(SplitMix64::next_f64).collect();
+        let config = self.config.clone();
+        let f = Box::new(move |row: usize, x: &[f32]| {
+            let kept = filter::kept_host(&config, x);
+            draw(&filter::distribution_kept(&config, &kept), draws[row])
+        });
+        let logits = logits.as_dtype(Dtype::Float32)?;
+        if let Some(ids) = crate::backend::cpu::rows_to_ids(&logits, f)? {
+            return Ok(ids);
+        }
+        self.rngs = before;
+        crate::backend::declined("host sampling node: not on a CPU stream with our kernels");
+        let ids = self.sample_host(&logits)?;
+        Ok(Array::from_slice(&ids, &[ids.len() as i32]))
     }
 
     /// Each row's token drawn by MLX's ops (lazily), each row from its own
@@ -314,6 +344,15 @@ impl Sampler {
             })
             .collect())
     }
+}
+
+/// Fails when a row's draw failed on the stream ([`Sampler::host_node`]'s
+/// node marks it with an id past any vocabulary).
+pub fn check_drawn(tokens: &[u32]) -> Result<()> {
+    if tokens.contains(&emlx_axon_kernels::FAILED_ROW) {
+        return Err(Error::Mlx("sampling a row failed on the CPU stream".into()));
+    }
+    Ok(())
 }
 
 /// The token whose cumulative probability (in ascending ids) first reaches

@@ -9,3 +9,13 @@ pub mod layer;
 pub fn available() -> bool {
     emlx_axon_kernels::enabled()
 }
+
+/// `f` over each row of float32 `x` `[rows, width]` as a node of the CPU
+/// stream's graph (see `emlx_axon_kernels::rows_to_ids`); `None` off a CPU
+/// stream, with the kernels off, or for another dtype or shape.
+pub(crate) fn rows_to_ids(
+    x: &mlx_rs::Array,
+    f: emlx_axon_kernels::RowFn,
+) -> crate::error::Result<Option<mlx_rs::Array>> {
+    emlx_axon_kernels::rows_to_ids(x, f).map_err(|e| crate::error::Error::Mlx(e.to_string()))
+}

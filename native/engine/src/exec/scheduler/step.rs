@@ -178,6 +178,7 @@ impl Scheduler {
     fn read_step(&mut self, step: Queued) -> Result<Vec<Event>> {
         step.tokens.eval()?;
         let tokens = step.tokens.as_slice::<u32>();
+        crate::sample::check_drawn(tokens)?;
         let mut events = vec![];
         for (i, id) in step.ids.iter().enumerate() {
             let Some(id) = *id else { continue };

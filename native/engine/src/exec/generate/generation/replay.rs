@@ -98,7 +98,9 @@ impl Generation {
         match (current, &mut self.replay) {
             (Pending::Array(a), _) => {
                 a.eval()?;
-                Ok(a.as_slice::<u32>().to_vec())
+                let tokens = a.as_slice::<u32>().to_vec();
+                crate::sample::check_drawn(&tokens)?;
+                Ok(tokens)
             }
             (Pending::Replayed(n), Replay::On(replay)) => replay.tokens(*n),
             (Pending::Replayed(_), _) => Err(orphan()),
