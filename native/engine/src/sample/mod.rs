@@ -7,7 +7,9 @@
 //! with top-k of at most 64, one kernel of ours filters and draws
 //! ([`kernel`]), its uniform values a hash of each row's seed and position
 //! rather than a stream: reproducible too, but other tokens than the
-//! streams' for the same seed.
+//! streams' for the same seed. On a CPU stream the host's filters and draws
+//! run as a node of the step's graph, whichever sampler is asked for, so a
+//! sampled step is queued behind the running one as a greedy step is.
 
 pub mod filter;
 pub mod kernel;
@@ -25,7 +27,10 @@ pub enum SamplerKind {
     /// graph (queued with it, as a device sampler is), on a GPU from logits
     /// copied back each step.
     TopPCpu,
-    /// Sampling as MLX ops, so decoding never waits on the host.
+    /// Sampling on the device, so decoding never waits on the host: our
+    /// kernel on a CUDA GPU where it applies, else MLX's ops; on a CPU
+    /// stream (where the host is the device) the host's filters as a node
+    /// of the step's graph, as `TopPCpu` there.
     TopPGpu,
 }
 
@@ -188,9 +193,7 @@ impl Sampler {
     /// Whether `sample_device` applies (the tokens are queued with the
     /// step); otherwise use `sample_host`.
     pub fn on_device(&self) -> bool {
-        self.config.is_greedy()
-            || self.config.kind != SamplerKind::TopPCpu
-            || (crate::runtime::device::on_cpu_stream() && crate::backend::cpu::available())
+        self.config.is_greedy() || self.config.kind != SamplerKind::TopPCpu || host_node_here()
     }
 
     /// Moves row `row`'s random stream past `draws` draws, as if it had
@@ -224,7 +227,7 @@ impl Sampler {
             greedy(logits)?
         } else {
             self.check_rows(logits.dim(0) as usize)?;
-            if self.config.kind == SamplerKind::TopPCpu {
+            if self.config.kind == SamplerKind::TopPCpu || host_node_here() {
                 self.host_node(logits)?
             } else {
                 match self.sample_kernel(logits)? {
@@ -344,6 +347,12 @@ impl Sampler {
             })
             .collect())
     }
+}
+
+/// Whether sampled rows take the host's filters as a node of the graph
+/// ([`Sampler::host_node`]): on a CPU stream with our kernels.
+fn host_node_here() -> bool {
+    crate::runtime::device::on_cpu_stream() && crate::backend::cpu::available()
 }
 
 /// Fails when a row's draw failed on the stream ([`Sampler::host_node`]'s
