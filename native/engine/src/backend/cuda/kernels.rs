@@ -468,8 +468,10 @@ impl Kernels {
 
     /// Attention's output `[rows, 1, heads * head_dim]`; the new keys and
     /// values go into the cache. A row's keys are split over enough blocks
-    /// to fill the GPU about twice (flash-decoding), so that the time of a
-    /// long row's attention falls with the multiprocessors it runs on.
+    /// for one row's heads to fill the GPU about twice (flash-decoding), so
+    /// that the time of a long row's attention falls with the
+    /// multiprocessors it runs on. The count does not depend on the batch:
+    /// a row's attention sums the same in a batch as alone.
     pub(crate) fn qkv_attend(&self, p: &QkvAttend) -> Result<Array> {
         let h = &p.heads;
         let (rows, hd) = (h.qkv.dim(0), h.cos.dim(-1));
@@ -478,14 +480,13 @@ impl Kernels {
         }
         // Threads for the query and the key at once.
         let threads = BLOCK.max(2 * hd);
-        let blocks = rows * h.heads;
         let sms = crate::backend::cuda::kernel::multiprocessors().unwrap_or(1);
         // No more than a full cache would use: a short generation's grid
         // has no blocks that would only find no keys of theirs and exit.
         // A power of two: few variants to compile as batches change size.
         let capacity = h.keys.dim(2);
         let most = capacity / ATTEND_MIN_KEYS;
-        let fill = (2 * sms / blocks).clamp(1, ATTEND_SPLITS).min(most.max(1));
+        let fill = (2 * sms / h.heads).clamp(1, ATTEND_SPLITS).min(most.max(1));
         let splits = 1 << (31 - fill.leading_zeros());
         let mut templates = h.templates();
         templates.extend([

@@ -12,10 +12,12 @@
   const int pos = positions[row];
   // A long row's keys are split over up to SPLITS blocks (blockIdx.z) of at
   // least MIN_KEYS keys each, so a one-row step still fills the GPU; the
-  // last block of a row's head to finish combines their partial sums.
+  // last block of a row's head to finish combines their partial sums. The
+  // split count is a power of two from the row's length alone (SPLITS is
+  // too), so a row's sums are the same in any batch or cache size.
   const int begin = starts[row];
   const int keys_n = pos - begin + 1;
-  const int splits = min(SPLITS, max(1, keys_n / MIN_KEYS));
+  const int splits = min(SPLITS, 1 << (31 - __clz(max(1, keys_n / MIN_KEYS))));
   const int split = blockIdx.z;
   if (split >= splits) return;
   const int first = begin + (int)((long)split * keys_n / splits);
