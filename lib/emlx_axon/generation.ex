@@ -13,7 +13,7 @@ defmodule EMLXAxon.Generation do
   @type row :: %{
           ids: [non_neg_integer()],
           text: String.t(),
-          finish_reason: :eos | :stop | :length | :max_len | :timeout
+          finish_reason: :eos | :stop | :length | :max_len | :timeout | :cancelled
         }
 
   @type stats :: %{
@@ -73,8 +73,10 @@ defmodule EMLXAxon.Generation do
   @doc """
   Runs a generation of `prompts` (already validated) with `opts` (the
   validated options map: the native options plus `:timeout` and
-  `:chunk_size`, and optionally `:halt?`, a function checked after every
-  native step: when it returns true, the rows end as on a timeout).
+  `:chunk_size`, and optionally `:gone_rows`, a function checked after
+  every native step that returns the rows nobody reads any more: those end
+  at once with `:cancelled`, and once every row is gone the rest end as on
+  a timeout).
   Returns `{:ok, %{rows: [row], stats: stats}}`.
   """
   @spec run(
@@ -133,11 +135,11 @@ defmodule EMLXAxon.Generation do
           rows = Enum.map(prompts, fn _ -> {[], [], nil} end)
           deadline = deadline(opts.timeout, started)
 
-          deadline = {deadline, Map.get(opts, :halt?)}
+          stop = %{deadline: deadline, gone_rows: Map.get(opts, :gone_rows), cancelled: []}
 
           # The first step is a single token, so a streaming caller sees the
           # first token as soon as it exists; then `chunk_size` at a time.
-          with {:ok, rows} <- loop(generation, rows, 1, opts.chunk_size, deadline, on_chunk),
+          with {:ok, rows} <- loop(generation, rows, 1, opts.chunk_size, stop, on_chunk),
                {:ok, stats} <- Error.wrap(Native.generation_stats(generation)) do
             total_ms =
               System.convert_time_unit(System.monotonic_time() - started, :native, :microsecond) /
@@ -159,21 +161,54 @@ defmodule EMLXAxon.Generation do
     end
   end
 
-  defp loop(generation, rows, steps, chunk_size, deadline, on_chunk) do
+  defp loop(generation, rows, steps, chunk_size, stop, on_chunk) do
     case Error.wrap(Native.generation_next(generation, steps)) do
       {:ok, {status, chunk}} ->
         rows = Enum.zip_with(rows, chunk, &accumulate/2)
         if on_chunk, do: on_chunk.(chunk)
+        gone = gone_rows(stop)
 
         cond do
-          status == :done -> {:ok, rows}
+          status == :done ->
+            {:ok, rows}
+
           # Past the timeout, or nobody left to read the rows.
-          stop?(deadline) -> {:ok, Enum.map(rows, &timeout_row/1)}
-          true -> loop(generation, rows, chunk_size, chunk_size, deadline, on_chunk)
+          past?(stop.deadline) or length(gone) == length(rows) ->
+            {:ok, Enum.map(rows, &timeout_row/1)}
+
+          true ->
+            with {:ok, rows, stop} <- cancel(generation, rows, gone, stop) do
+              loop(generation, rows, chunk_size, chunk_size, stop, on_chunk)
+            end
         end
 
       {:error, _} = error ->
         error
+    end
+  end
+
+  defp gone_rows(%{gone_rows: nil}), do: []
+  defp gone_rows(%{gone_rows: gone_rows}), do: gone_rows.()
+
+  # Rows whose readers left since the last step take no more tokens, and
+  # end `:cancelled` unless they had ended already.
+  defp cancel(generation, rows, gone, stop) do
+    case gone -- stop.cancelled do
+      [] ->
+        {:ok, rows, stop}
+
+      new ->
+        with {:ok, :ok} <- Error.wrap(Native.generation_cancel_rows(generation, new)) do
+          rows =
+            rows
+            |> Enum.with_index()
+            |> Enum.map(fn
+              {{ids, text, nil}, i} -> {ids, text, if(i in new, do: :cancelled)}
+              {row, _i} -> row
+            end)
+
+          {:ok, rows, %{stop | cancelled: new ++ stop.cancelled}}
+        end
     end
   end
 
@@ -198,8 +233,6 @@ defmodule EMLXAxon.Generation do
 
   defp deadline(timeout_ms, started),
     do: started + System.convert_time_unit(timeout_ms, :millisecond, :native)
-
-  defp stop?({deadline, halt?}), do: past?(deadline) or (halt? != nil and halt?.())
 
   defp past?(nil), do: false
   defp past?(deadline), do: System.monotonic_time() >= deadline

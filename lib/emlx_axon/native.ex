@@ -141,6 +141,7 @@ defmodule EMLXAxon.Native do
   def generation_start(_model, _tokenizer, _stream, _prompts, _opts), do: err()
   def generation_next(_generation, _max_steps), do: err()
   def generation_stats(_generation), do: err()
+  def generation_cancel_rows(_generation, _rows), do: err()
   def generation_free(_generation), do: err()
 
   ## Constraints

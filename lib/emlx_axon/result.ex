@@ -15,7 +15,8 @@ defmodule EMLXAxon.Result do
     * `:finish_reason` - why it ended: `:eos` (the model's end of
       sequence), `:stop` (a `:stop` string, or a constrained output that is
       complete), `:length` (`:max_new_tokens`), `:max_len` (the KV cache
-      budget) or `:timeout`
+      budget), `:timeout`, or `:cancelled` (in a static serving's batch, a
+      row whose caller exited while the others went on)
     * `:token_summary` - Bumblebee's `%{input: n, output: n, padding: n}`:
       the prompt's tokens, the generated tokens and the left padding the
       prompt was given to share a batch with longer prompts (0 through a
@@ -61,7 +62,7 @@ defmodule EMLXAxon.Result do
       scheduler's raw figures, as in its `:done` message)
   """
 
-  @type finish_reason :: :eos | :stop | :length | :max_len | :timeout
+  @type finish_reason :: :eos | :stop | :length | :max_len | :timeout | :cancelled
 
   @type t :: %{
           required(:text) => String.t(),

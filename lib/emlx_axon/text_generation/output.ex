@@ -7,7 +7,7 @@ defmodule EMLXAxon.TextGeneration.Output do
 
   alias EMLXAxon.Tokenizer
 
-  @type finish_reason :: :eos | :stop | :length | :max_len | :timeout
+  @type finish_reason :: :eos | :stop | :length | :max_len | :timeout | :cancelled
 
   @typedoc """
   A finished row: its ids and text, why it ended, its prompt's length and

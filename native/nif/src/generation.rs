@@ -14,7 +14,7 @@ use crate::stream::StreamResource;
 use crate::tokenizer::TokenizerResource;
 
 mod atoms {
-    rustler::atoms! { row_seeds, row_constraints, greedy, top_p_cpu, top_p_gpu, cont, done, ok, eos, stop, length, max_len }
+    rustler::atoms! { row_seeds, row_constraints, greedy, top_p_cpu, top_p_gpu, cont, done, ok }
 }
 
 pub struct GenerationResource {
@@ -187,12 +187,7 @@ fn generation_next(
                 .map(|d| RowOut {
                     ids: d.ids,
                     text: d.text,
-                    finish_reason: d.finish.map(|f| match f {
-                        emlx_axon_engine::FinishReason::Eos => atoms::eos(),
-                        emlx_axon_engine::FinishReason::Stop => atoms::stop(),
-                        emlx_axon_engine::FinishReason::Length => atoms::length(),
-                        emlx_axon_engine::FinishReason::MaxLen => atoms::max_len(),
-                    }),
+                    finish_reason: d.finish.map(crate::scheduler::finish_atom),
                 })
                 .collect();
             let status = if generation.is_done() {
@@ -237,6 +232,21 @@ fn generation_stats(resource: ResourceArc<GenerationResource>) -> NifResult<Stat
             prefill_path: s.paths.main_name(Work::Prefill).into(),
             fallbacks: s.paths.fallbacks,
         })
+    })
+}
+
+/// Ends the given rows now (their callers are gone): they take no more
+/// tokens, and the generation is done once its other rows are.
+#[rustler::nif]
+fn generation_cancel_rows(
+    resource: ResourceArc<GenerationResource>,
+    rows: Vec<usize>,
+) -> NifResult<Atom> {
+    resource.with(|generation| {
+        for row in rows {
+            generation.cancel_row(row)?;
+        }
+        Ok(atoms::ok())
     })
 }
 

@@ -17,7 +17,7 @@ use crate::slot::Slot;
 use crate::tokenizer::TokenizerResource;
 
 mod atoms {
-    rustler::atoms! { ok, eos, stop, length, max_len }
+    rustler::atoms! { ok, eos, stop, length, max_len, cancelled }
 }
 
 pub struct SchedulerResource {
@@ -180,12 +180,14 @@ pub struct EventOut {
     stats: Option<StatsOut>,
 }
 
-fn finish_atom(f: FinishReason) -> Atom {
+/// A finish reason as the atom Elixir gets.
+pub(crate) fn finish_atom(f: FinishReason) -> Atom {
     match f {
         FinishReason::Eos => atoms::eos(),
         FinishReason::Stop => atoms::stop(),
         FinishReason::Length => atoms::length(),
         FinishReason::MaxLen => atoms::max_len(),
+        FinishReason::Cancelled => atoms::cancelled(),
     }
 }
 

@@ -254,14 +254,14 @@ defmodule EMLXAxon.TextGeneration.Serving.Batch do
   end
 
   @doc """
-  Whether every one of `callers` has exited: a local process that is no
-  longer alive. Unknown callers (`nil`, or on another node) count as
-  waiting.
+  The rows (indices into `callers`, one caller a row) whose caller has
+  exited: a local process that is no longer alive. Unknown callers (`nil`,
+  or on another node) count as waiting.
   """
-  @spec callers_gone?([pid() | nil]) :: boolean()
-  def callers_gone?([]), do: false
-
-  def callers_gone?(callers) do
-    Enum.all?(callers, &(is_pid(&1) and node(&1) == node() and not Process.alive?(&1)))
+  @spec gone_rows([pid() | nil]) :: [non_neg_integer()]
+  def gone_rows(callers) do
+    for {caller, row} <- Enum.with_index(callers),
+        is_pid(caller) and node(caller) == node() and not Process.alive?(caller),
+        do: row
   end
 end

@@ -11,9 +11,10 @@ defmodule EMLXAxon.TextGeneration.Serving.Execution do
   Runs `requests` with the serving's `tokenizer`, `model` and `opts` on
   `stream` (an `EMLXAxon.Stream` or `nil`), calling `on_chunk` (if any) with
   each native chunk's rows. Returns `Results.encode/3`'s fields; raises
-  on failure. Once every one of `callers` (the processes waiting for the
-  rows, see `Batch.callers_gone?/1`) has exited, the generation stops
-  within a step, as on a timeout: nobody would read its rows.
+  on failure. `callers` are the processes waiting for the rows, one a row:
+  a row whose caller has exited (see `Batch.gone_rows/1`) ends within a
+  step (`:cancelled`), and once they all have the generation stops, as on
+  a timeout: nobody would read its rows.
   """
   @spec run(map(), [Input.request()], EMLXAxon.Stream.t() | nil, Generation.on_chunk(), [
           pid() | nil
@@ -30,7 +31,7 @@ defmodule EMLXAxon.TextGeneration.Serving.Execution do
 
     opts =
       opts
-      |> Map.put(:halt?, fn -> Batch.callers_gone?(callers) end)
+      |> Map.put(:gone_rows, fn -> Batch.gone_rows(callers) end)
       |> Map.put(:row_seeds, Input.row_seeds(requests, opts.seed))
       |> Map.put(:row_constraints, Input.row_constraints(requests, opts.constraint))
 

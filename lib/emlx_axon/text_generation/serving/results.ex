@@ -14,7 +14,7 @@ defmodule EMLXAxon.TextGeneration.Serving.Results do
   alias EMLXAxon.TextGeneration.Output
 
   @pad -1
-  @finish_codes %{eos: 0, stop: 1, length: 2, max_len: 3, timeout: 4}
+  @finish_codes %{eos: 0, stop: 1, length: 2, max_len: 3, timeout: 4, cancelled: 5}
   @finish_reasons Map.new(@finish_codes, fn {reason, code} -> {code, reason} end)
 
   @int_fields [:num_tokens, :prompt_tokens, :padding, :batch_size, :forced_tokens]

@@ -11,7 +11,7 @@ use mlx_rs::{transforms, Array};
 use super::constrained::{Constraints, Rules};
 use super::options::{cache_capacity, validate, KV_KEEP};
 use super::rows::Row;
-use super::{GenerateOptions, RowDelta, Stats};
+use super::{FinishReason, GenerateOptions, RowDelta, Stats};
 use crate::error::{Error, Result};
 use crate::kv::cache::KvCache;
 use crate::kv::window::causal_mask;
@@ -251,6 +251,20 @@ impl Generation {
     /// Whether every row has finished and `next` has returned all of it.
     pub fn is_done(&self) -> bool {
         self.failed.is_some() || (self.carry.is_none() && self.rows_finished())
+    }
+
+    /// Ends row `row` now, as a caller that no longer reads it asks: it
+    /// takes no more tokens, and the generation is done once its other rows
+    /// are. Its computation in the batch's steps goes on until then.
+    pub fn cancel_row(&mut self, row: usize) -> Result<()> {
+        let rows = self.rows.len();
+        let Some(r) = self.rows.get_mut(row) else {
+            return Err(Error::invalid(format!(
+                "row {row} is not in this generation of {rows} rows"
+            )));
+        };
+        r.finish.get_or_insert(FinishReason::Cancelled);
+        Ok(())
     }
 
     fn rows_finished(&self) -> bool {

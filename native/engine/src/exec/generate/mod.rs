@@ -34,6 +34,8 @@ pub enum FinishReason {
     /// `max_new_tokens` reached.
     Length,
     MaxLen,
+    /// Ended by the caller (see [`Generation::cancel_row`]).
+    Cancelled,
 }
 
 impl FinishReason {
@@ -43,6 +45,7 @@ impl FinishReason {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
             FinishReason::MaxLen => "max_len",
+            FinishReason::Cancelled => "cancelled",
         }
     }
 }
