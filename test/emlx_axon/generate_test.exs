@@ -429,6 +429,27 @@ defmodule EMLXAxon.Qwen3.GenerateTest do
       assert message =~ "max_kv_size must be more than 4"
     end
 
+    # Its logits against MLX's ops over the same cache are the engine's
+    # tests (native/engine/tests/kv_dtype.rs); here, that the option arrives.
+    test "kv_dtype keeps the KV cache in float16; not with kv_bits", %{state: state, ids: ids} do
+      opts = [max_new_tokens: 8, ignore_eos: true]
+
+      assert {:ok, %{token_ids: half, timings: timings}} =
+               Generate.generate(state, ids, [kv_dtype: :float16] ++ opts)
+
+      assert length(half) == 8
+      assert is_binary(timings.decode_path)
+
+      assert {:error, %Error{kind: :invalid_argument, message: message}} =
+               Generate.generate(
+                 state,
+                 ids,
+                 [kv_dtype: :float16, kv_bits: 8, kv_group_size: 32] ++ opts
+               )
+
+      assert message =~ "kv_dtype and kv_bits cannot be combined"
+    end
+
     test "a KV group size the model's heads cannot take is an error naming it",
          %{state: state, ids: ids} do
       # The fixture's heads are 32 values wide.
@@ -465,6 +486,7 @@ defmodule EMLXAxon.Qwen3.GenerateTest do
         {[kv_group_size: 48], ~r/:kv_group_size to be one of 32, 64, 128/},
         {[quantized_kv_start: -1], ~r/:quantized_kv_start to be a non-negative integer/},
         {[max_kv_size: 0], ~r/:max_kv_size to be nil or a positive integer/},
+        {[kv_dtype: :int8], ~r/:kv_dtype to be nil or one of :float32, :bfloat16, :float16/},
         {[bogus: 1],
          ~r/unknown option :bogus for EMLXAxon.Qwen3.Generate.generate\/3, valid options are: :max_new_tokens/},
         {:not_a_list, ~r/keyword list/}

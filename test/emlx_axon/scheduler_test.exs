@@ -241,7 +241,7 @@ defmodule EMLXAxon.SchedulerTest do
     assert {:error, %EMLXAxon.Error{kind: :invalid_argument, message: message}} =
              Scheduler.submit(server, plain, kv_bits: 8, kv_group_size: 32)
 
-    assert message =~ "kv_bits and max_kv_size are not offered by the scheduler"
+    assert message =~ "kv_bits, max_kv_size and kv_dtype are not offered by the scheduler"
 
     assert {:error, %EMLXAxon.Error{message: message}} =
              Scheduler.submit(server, plain, max_kv_size: 64)

@@ -37,7 +37,8 @@ defmodule EMLXAxon.TestFixtures do
         kv_bits: nil,
         kv_group_size: 64,
         quantized_kv_start: 5000,
-        max_kv_size: nil
+        max_kv_size: nil,
+        kv_dtype: nil
       },
       overrides
     )

@@ -295,7 +295,7 @@ defmodule EMLXAxon.TextGeneration.Config do
   # A quantized or rotating KV cache belongs to one generation: a
   # scheduler's slots do not offer it.
   defp own_cache!(opts, scheduler) do
-    given = for key <- [:kv_bits, :max_kv_size], opts[key] != nil, do: key
+    given = for key <- [:kv_bits, :max_kv_size, :kv_dtype], opts[key] != nil, do: key
 
     if given != [] and scheduler != false do
       raise ArgumentError,

@@ -22,6 +22,9 @@ defmodule Mix.Tasks.EmlxAxon.Generate do
       `--kv-group-size` (32, 64 or 128; default 64), as mlx-lm's `--kv-bits`
     * `--max-kv-size N` - a rotating KV cache of at most N positions, as
       mlx-lm's `--max-kv-size`
+    * `--kv-dtype float32|bfloat16|float16` - the KV cache's dtype (default:
+      the compute dtype; `float16` on the CPU halves what a long context's
+      steps read)
     * `--sampler greedy|top_p_cpu|top_p_gpu` - default `greedy`
     * `--seed N`, `--temperature F`, `--top-p F`, `--top-k N`
     * `--json` - print exactly one JSON object instead, with the keys
@@ -66,6 +69,7 @@ defmodule Mix.Tasks.EmlxAxon.Generate do
     kv_group_size: :integer,
     quantized_kv_start: :integer,
     max_kv_size: :integer,
+    kv_dtype: :string,
     sampler: :string,
     seed: :integer,
     temperature: :float,
@@ -144,7 +148,7 @@ defmodule Mix.Tasks.EmlxAxon.Generate do
           :kv_group_size,
           :quantized_kv_start,
           :max_kv_size
-        ])
+        ]) ++ kv_dtype(opts)
 
     {:ok, prompt_ids} = prompt_ids(tokenizer, state, input)
 
@@ -309,6 +313,21 @@ defmodule Mix.Tasks.EmlxAxon.Generate do
   defp parse_dtype!(name) do
     Enum.find(@dtypes, &(Atom.to_string(&1) == name)) ||
       Mix.raise("--dtype must be one of #{Enum.join(@dtypes, ", ")}, got: #{name}")
+  end
+
+  @kv_dtypes ~w(float32 bfloat16 float16)
+
+  defp kv_dtype(opts) do
+    case Keyword.fetch(opts, :kv_dtype) do
+      :error ->
+        []
+
+      {:ok, name} when name in @kv_dtypes ->
+        [kv_dtype: String.to_existing_atom(name)]
+
+      {:ok, name} ->
+        Mix.raise("--kv-dtype must be one of #{Enum.join(@kv_dtypes, ", ")}, got: #{name}")
+    end
   end
 
   defp parse_sampler!(name) do

@@ -3,6 +3,7 @@
 //!
 //! cargo run --release -p emlx_axon_engine --example bench -- --model DIR
 //!     (--prompts FILE | --prompt-ids 1,2,3) [--dtype float32|bfloat16|float16]
+//!     [--kv-dtype float32|bfloat16|float16]
 //!     [--tokens N] [--batch-tokens N] [--batch 1,4,8] [--measures decode,prefill,batch,profile]
 //!     [--warmup K] [--warmup-mode full|light] [--runs R] [--profile-stream own|default] [--chunk C] [--label TEXT]
 //!     [--sampler greedy|top_p_cpu|top_p_gpu ...] [--json-schema FILE]
@@ -79,6 +80,17 @@ struct Args {
     sampler: SamplerConfig,
     /// A JSON Schema every row's output must match.
     json_schema: Option<String>,
+    /// The KV cache's dtype (default: the model's).
+    kv_dtype: Option<Dtype>,
+}
+
+fn dtype(name: &str, flag: &str) -> AnyResult<Dtype> {
+    Ok(match name {
+        "float32" | "f32" => Dtype::Float32,
+        "bfloat16" | "bf16" => Dtype::Bfloat16,
+        "float16" | "f16" => Dtype::Float16,
+        other => return Err(format!("{flag}: unknown dtype {other}").into()),
+    })
 }
 
 fn ids_from(value: &Value, what: &str) -> AnyResult<Vec<u32>> {
@@ -128,6 +140,7 @@ fn parse() -> AnyResult<Args> {
         label: "rust".into(),
         sampler: SamplerConfig::default(),
         json_schema: None,
+        kv_dtype: None,
     };
     let float = |s: String, flag: &str| -> AnyResult<f32> {
         s.parse()
@@ -158,14 +171,8 @@ fn parse() -> AnyResult<Args> {
                     digest: String::new(),
                 });
             }
-            "--dtype" => {
-                args.dtype = Some(match v(&mut rest, &flag)?.as_str() {
-                    "float32" | "f32" => Dtype::Float32,
-                    "bfloat16" | "bf16" => Dtype::Bfloat16,
-                    "float16" | "f16" => Dtype::Float16,
-                    other => return Err(format!("--dtype: unknown dtype {other}").into()),
-                })
-            }
+            "--dtype" => args.dtype = Some(dtype(&v(&mut rest, &flag)?, &flag)?),
+            "--kv-dtype" => args.kv_dtype = Some(dtype(&v(&mut rest, &flag)?, &flag)?),
             "--tokens" => args.tokens = count(v(&mut rest, &flag)?, &flag)?,
             "--batch-tokens" => args.batch_tokens = Some(count(v(&mut rest, &flag)?, &flag)?),
             "--warmup" => args.warmup = count(v(&mut rest, &flag)?, &flag)?,
@@ -357,6 +364,7 @@ impl Bench {
             } else {
                 vec![]
             },
+            kv_dtype: self.args.kv_dtype,
             ..GenerateOptions::default()
         }
     }
@@ -550,7 +558,7 @@ impl Bench {
     /// Bytes of the engine's preallocated KV cache for `rows` x `positions`.
     fn kv_bytes(&self, rows: usize, positions: usize) -> usize {
         let c = &self.model.config;
-        let item = match self.model.dtype {
+        let item = match self.args.kv_dtype.unwrap_or(self.model.dtype) {
             Dtype::Float32 => 4,
             _ => 2,
         };
@@ -867,6 +875,9 @@ fn run(args: Args) -> AnyResult<()> {
     let device = if gpu_available() { "gpu" } else { "cpu" };
     let mut common = Map::new();
     common.insert("peer".into(), json!(args.label));
+    if let Some(d) = args.kv_dtype {
+        common.insert("kv_dtype".into(), json!(format!("{d:?}")));
+    }
     let s = &args.sampler;
     common.insert(
         "sampler".into(),

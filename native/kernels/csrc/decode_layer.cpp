@@ -76,6 +76,7 @@ void decode_rest(const DecodeRestArgs& a, Isa isa) {
   std::vector<float> attn((size_t)a.B * a.nq * a.hd);
   // One task per (row, key head): its query heads over the row's keys.
   const AttendFn attend = attend_fn(isa);
+  const AttendF16Fn attend_f16 = attend_f16_fn(isa);
   auto task = [&](int u) {
     const int b = u / a.nkv, g = u % a.nkv;
     const int n = a.positions[b] - a.starts[b] + 1;
@@ -85,8 +86,13 @@ void decode_rest(const DecodeRestArgs& a, Isa isa) {
     const float* qs = a.q + ((size_t)b * a.nq + (size_t)g * G) * a.hd;
     for (int i = 0; i < G * a.hd; ++i) q[i] = qs[i] * a.scale;
     const size_t first = (((size_t)b * a.nkv + g) * a.cap + a.starts[b]) * a.hd;
-    attend(q.data(), a.keys + first, a.values + first, scores.data(),
-           attn.data() + ((size_t)b * a.nq + (size_t)g * G) * a.hd, G, n, a.hd);
+    float* o = attn.data() + ((size_t)b * a.nq + (size_t)g * G) * a.hd;
+    if (a.kv_f16)
+      attend_f16(q.data(), static_cast<const uint16_t*>(a.keys) + first,
+                 static_cast<const uint16_t*>(a.values) + first, scores.data(), o, G, n, a.hd);
+    else
+      attend(q.data(), static_cast<const float*>(a.keys) + first,
+             static_cast<const float*>(a.values) + first, scores.data(), o, G, n, a.hd);
   };
   long work = 0;
   for (int b = 0; b < a.B; ++b) work += (long)(a.positions[b] - a.starts[b] + 1) * a.nq * a.hd;
@@ -246,6 +252,7 @@ class DecodeLayerRest : public mx::UnaryPrimitive {
     a.cap = inputs[kKeys].shape(2);
     a.scale = s_.scale;
     a.eps_post = s_.eps_post;
+    a.kv_f16 = inputs[kKeys].dtype() == mx::float16;
     const bool bf16[3] = {inputs[kOS].dtype() == mx::bfloat16,
                           inputs[kGuS].dtype() == mx::bfloat16,
                           inputs[kDownS].dtype() == mx::bfloat16};
@@ -258,8 +265,8 @@ class DecodeLayerRest : public mx::UnaryPrimitive {
                    a.starts = starts.data();
                    a.h = f32(in[kRH]);
                    a.q = f32(in[kRQ]);
-                   a.keys = f32(in[kKeys]);
-                   a.values = f32(in[kValues]);
+                   a.keys = in[kKeys];
+                   a.values = in[kValues];
                    a.o = quant(in, kOW, b0, s.bits[0], s.group[0]);
                    a.w_post = f32(in[kNormPost]);
                    a.gate_up = quant(in, kGuW, b1, s.bits[1], s.group[1]);
@@ -388,9 +395,12 @@ int emlx_kernels_decode_layer_rest(emlx_mlx_array* out, const emlx_mlx_array* ar
           return {};
         const int D = H.shape(2), nq = Q.shape(1), hd = Q.shape(2);
         const int nkv = K.shape(1), cap = K.shape(2);
-        if (!emlx::f32_shaped(Q, {rows, nq, hd}) || K.dtype() != mx::float32 ||
-            K.shape(0) < rows || K.shape(3) != hd || nkv <= 0 || nq % nkv != 0 ||
-            !emlx::f32_shaped(in[emlx::kValues], K.shape()))
+        // Keys and values in float32, or float16 in rows of 16 (its kernels' loads).
+        const auto& V = in[emlx::kValues];
+        const bool kv_dtype = K.dtype() == mx::float32 || (K.dtype() == mx::float16 && hd % 16 == 0);
+        if (!emlx::f32_shaped(Q, {rows, nq, hd}) || !kv_dtype || V.dtype() != K.dtype() ||
+            V.shape() != K.shape() || K.shape(0) < rows || K.shape(3) != hd || nkv <= 0 ||
+            nq % nkv != 0)
           return {};
         for (int b = 0; b < rows; ++b)
           if (starts[b] < 0 || starts[b] > positions[b] || positions[b] >= cap) return {};

@@ -51,8 +51,9 @@ struct DecodeRestArgs {
   const float* h;  // [B, D]
   const float* q;  // [B, nq, hd]
   float scale;  // the softmax scale
-  const float* keys;  // [>= B, nkv, cap, hd]
-  const float* values;
+  const void* keys;  // [>= B, nkv, cap, hd], float32 or (kv_f16) float16
+  const void* values;
+  bool kv_f16;
   QuantWeight o;  // [D, nq hd]
   const float* w_post;  // [D]
   float eps_post;

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <vector>
 
 #include "pool.h"
 
@@ -66,6 +68,69 @@ void attend_scalar(const float* q, const float* k, const float* v, float* scores
       for (int e = 0; e < hd; ++e) og[e] += p * vj[e];
     }
   }
+}
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000 | (man << 13);  // inf, nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {
+    // Subnormal: shift the mantissa up to an implicit leading one.
+    exp = 113;
+    while (!(man & 0x400)) {
+      man <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+void attend_f16_scalar(const float* q, const uint16_t* k, const uint16_t* v, float* scores,
+                       float* out, int G, int n, int hd) {
+  std::vector<float> row(hd);
+  for (int j = 0; j < n; ++j) {
+    for (int e = 0; e < hd; ++e) row[e] = half_to_float(k[(long)j * hd + e]);
+    for (int g = 0; g < G; ++g) {
+      const float* qg = q + (long)g * hd;
+      float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      int e = 0;
+      for (; e + 4 <= hd; e += 4)
+        for (int u = 0; u < 4; ++u) s[u] += qg[e + u] * row[e + u];
+      for (; e < hd; ++e) s[0] += qg[e] * row[e];
+      scores[(long)g * n + j] = (s[0] + s[1]) + (s[2] + s[3]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float* r = scores + (long)g * n;
+    softmax_row_scalar(r, r, n, n);
+    float* og = out + (long)g * hd;
+    for (int e = 0; e < hd; ++e) og[e] = 0.0f;
+  }
+  for (int j = 0; j < n; ++j) {
+    for (int e = 0; e < hd; ++e) row[e] = half_to_float(v[(long)j * hd + e]);
+    for (int g = 0; g < G; ++g) {
+      const float p = scores[(long)g * n + j];
+      float* og = out + (long)g * hd;
+      for (int e = 0; e < hd; ++e) og[e] += p * row[e];
+    }
+  }
+}
+
+AttendF16Fn attend_f16_fn(Isa isa) {
+#if defined(__x86_64__)
+  if (isa == kAvx512) return attend_f16_avx512;
+#endif
+  (void)isa;
+  return attend_f16_scalar;
 }
 
 AttendFn attend_fn(Isa isa) {

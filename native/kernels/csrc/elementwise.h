@@ -4,6 +4,8 @@
 // backend expands into seven nodes).
 #pragma once
 
+#include <cstdint>
+
 #include "qmm.h"
 
 namespace emlx {
@@ -100,5 +102,23 @@ void attend_avx512(const float* q, const float* k, const float* v, float* scores
 #endif
 
 AttendFn attend_fn(Isa isa);
+
+// The same over float16 keys and values (IEEE half bits), converted to
+// float32 as they are read: half the bytes a long context's step reads.
+using AttendF16Fn = void (*)(const float* q, const uint16_t* k, const uint16_t* v,
+                             float* scores, float* out, int G, int n, int hd);
+
+void attend_f16_scalar(const float* q, const uint16_t* k, const uint16_t* v, float* scores,
+                       float* out, int G, int n, int hd);
+#if defined(__x86_64__)
+// hd a multiple of 16.
+void attend_f16_avx512(const float* q, const uint16_t* k, const uint16_t* v, float* scores,
+                       float* out, int G, int n, int hd);
+#endif
+
+AttendF16Fn attend_f16_fn(Isa isa);
+
+// An IEEE half's value.
+float half_to_float(uint16_t h);
 
 }  // namespace emlx

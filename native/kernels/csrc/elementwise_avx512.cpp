@@ -31,6 +31,11 @@ inline __m512 exp16(__m512 x) {
 
 inline __mmask16 tail(int left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
 
+// 16 float16 values as float32.
+inline __m512 load_half(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 }  // namespace
 
 void softmax_row_avx512(const float* x, float* y, int seen, int S) {
@@ -115,6 +120,34 @@ void attend_avx512(const float* q, const float* k, const float* v, float* scores
                               _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(m, vj + e),
                                               _mm512_maskz_loadu_ps(m, og + e)));
       }
+    }
+  }
+}
+
+void attend_f16_avx512(const float* q, const uint16_t* k, const uint16_t* v, float* scores,
+                       float* out, int G, int n, int hd) {
+  for (int j = 0; j < n; ++j) {
+    const uint16_t* kj = k + (long)j * hd;
+    for (int g = 0; g < G; ++g) {
+      const float* qg = q + (long)g * hd;
+      __m512 acc = _mm512_setzero_ps();
+      for (int e = 0; e < hd; e += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + e), load_half(kj + e), acc);
+      scores[(long)g * n + j] = _mm512_reduce_add_ps(acc);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float* row = scores + (long)g * n;
+    softmax_row_avx512(row, row, n, n);
+    float* og = out + (long)g * hd;
+    for (int e = 0; e < hd; ++e) og[e] = 0.0f;
+  }
+  for (int j = 0; j < n; ++j) {
+    const uint16_t* vj = v + (long)j * hd;
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[(long)g * n + j]);
+      float* og = out + (long)g * hd;
+      for (int e = 0; e < hd; e += 16)
+        _mm512_storeu_ps(og + e, _mm512_fmadd_ps(p, load_half(vj + e), _mm512_loadu_ps(og + e)));
     }
   }
 }

@@ -51,6 +51,8 @@ pub struct StartOptions {
     quantized_kv_start: usize,
     /// `nil` or the positions of a rotating KV cache.
     max_kv_size: Option<usize>,
+    /// `nil` (the model's) or the float KV cache's dtype.
+    kv_dtype: Option<String>,
 }
 
 /// A quantized KV cache of `bits` bits (when given) in groups of
@@ -149,6 +151,11 @@ fn generation_start(
             kv_quant: kv_quant(o.kv_bits, o.kv_group_size),
             quantized_kv_start: o.quantized_kv_start,
             max_kv_size: o.max_kv_size,
+            kv_dtype: o
+                .kv_dtype
+                .as_deref()
+                .map(crate::model::parse_dtype)
+                .transpose()?,
             ..GenerateOptions::default()
         };
         let stream = stream.map(|s| s.get()).transpose()?;

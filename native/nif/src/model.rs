@@ -92,7 +92,7 @@ fn strict(options: rustler::Term) -> Result<bool, rustler::Error> {
     }
 }
 
-fn parse_dtype(name: &str) -> NifResult<Dtype> {
+pub(crate) fn parse_dtype(name: &str) -> NifResult<Dtype> {
     match name {
         "float32" => Ok(Dtype::Float32),
         "bfloat16" => Ok(Dtype::Bfloat16),

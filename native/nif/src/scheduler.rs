@@ -64,6 +64,8 @@ pub struct RequestOptions {
     quantized_kv_start: usize,
     /// `nil` or the positions of a rotating KV cache.
     max_kv_size: Option<usize>,
+    /// `nil` (the model's) or the float KV cache's dtype.
+    kv_dtype: Option<String>,
 }
 
 #[rustler::nif(schedule = "DirtyCpu")]
@@ -121,6 +123,11 @@ fn scheduler_admit(
             kv_quant: crate::generation::kv_quant(o.kv_bits, o.kv_group_size),
             quantized_kv_start: o.quantized_kv_start,
             max_kv_size: o.max_kv_size,
+            kv_dtype: o
+                .kv_dtype
+                .as_deref()
+                .map(crate::model::parse_dtype)
+                .transpose()?,
             ..GenerateOptions::default()
         };
         // Compiling a grammar evaluates no MLX graph, but can recurse deeply.

@@ -334,9 +334,9 @@ impl Scheduler {
 
     fn validate(&self, prompt: &[u32], o: &GenerateOptions) -> Result<()> {
         request::check_prompt(&self.model, prompt)?;
-        if o.kv_quant.is_some() || o.max_kv_size.is_some() {
+        if o.kv_quant.is_some() || o.max_kv_size.is_some() || o.kv_dtype.is_some() {
             return Err(Error::invalid(
-                "kv_bits and max_kv_size are not offered by the scheduler's slots: generate without a scheduler (scheduler: false) for a quantized or rotating KV cache",
+                "kv_bits, max_kv_size and kv_dtype are not offered by the scheduler's slots: generate without a scheduler (scheduler: false) for a quantized, rotating or float16 KV cache",
             ));
         }
         request::check_options(o, self.tokenizer.is_some())

@@ -311,6 +311,14 @@ impl KvStore for KvCache {
     /// result leaves the graph as the buffer's only owner, so MLX donates it
     /// and the write happens in place.
     fn update(&mut self, layer: usize, k: &Array, v: &Array) -> Result<KvView> {
+        // Stored in the cache's dtype (a `kv_dtype` other than the model's).
+        let dtype = self.layers[layer].0.dtype();
+        let (k, v) = if k.dtype() == dtype || self.quantized.is_some() {
+            (k.clone(), v.clone())
+        } else {
+            (k.as_dtype(dtype)?, v.as_dtype(dtype)?)
+        };
+        let (k, v) = (&k, &v);
         if let Some(window) = &mut self.window {
             let (keys, values) =
                 window.update(layer, &mut self.layers[layer], self.offset, k, v)?;

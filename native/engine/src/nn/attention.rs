@@ -249,6 +249,11 @@ impl Attention {
         };
         let v = heads_first(heads.index((.., .., nq + nkv.., ..)))?;
         let (keys, values) = match cache.update(layer, &k, &v)? {
+            // A cache of another dtype than the pass's (`kv_dtype`) is read
+            // in the pass's.
+            KvView::Dense(keys, values) if keys.dtype() != v.dtype() => {
+                (keys.as_dtype(v.dtype())?, values.as_dtype(v.dtype())?)
+            }
             KvView::Dense(keys, values) => (keys, values),
             KvView::Quantized {
                 keys,

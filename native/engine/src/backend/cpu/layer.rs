@@ -9,7 +9,8 @@
 //! projections, a bias outside q/k/v, bit widths or group sizes without a
 //! kernel, MLX's rope, another dtype, routed experts in place of the MLP)
 //! return `None` before touching the cache, and are built from separate
-//! nodes as before.
+//! nodes as before. The cache may be float16 under float32 activations
+//! (`kv_dtype`): the attention then reads half the bytes.
 
 use mlx_rs::{Array, Dtype};
 
@@ -59,7 +60,12 @@ pub(crate) fn forward<C: KvStore>(
     if h.dtype() != Dtype::Float32
         || !matches!(mlp.gate_up.sizes(), [g, u] if g == u)
         || ![&o, &gate_up, &down].into_iter().all(takes)
-        || cache.buffers(layer).0.dtype() != Dtype::Float32
+        || !match cache.buffers(layer).0.dtype() {
+            Dtype::Float32 => true,
+            // The float16 attention loads rows of 16.
+            Dtype::Float16 => c.head_dim % 16 == 0,
+            _ => false,
+        }
     {
         return Ok(None);
     }

@@ -96,9 +96,11 @@ impl Generation {
         } else {
             vec![]
         };
+        let mut kv_shape = model.kv_shape();
+        kv_shape.dtype = options.kv_dtype.unwrap_or(kv_shape.dtype);
         let cache = MlxStream::run_on(stream.as_ref(), || match options.max_kv_size {
-            Some(size) => KvCache::rotating(&model.kv_shape(), size as i32, KV_KEEP as i32),
-            None => KvCache::new(&model.kv_shape(), prompts.len() as i32, capacity),
+            Some(size) => KvCache::rotating(&kv_shape, size as i32, KV_KEEP as i32),
+            None => KvCache::new(&kv_shape, prompts.len() as i32, capacity),
         })?;
         let mut generation = Generation {
             model,

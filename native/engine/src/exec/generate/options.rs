@@ -50,6 +50,11 @@ pub struct GenerateOptions {
     /// long the generation, and tokens past the window are forgotten.
     /// Attention then runs MLX's ops instead of the fused layers.
     pub max_kv_size: Option<usize>,
+    /// The dtype of a float KV cache (`None`: the model's). A float16 cache
+    /// under a float32 model reads half the bytes a step of a long context
+    /// reads on the CPU, where that reading bounds the step; its keys and
+    /// values are rounded to float16 as they are stored.
+    pub kv_dtype: Option<mlx_rs::Dtype>,
 }
 
 /// Positions a rotating KV cache always keeps (mlx-lm's `keep`).
@@ -86,6 +91,7 @@ impl Default for GenerateOptions {
             kv_quant: None,
             quantized_kv_start: 5000,
             max_kv_size: None,
+            kv_dtype: None,
         }
     }
 }
@@ -115,6 +121,21 @@ pub(super) fn validate(
     }
     if let Some(q) = o.kv_quant {
         check_kv_quant(model, q)?;
+    }
+    if let Some(dtype) = o.kv_dtype {
+        if !matches!(
+            dtype,
+            mlx_rs::Dtype::Float32 | mlx_rs::Dtype::Float16 | mlx_rs::Dtype::Bfloat16
+        ) {
+            return Err(Error::invalid(format!(
+                "kv_dtype must be float32, float16 or bfloat16, got {dtype:?}"
+            )));
+        }
+        if o.kv_quant.is_some() {
+            return Err(Error::invalid(
+                "kv_dtype and kv_bits cannot be combined: kv_dtype is a float cache's dtype",
+            ));
+        }
     }
     if let Some(size) = o.max_kv_size {
         if size <= KV_KEEP || size > i32::MAX as usize {
