@@ -35,6 +35,7 @@ fn main() {
             "csrc/qmm_avx512.cpp",
             "csrc/qmm_int8_avx2.cpp",
             "csrc/qmm_int8_avx512.cpp",
+            "csrc/elementwise_avx2.cpp",
             "csrc/elementwise_avx512.cpp",
         ]);
     }

@@ -75,8 +75,8 @@ void decode_rest(const DecodeRestArgs& a, Isa isa) {
   const int G = a.nq / a.nkv;
   std::vector<float> attn((size_t)a.B * a.nq * a.hd);
   // One task per (row, key head): its query heads over the row's keys.
-  const AttendFn attend = attend_fn(isa);
-  const AttendF16Fn attend_f16 = attend_f16_fn(isa);
+  const AttendFn attend = attend_fn(isa, a.hd);
+  const AttendF16Fn attend_f16 = attend_f16_fn(isa, a.hd);
   auto task = [&](int u) {
     const int b = u / a.nkv, g = u % a.nkv;
     const int n = a.positions[b] - a.starts[b] + 1;
@@ -395,9 +395,9 @@ int emlx_kernels_decode_layer_rest(emlx_mlx_array* out, const emlx_mlx_array* ar
           return {};
         const int D = H.shape(2), nq = Q.shape(1), hd = Q.shape(2);
         const int nkv = K.shape(1), cap = K.shape(2);
-        // Keys and values in float32, or float16 in rows of 16 (its kernels' loads).
+        // Keys and values in float32 or float16.
         const auto& V = in[emlx::kValues];
-        const bool kv_dtype = K.dtype() == mx::float32 || (K.dtype() == mx::float16 && hd % 16 == 0);
+        const bool kv_dtype = K.dtype() == mx::float32 || K.dtype() == mx::float16;
         if (!emlx::f32_shaped(Q, {rows, nq, hd}) || !kv_dtype || V.dtype() != K.dtype() ||
             V.shape() != K.shape() || K.shape(0) < rows || K.shape(3) != hd || nkv <= 0 ||
             nq % nkv != 0)

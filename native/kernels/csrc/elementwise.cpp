@@ -4,7 +4,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <vector>
 
 #include "pool.h"
 
@@ -39,37 +38,6 @@ void rms_norm_row_scalar(const float* x, const float* w, float* y, int D, float 
   for (int i = 0; i < D; ++i) y[i] = (x[i] * scale) * w[i];
 }
 
-void attend_scalar(const float* q, const float* k, const float* v, float* scores, float* out,
-                   int G, int n, int hd) {
-  for (int j = 0; j < n; ++j) {
-    const float* kj = k + (long)j * hd;
-    for (int g = 0; g < G; ++g) {
-      const float* qg = q + (long)g * hd;
-      // Four partial sums, which the compiler keeps in vector registers.
-      float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      int e = 0;
-      for (; e + 4 <= hd; e += 4)
-        for (int u = 0; u < 4; ++u) s[u] += qg[e + u] * kj[e + u];
-      for (; e < hd; ++e) s[0] += qg[e] * kj[e];
-      scores[(long)g * n + j] = (s[0] + s[1]) + (s[2] + s[3]);
-    }
-  }
-  for (int g = 0; g < G; ++g) {
-    float* row = scores + (long)g * n;
-    softmax_row_scalar(row, row, n, n);
-    float* og = out + (long)g * hd;
-    for (int e = 0; e < hd; ++e) og[e] = 0.0f;
-  }
-  for (int j = 0; j < n; ++j) {
-    const float* vj = v + (long)j * hd;
-    for (int g = 0; g < G; ++g) {
-      const float p = scores[(long)g * n + j];
-      float* og = out + (long)g * hd;
-      for (int e = 0; e < hd; ++e) og[e] += p * vj[e];
-    }
-  }
-}
-
 float half_to_float(uint16_t h) {
   const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
   uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
@@ -94,50 +62,72 @@ float half_to_float(uint16_t h) {
   return f;
 }
 
-void attend_f16_scalar(const float* q, const uint16_t* k, const uint16_t* v, float* scores,
-                       float* out, int G, int n, int hd) {
-  std::vector<float> row(hd);
+namespace {
+
+inline float value(const float* p, long i) { return p[i]; }
+inline float value(const uint16_t* p, long i) { return half_to_float(p[i]); }
+
+template <typename KV>
+void attend_scalar_t(const float* q, const KV* k, const KV* v, float* scores, float* out, int G,
+                     int n, int hd) {
   for (int j = 0; j < n; ++j) {
-    for (int e = 0; e < hd; ++e) row[e] = half_to_float(k[(long)j * hd + e]);
+    const KV* kj = k + (long)j * hd;
     for (int g = 0; g < G; ++g) {
       const float* qg = q + (long)g * hd;
+      // Four partial sums, which the compiler keeps in vector registers.
       float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       int e = 0;
       for (; e + 4 <= hd; e += 4)
-        for (int u = 0; u < 4; ++u) s[u] += qg[e + u] * row[e + u];
-      for (; e < hd; ++e) s[0] += qg[e] * row[e];
+        for (int u = 0; u < 4; ++u) s[u] += qg[e + u] * value(kj, e + u);
+      for (; e < hd; ++e) s[0] += qg[e] * value(kj, e);
       scores[(long)g * n + j] = (s[0] + s[1]) + (s[2] + s[3]);
     }
   }
   for (int g = 0; g < G; ++g) {
-    float* r = scores + (long)g * n;
-    softmax_row_scalar(r, r, n, n);
+    float* row = scores + (long)g * n;
+    softmax_row_scalar(row, row, n, n);
     float* og = out + (long)g * hd;
     for (int e = 0; e < hd; ++e) og[e] = 0.0f;
   }
   for (int j = 0; j < n; ++j) {
-    for (int e = 0; e < hd; ++e) row[e] = half_to_float(v[(long)j * hd + e]);
+    const KV* vj = v + (long)j * hd;
     for (int g = 0; g < G; ++g) {
       const float p = scores[(long)g * n + j];
       float* og = out + (long)g * hd;
-      for (int e = 0; e < hd; ++e) og[e] += p * row[e];
+      for (int e = 0; e < hd; ++e) og[e] += p * value(vj, e);
     }
   }
 }
 
-AttendF16Fn attend_f16_fn(Isa isa) {
+}  // namespace
+
+void attend_scalar(const float* q, const float* k, const float* v, float* scores, float* out,
+                   int G, int n, int hd) {
+  attend_scalar_t(q, k, v, scores, out, G, n, hd);
+}
+
+void attend_f16_scalar(const float* q, const uint16_t* k, const uint16_t* v, float* scores,
+                       float* out, int G, int n, int hd) {
+  attend_scalar_t(q, k, v, scores, out, G, n, hd);
+}
+
+AttendF16Fn attend_f16_fn(Isa isa, int hd) {
 #if defined(__x86_64__)
-  if (isa == kAvx512) return attend_f16_avx512;
+  if (isa == kAvx512 && hd % 16 == 0) return attend_f16_avx512;
+  if (isa >= kAvx2 && hd % 8 == 0) return attend_f16_avx2;
 #endif
   (void)isa;
+  (void)hd;
   return attend_f16_scalar;
 }
 
-AttendFn attend_fn(Isa isa) {
+AttendFn attend_fn(Isa isa, int hd) {
 #if defined(__x86_64__)
   if (isa == kAvx512) return attend_avx512;
+  if (isa == kAvx2 && hd % 8 == 0) return attend_avx2;
 #endif
   (void)isa;
+  (void)hd;
   return attend_scalar;
 }
 

@@ -97,11 +97,15 @@ using AttendFn = void (*)(const float* q, const float* k, const float* v, float*
 void attend_scalar(const float* q, const float* k, const float* v, float* scores, float* out,
                    int G, int n, int hd);
 #if defined(__x86_64__)
+// hd a multiple of 8.
+void attend_avx2(const float* q, const float* k, const float* v, float* scores, float* out,
+                 int G, int n, int hd);
 void attend_avx512(const float* q, const float* k, const float* v, float* scores, float* out,
                    int G, int n, int hd);
 #endif
 
-AttendFn attend_fn(Isa isa);
+// The variant for `isa` and heads of `hd` values.
+AttendFn attend_fn(Isa isa, int hd);
 
 // The same over float16 keys and values (IEEE half bits), converted to
 // float32 as they are read: half the bytes a long context's step reads.
@@ -111,12 +115,15 @@ using AttendF16Fn = void (*)(const float* q, const uint16_t* k, const uint16_t* 
 void attend_f16_scalar(const float* q, const uint16_t* k, const uint16_t* v, float* scores,
                        float* out, int G, int n, int hd);
 #if defined(__x86_64__)
+// hd a multiple of 8.
+void attend_f16_avx2(const float* q, const uint16_t* k, const uint16_t* v, float* scores,
+                     float* out, int G, int n, int hd);
 // hd a multiple of 16.
 void attend_f16_avx512(const float* q, const uint16_t* k, const uint16_t* v, float* scores,
                        float* out, int G, int n, int hd);
 #endif
 
-AttendF16Fn attend_f16_fn(Isa isa);
+AttendF16Fn attend_f16_fn(Isa isa, int hd);
 
 // An IEEE half's value.
 float half_to_float(uint16_t h);

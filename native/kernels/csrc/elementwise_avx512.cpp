@@ -31,11 +31,6 @@ inline __m512 exp16(__m512 x) {
 
 inline __mmask16 tail(int left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
 
-// 16 float16 values as float32.
-inline __m512 load_half(const uint16_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 }  // namespace
 
 void softmax_row_avx512(const float* x, float* y, int seen, int S) {
@@ -89,16 +84,26 @@ void rms_norm_row_avx512(const float* x, const float* w, float* y, int D, float 
   }
 }
 
-void attend_avx512(const float* q, const float* k, const float* v, float* scores, float* out,
-                   int G, int n, int hd) {
+namespace {
+
+// 16 keys' or values' elements as float32 under mask `m`: float32 as they
+// are, float16 converted (rows of 16, so the mask is full).
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const uint16_t* p, __mmask16) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <typename KV>
+void attend_avx512_t(const float* q, const KV* k, const KV* v, float* scores, float* out, int G,
+                     int n, int hd) {
   for (int j = 0; j < n; ++j) {
-    const float* kj = k + (long)j * hd;
+    const KV* kj = k + (long)j * hd;
     for (int g = 0; g < G; ++g) {
       const float* qg = q + (long)g * hd;
       __m512 acc = _mm512_setzero_ps();
       for (int e = 0; e < hd; e += 16) {
         const __mmask16 m = tail(hd - e);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, qg + e), _mm512_maskz_loadu_ps(m, kj + e), acc);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, qg + e), load16(kj + e, m), acc);
       }
       scores[(long)g * n + j] = _mm512_reduce_add_ps(acc);
     }
@@ -110,46 +115,29 @@ void attend_avx512(const float* q, const float* k, const float* v, float* scores
     for (int e = 0; e < hd; ++e) og[e] = 0.0f;
   }
   for (int j = 0; j < n; ++j) {
-    const float* vj = v + (long)j * hd;
+    const KV* vj = v + (long)j * hd;
     for (int g = 0; g < G; ++g) {
       const __m512 p = _mm512_set1_ps(scores[(long)g * n + j]);
       float* og = out + (long)g * hd;
       for (int e = 0; e < hd; e += 16) {
         const __mmask16 m = tail(hd - e);
-        _mm512_mask_storeu_ps(og + e, m,
-                              _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(m, vj + e),
-                                              _mm512_maskz_loadu_ps(m, og + e)));
+        _mm512_mask_storeu_ps(
+            og + e, m, _mm512_fmadd_ps(p, load16(vj + e, m), _mm512_maskz_loadu_ps(m, og + e)));
       }
     }
   }
 }
 
+}  // namespace
+
+void attend_avx512(const float* q, const float* k, const float* v, float* scores, float* out,
+                   int G, int n, int hd) {
+  attend_avx512_t(q, k, v, scores, out, G, n, hd);
+}
+
 void attend_f16_avx512(const float* q, const uint16_t* k, const uint16_t* v, float* scores,
                        float* out, int G, int n, int hd) {
-  for (int j = 0; j < n; ++j) {
-    const uint16_t* kj = k + (long)j * hd;
-    for (int g = 0; g < G; ++g) {
-      const float* qg = q + (long)g * hd;
-      __m512 acc = _mm512_setzero_ps();
-      for (int e = 0; e < hd; e += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + e), load_half(kj + e), acc);
-      scores[(long)g * n + j] = _mm512_reduce_add_ps(acc);
-    }
-  }
-  for (int g = 0; g < G; ++g) {
-    float* row = scores + (long)g * n;
-    softmax_row_avx512(row, row, n, n);
-    float* og = out + (long)g * hd;
-    for (int e = 0; e < hd; ++e) og[e] = 0.0f;
-  }
-  for (int j = 0; j < n; ++j) {
-    const uint16_t* vj = v + (long)j * hd;
-    for (int g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[(long)g * n + j]);
-      float* og = out + (long)g * hd;
-      for (int e = 0; e < hd; e += 16)
-        _mm512_storeu_ps(og + e, _mm512_fmadd_ps(p, load_half(vj + e), _mm512_loadu_ps(og + e)));
-    }
-  }
+  attend_avx512_t(q, k, v, scores, out, G, n, hd);
 }
 
 }  // namespace emlx

@@ -537,6 +537,22 @@ int emlx_kernels_qmm_int8(const float* x, const uint32_t* w, const void* scales,
   });
 }
 
+// One key head's attention (see AttendFn) on plain buffers with a chosen
+// variant: keys and values float32, or IEEE half bits when `f16`.
+int emlx_kernels_attend_raw(const float* q, const void* k, const void* v, int f16, float* out,
+                            int G, int n, int hd, int isa) {
+  return emlx::run_raw(isa, [&](emlx::Isa variant) {
+    std::vector<float> scores((size_t)G * n);
+    if (f16)
+      emlx::attend_f16_fn(variant, hd)(q, static_cast<const uint16_t*>(k),
+                                       static_cast<const uint16_t*>(v), scores.data(), out, G, n,
+                                       hd);
+    else
+      emlx::attend_fn(variant, hd)(q, static_cast<const float*>(k), static_cast<const float*>(v),
+                                   scores.data(), out, G, n, hd);
+  });
+}
+
 int emlx_kernels_activations() { return emlx::selected_activations(); }
 
 int emlx_kernels_int8_vnni() {

@@ -133,6 +133,18 @@ extern "C" {
         err: *mut c_char,
         err_len: usize,
     ) -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    fn emlx_kernels_attend_raw(
+        q: *const f32,
+        k: *const std::ffi::c_void,
+        v: *const std::ffi::c_void,
+        f16: c_int,
+        out: *mut f32,
+        g: c_int,
+        n: c_int,
+        hd: c_int,
+        isa: c_int,
+    ) -> c_int;
     fn emlx_kernels_softmax(
         x: *const f32,
         y: *mut f32,
@@ -800,6 +812,61 @@ fn ran(status: c_int, isa: Isa, kernel: Option<&str>) -> Result<(), KernelError>
             isa.name()
         ))),
     }
+}
+
+/// A one-token step's keys and values for [`attend_with`]: float32, or
+/// float16 as IEEE half bits (a `kv_dtype` float16 cache).
+pub enum KeysValues<'a> {
+    F32(&'a [f32], &'a [f32]),
+    F16(&'a [u16], &'a [u16]),
+}
+
+/// The decode layer's attention for one key head on plain buffers, with a
+/// chosen variant: `q` `[G, hd]` (already scaled) over `n` keys and values
+/// `[n, hd]`, `out` `[G, hd]` = softmax(q . k) @ v. For tests and benchmarks.
+pub fn attend_with(
+    isa: Isa,
+    q: &[f32],
+    kv: KeysValues<'_>,
+    hd: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    let (k, v, f16, len) = match kv {
+        KeysValues::F32(k, v) => (k.as_ptr().cast(), v.as_ptr().cast(), 0, (k.len(), v.len())),
+        KeysValues::F16(k, v) => (k.as_ptr().cast(), v.as_ptr().cast(), 1, (k.len(), v.len())),
+    };
+    let g = q.len() / hd.max(1);
+    let n = len.0 / hd.max(1);
+    if hd == 0
+        || q.len() != g * hd
+        || out.len() != q.len()
+        || len.0 != n * hd
+        || len.1 != len.0
+        || n == 0
+    {
+        return Err(KernelError(format!(
+            "attend: {} queries, {} keys, {} values and {} outputs for heads of {hd}",
+            q.len(),
+            len.0,
+            len.1,
+            out.len()
+        )));
+    }
+    // SAFETY: q and out hold g * hd floats, k and v n * hd elements, checked above.
+    let status = unsafe {
+        emlx_kernels_attend_raw(
+            q.as_ptr(),
+            k,
+            v,
+            f16,
+            out.as_mut_ptr(),
+            g as c_int,
+            n as c_int,
+            hd as c_int,
+            isa as c_int,
+        )
+    };
+    ran(status, isa, Some("attend"))
 }
 
 /// [`causal_softmax`] on plain buffers (`x` and `y` of `rows * keys`) with a

@@ -60,12 +60,10 @@ pub(crate) fn forward<C: KvStore>(
     if h.dtype() != Dtype::Float32
         || !matches!(mlp.gate_up.sizes(), [g, u] if g == u)
         || ![&o, &gate_up, &down].into_iter().all(takes)
-        || !match cache.buffers(layer).0.dtype() {
-            Dtype::Float32 => true,
-            // The float16 attention loads rows of 16.
-            Dtype::Float16 => c.head_dim % 16 == 0,
-            _ => false,
-        }
+        || !matches!(
+            cache.buffers(layer).0.dtype(),
+            Dtype::Float32 | Dtype::Float16
+        )
     {
         return Ok(None);
     }
