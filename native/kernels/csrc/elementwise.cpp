@@ -38,6 +38,16 @@ void rms_norm_row_scalar(const float* x, const float* w, float* y, int D, float 
   for (int i = 0; i < D; ++i) y[i] = (x[i] * scale) * w[i];
 }
 
+void attention_weights(SoftmaxRowFn softmax_row, float* scores, float* out, int G, int n,
+                       int hd) {
+  for (int g = 0; g < G; ++g) {
+    float* row = scores + (long)g * n;
+    softmax_row(row, row, n, n);
+    float* og = out + (long)g * hd;
+    for (int e = 0; e < hd; ++e) og[e] = 0.0f;
+  }
+}
+
 float half_to_float(uint16_t h) {
   const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
   uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
@@ -83,12 +93,7 @@ void attend_scalar_t(const float* q, const KV* k, const KV* v, float* scores, fl
       scores[(long)g * n + j] = (s[0] + s[1]) + (s[2] + s[3]);
     }
   }
-  for (int g = 0; g < G; ++g) {
-    float* row = scores + (long)g * n;
-    softmax_row_scalar(row, row, n, n);
-    float* og = out + (long)g * hd;
-    for (int e = 0; e < hd; ++e) og[e] = 0.0f;
-  }
+  attention_weights(softmax_row_scalar, scores, out, G, n, hd);
   for (int j = 0; j < n; ++j) {
     const KV* vj = v + (long)j * hd;
     for (int g = 0; g < G; ++g) {

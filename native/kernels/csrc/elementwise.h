@@ -125,6 +125,11 @@ void attend_f16_avx512(const float* q, const uint16_t* k, const uint16_t* v, flo
 
 AttendF16Fn attend_f16_fn(Isa isa, int hd);
 
+// The attention variants' middle step: each of the G rows of scores [G, n]
+// softmaxed in place, and out [G, hd] zeroed for the weighted values.
+void attention_weights(SoftmaxRowFn softmax_row, float* scores, float* out, int G, int n,
+                       int hd);
+
 // An IEEE half's value.
 float half_to_float(uint16_t h);
 

@@ -35,12 +35,7 @@ void attend_avx2_t(const float* q, const KV* k, const KV* v, float* scores, floa
       scores[(long)g * n + j] = sum8(acc);
     }
   }
-  for (int g = 0; g < G; ++g) {
-    float* row = scores + (long)g * n;
-    softmax_row_scalar(row, row, n, n);
-    float* og = out + (long)g * hd;
-    for (int e = 0; e < hd; ++e) og[e] = 0.0f;
-  }
+  attention_weights(softmax_row_scalar, scores, out, G, n, hd);
   for (int j = 0; j < n; ++j) {
     const KV* vj = v + (long)j * hd;
     for (int g = 0; g < G; ++g) {
