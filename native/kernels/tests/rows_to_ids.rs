@@ -83,7 +83,7 @@ fn a_panic_marks_its_rows_and_the_context_is_dropped_once() {
             &x,
             Box::new(move |i, _| {
                 let _keep = &inside;
-                assert!(i != 1, "row 1 fails");
+                assert!(i != 1, "row 1 panics, as this test means it to");
                 i as u32
             }),
         )

@@ -243,8 +243,9 @@ fn generation_stats(resource: ResourceArc<GenerationResource>) -> NifResult<Stat
 }
 
 /// Ends the given rows now (their callers are gone): they take no more
-/// tokens, and the generation is done once its other rows are.
-#[rustler::nif]
+/// tokens, and the generation is done once its other rows are. Dirty: it
+/// waits for the generation's lock, which a step may hold.
+#[rustler::nif(schedule = "DirtyCpu")]
 fn generation_cancel_rows(
     resource: ResourceArc<GenerationResource>,
     rows: Vec<usize>,
