@@ -118,9 +118,8 @@ defmodule EMLXAxon.Options do
       default: nil,
       doc:
         "the KV cache's dtype (`nil`: the model's). `:float16` under a float32 model (the " <>
-          "CPU's default) halves what a long context's decode step reads: about 1.3x the " <>
-          "decode speed after 2,048 tokens on a 2-core CPU, with keys and values rounded to " <>
-          "float16. Not offered by a scheduler's slots, nor with `:kv_bits`"
+          "CPU's default) halves what a long context's decode step reads, its keys and " <>
+          "values rounded to float16. Not offered by a scheduler's slots, nor with `:kv_bits`"
     ]
   ]
 
