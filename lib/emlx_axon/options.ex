@@ -119,7 +119,8 @@ defmodule EMLXAxon.Options do
       doc:
         "the KV cache's dtype (`nil`: the model's). `:float16` under a float32 model (the " <>
           "CPU's default) halves what a long context's decode step reads, its keys and " <>
-          "values rounded to float16. Not offered by a scheduler's slots, nor with `:kv_bits`"
+          "values rounded to float16. A scheduler's slots have the dtype it was started " <>
+          "with (a serving gives its own schedulers this one); not with `:kv_bits`"
     ]
   ]
 

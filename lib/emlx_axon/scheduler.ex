@@ -127,6 +127,14 @@ defmodule EMLXAxon.Scheduler do
       default: 16,
       doc: "shortest prompt prefix stored or reused"
     ],
+    kv_dtype: [
+      type: {:or, [nil, {:in, [:float32, :bfloat16, :float16]}]},
+      default: nil,
+      doc:
+        "the slots' keys and values dtype (`nil`: the model's); `:float16` under a float32 " <>
+          "model halves what a long context's decode step reads. A request naming another " <>
+          "`:kv_dtype` fails"
+    ],
     name: [
       type: {:custom, {__MODULE__, :name_option}, "nil or a GenServer name"},
       default: nil,

@@ -241,17 +241,38 @@ defmodule EMLXAxon.SchedulerTest do
     assert {:error, %EMLXAxon.Error{kind: :invalid_argument, message: message}} =
              Scheduler.submit(server, plain, kv_bits: 8, kv_group_size: 32)
 
-    assert message =~ "kv_bits, max_kv_size and kv_dtype are not offered by the scheduler"
+    assert message =~ "kv_bits and max_kv_size are not offered by the scheduler"
 
     assert {:error, %EMLXAxon.Error{message: message}} =
              Scheduler.submit(server, plain, max_kv_size: 64)
 
     assert message =~ "not offered by the scheduler"
 
+    # A cache dtype is the slots': one asking for another is refused.
+    assert {:error, %EMLXAxon.Error{message: message}} =
+             Scheduler.submit(server, plain, kv_dtype: :float16)
+
+    assert message =~ "slots keep Float32"
+
     assert_raise ArgumentError, ~r/model/, fn -> Scheduler.start_link(model: nil) end
 
     assert_raise ArgumentError, ~r/:prefill_chunk/, fn ->
       Scheduler.start_link(model: ctx.state, prefill_chunk: :large)
+    end
+  end
+
+  test "float16 slots decode as a float16 generation alone", ctx do
+    server = start(ctx, slots: 2, kv_dtype: :float16)
+    [_chat, plain] = ctx.prompts
+    opts = [max_new_tokens: 12, ignore_eos: true]
+
+    for asked <- [[kv_dtype: :float16], []] do
+      assert {:ok, %{token_ids: ids}} = Scheduler.generate(server, plain, asked ++ opts)
+      assert ids == solo(ctx.state, plain, [kv_dtype: :float16] ++ opts)
+    end
+
+    assert_raise ArgumentError, ~r/:kv_dtype/, fn ->
+      Scheduler.start_link(model: ctx.state, kv_dtype: :int8)
     end
   end
 

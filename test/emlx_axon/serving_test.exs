@@ -40,6 +40,9 @@ for mode <- [:continuous, :static], Code.ensure_loaded?(Nx.Serving) do
 
     defp ids(output), do: hd(output.results).token_ids
 
+    defp token_ids(outputs) when is_list(outputs), do: Enum.flat_map(outputs, &token_ids/1)
+    defp token_ids(output), do: Enum.map(output.results, & &1.token_ids)
+
     # A serving of this module's kind.
     defp serving(tokenizer, state, opts),
       do: TextGeneration.serving(tokenizer, state, opts ++ @mode_opts)
@@ -64,6 +67,19 @@ for mode <- [:continuous, :static], Code.ensure_loaded?(Nx.Serving) do
 
       assert %{results: [%{token_ids: ^plain_ids}], metadata: %{batch_size: 1, prompt_tokens: 10}} =
                Nx.Serving.run(serving(tokenizer, state, @opts), @plain)
+    end
+
+    test "a float16 KV cache (kv_dtype) gives run/4's float16 ids", %{
+      tokenizer: tokenizer,
+      state: state
+    } do
+      opts = [max_new_tokens: 12, ignore_eos: true, kv_dtype: :float16]
+      serving = serving(tokenizer, state, opts)
+
+      for input <- [@plain, [@plain, "Hello"]] do
+        assert token_ids(Nx.Serving.run(serving, input)) ==
+                 token_ids(TextGeneration.run(tokenizer, state, input, opts))
+      end
     end
 
     test "from_mlx4bit/3", %{tokenizer: tokenizer, state: state} do

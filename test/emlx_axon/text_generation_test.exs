@@ -356,11 +356,12 @@ defmodule EMLXAxon.TextGenerationTest do
       assert %{kv_bits: 8, scheduler: false} = config.serving!(kv_bits: 8, scheduler: false)
       assert %{max_kv_size: 64} = config.serving!(max_kv_size: 64, scheduler: false)
 
-      assert_raise ArgumentError, ~r/:kv_dtype need static batches/, fn ->
-        config.serving!(kv_dtype: :float16)
-      end
+      # A cache dtype goes to the serving's own schedulers' slots.
+      assert %{kv_dtype: :float16, scheduler: true, scheduler_options: [kv_dtype: :float16]} =
+               config.serving!(kv_dtype: :float16)
 
-      assert %{kv_dtype: :float16} = config.serving!(kv_dtype: :float16, scheduler: false)
+      assert %{kv_dtype: :float16, scheduler: false} =
+               config.serving!(kv_dtype: :float16, scheduler: false)
     end
 
     test "bad inputs raise ArgumentError", %{tokenizer: tokenizer, state: state} do

@@ -23,7 +23,8 @@ defmodule EMLXAxon.Scheduler.Server do
       capacity: opts.capacity,
       prefill_chunk: prefill_chunk(opts.prefill_chunk),
       prefix_cache_bytes: opts.prefix_cache_bytes,
-      prefix_min_tokens: opts.prefix_min_tokens
+      prefix_min_tokens: opts.prefix_min_tokens,
+      kv_dtype: opts.kv_dtype && Atom.to_string(opts.kv_dtype)
     }
 
     case Error.wrap(Native.scheduler_new(opts.model.ref, tokenizer_ref, native_opts)) do

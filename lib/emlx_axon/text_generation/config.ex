@@ -18,7 +18,8 @@ defmodule EMLXAxon.TextGeneration.Config do
     :steps_per_call,
     :step_budget_ms,
     :prefix_cache_bytes,
-    :prefix_min_tokens
+    :prefix_min_tokens,
+    :kv_dtype
   ]
 
   @common Options.generation() ++
@@ -282,6 +283,7 @@ defmodule EMLXAxon.TextGeneration.Config do
     chunk_size = opts.chunk_size || if(streaming?, do: @stream_chunk_size, else: @run_chunk_size)
     scheduler = schedulers!(opts.scheduler, mlx_stream)
     own_cache!(opts, scheduler)
+    opts = slot_dtype(opts, scheduler)
 
     %{
       opts
@@ -293,9 +295,10 @@ defmodule EMLXAxon.TextGeneration.Config do
   end
 
   # A quantized or rotating KV cache belongs to one generation: a
-  # scheduler's slots do not offer it.
+  # scheduler's slots do not offer it. A cache dtype is the slots' own: the
+  # serving's schedulers get it, a given one must have been started with it.
   defp own_cache!(opts, scheduler) do
-    given = for key <- [:kv_bits, :max_kv_size, :kv_dtype], opts[key] != nil, do: key
+    given = for key <- [:kv_bits, :max_kv_size], opts[key] != nil, do: key
 
     if given != [] and scheduler != false do
       raise ArgumentError,
@@ -303,6 +306,11 @@ defmodule EMLXAxon.TextGeneration.Config do
               "(scheduler: false): a scheduler's slots keep float caches"
     end
   end
+
+  defp slot_dtype(%{kv_dtype: dtype} = opts, true) when dtype != nil,
+    do: %{opts | scheduler_options: Keyword.put_new(opts.scheduler_options, :kv_dtype, dtype)}
+
+  defp slot_dtype(opts, _scheduler), do: opts
 
   # A serving's own schedulers run on MLX's default stream: one given an
   # EMLXAxon.Stream to run on decodes static batches on it instead.

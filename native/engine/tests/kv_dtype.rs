@@ -1,8 +1,9 @@
 //! A float16 KV cache under a float32 model (`kv_dtype`): one-token steps
 //! through the CPU layer nodes (their float16 attention) give the logits of
 //! MLX's separate ops over the same float16 cache, teacher-forced at every
-//! step; both differ from a float32 cache's by the rounding alone; and the
-//! option reaches a generation and is refused where it cannot apply.
+//! step; both differ from a float32 cache's by the rounding alone; the
+//! option reaches a generation and a scheduler's slots, and is refused
+//! where it cannot apply.
 
 mod common;
 
@@ -152,5 +153,66 @@ fn kv_dtype_is_refused_where_it_cannot_apply() {
         .admit(prompt.clone(), with(Dtype::Float16, None))
         .unwrap_err()
         .to_string();
-    assert!(refused.contains("kv_dtype"), "{refused}");
+    assert!(
+        refused.contains("slots keep Float32") && refused.contains("kv_dtype"),
+        "{refused}"
+    );
+    let config = SchedulerConfig {
+        kv_dtype: Some(Dtype::Int32),
+        ..SchedulerConfig::default()
+    };
+    let refused = Scheduler::new(model.clone(), None, config).err().unwrap();
+    assert!(
+        refused.to_string().contains("kv_dtype must be"),
+        "{refused}"
+    );
+}
+
+/// A scheduler started with float16 slots decodes each request as a
+/// generation with a float16 cache of its own does (the same CPU layer
+/// nodes, rows at their own positions), whether a request names the dtype
+/// or leaves it to the slots.
+#[test]
+fn float16_slots_decode_as_a_float16_generation_alone() {
+    mlx_rs::with_stream(&mlx_rs::Stream::cpu(), || {
+        let model = load_f32("qwen3-wide");
+        let config = SchedulerConfig {
+            slots: 2,
+            capacity: 128,
+            prefix_cache_bytes: 0,
+            kv_dtype: Some(Dtype::Float16),
+            ..SchedulerConfig::default()
+        };
+        let mut scheduler = Scheduler::new(model.clone(), None, config).unwrap();
+        let prompts = [ids(20, 5), ids(33, 9)];
+        let asked = [Some(Dtype::Float16), None];
+        let mut admitted = vec![];
+        for (prompt, kv_dtype) in prompts.iter().zip(asked) {
+            let options = GenerateOptions {
+                kv_dtype,
+                ..options(10, SamplerConfig::default())
+            };
+            admitted.push(scheduler.admit(prompt.clone(), options).unwrap());
+        }
+        let mut got: std::collections::HashMap<u64, Vec<u32>> = Default::default();
+        for _ in 0..200 {
+            for e in scheduler.step(4).unwrap() {
+                got.entry(e.id).or_default().extend(&e.delta.ids);
+            }
+            if admitted
+                .iter()
+                .all(|id| got.get(id).is_some_and(|t| t.len() == 10))
+            {
+                break;
+            }
+        }
+        for (id, prompt) in admitted.iter().zip(&prompts) {
+            let alone = GenerateOptions {
+                kv_dtype: Some(Dtype::Float16),
+                ..options(10, SamplerConfig::default())
+            };
+            let expected = generate(model.clone(), None, prompt, alone).unwrap().ids;
+            assert_eq!(got[id], expected, "request {id}");
+        }
+    });
 }

@@ -40,6 +40,7 @@ fn config(slots: usize, prefill_chunk: usize, prefix_cache_bytes: usize) -> Sche
         prefill_chunk,
         prefix_cache_bytes,
         prefix_min_tokens: 4,
+        ..SchedulerConfig::default()
     }
 }
 

@@ -29,6 +29,7 @@ fn config(slots: usize) -> SchedulerConfig {
         prefill_chunk: 8,
         prefix_cache_bytes: 0,
         prefix_min_tokens: 4,
+        ..SchedulerConfig::default()
     }
 }
 

@@ -40,6 +40,8 @@ pub struct NewOptions {
     prefill_chunk: usize,
     prefix_cache_bytes: usize,
     prefix_min_tokens: usize,
+    /// `nil` (the model's) or the slots' dtype.
+    kv_dtype: Option<String>,
 }
 
 #[derive(NifMap)]
@@ -81,6 +83,11 @@ fn scheduler_new(
             prefill_chunk: o.prefill_chunk,
             prefix_cache_bytes: o.prefix_cache_bytes,
             prefix_min_tokens: o.prefix_min_tokens,
+            kv_dtype: o
+                .kv_dtype
+                .as_deref()
+                .map(crate::model::parse_dtype)
+                .transpose()?,
         };
         let scheduler = on_large_stack(|| {
             Scheduler::new(

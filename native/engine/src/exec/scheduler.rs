@@ -38,7 +38,7 @@ use crate::error::{Error, Result};
 use crate::exec::generate::rows::Row;
 use crate::exec::generate::{FinishReason, GenerateOptions, RowDelta};
 use crate::exec::request;
-use crate::kv::cache::KvCache;
+use crate::kv::cache::{KvCache, KvShape};
 use crate::kv::prefix::PrefixCache;
 use crate::kv::slots::{slot_cache_bytes, SlotCache};
 use crate::model::{AttentionMask, Model};
@@ -61,6 +61,9 @@ pub struct SchedulerConfig {
     pub prefix_cache_bytes: usize,
     /// Shortest prompt prefix worth storing and reusing.
     pub prefix_min_tokens: usize,
+    /// The dtype of the slots' keys and values (and of the prompts' and the
+    /// prefix cache's), `None`: the model's (see `GenerateOptions::kv_dtype`).
+    pub kv_dtype: Option<mlx_rs::Dtype>,
 }
 
 impl Default for SchedulerConfig {
@@ -71,6 +74,7 @@ impl Default for SchedulerConfig {
             prefill_chunk: 128,
             prefix_cache_bytes: 256 << 20,
             prefix_min_tokens: 16,
+            kv_dtype: None,
         }
     }
 }
@@ -244,8 +248,12 @@ impl Scheduler {
             return Err(Error::invalid("prefill_chunk must be at least 1"));
         }
         request::check_tokenizer(&model, tokenizer.as_deref())?;
+        if let Some(dtype) = config.kv_dtype {
+            crate::exec::generate::check_kv_dtype(dtype)?;
+        }
+        let kv_shape = kv_shape(&model, &config);
         crate::runtime::memory::ensure_fits(
-            slot_cache_bytes(&model.kv_shape(), config.slots, config.capacity),
+            slot_cache_bytes(&kv_shape, config.slots, config.capacity),
             &format!(
                 "a KV cache of {} slots x {} positions",
                 config.slots, config.capacity
@@ -256,11 +264,7 @@ impl Scheduler {
         } else {
             vec![]
         };
-        let cache = SlotCache::new(
-            &model.kv_shape(),
-            config.slots as i32,
-            config.capacity as i32,
-        )?;
+        let cache = SlotCache::new(&kv_shape, config.slots as i32, config.capacity as i32)?;
         Ok(Scheduler {
             prefix: PrefixCache::new(config.prefix_cache_bytes, config.prefix_min_tokens),
             slots: (0..config.slots).map(|_| None).collect(),
@@ -279,6 +283,11 @@ impl Scheduler {
 
     pub fn config(&self) -> &SchedulerConfig {
         &self.config
+    }
+
+    /// The shape (and dtype) of this scheduler's KV caches.
+    pub(crate) fn kv_shape(&self) -> KvShape {
+        kv_shape(&self.model, &self.config)
     }
 
     /// Queues a request; its tokens come from later [`step`](Self::step)s.
@@ -334,10 +343,17 @@ impl Scheduler {
 
     fn validate(&self, prompt: &[u32], o: &GenerateOptions) -> Result<()> {
         request::check_prompt(&self.model, prompt)?;
-        if o.kv_quant.is_some() || o.max_kv_size.is_some() || o.kv_dtype.is_some() {
+        if o.kv_quant.is_some() || o.max_kv_size.is_some() {
             return Err(Error::invalid(
-                "kv_bits, max_kv_size and kv_dtype are not offered by the scheduler's slots: generate without a scheduler (scheduler: false) for a quantized, rotating or float16 KV cache",
+                "kv_bits and max_kv_size are not offered by the scheduler's slots: generate without a scheduler (scheduler: false) for a quantized or rotating KV cache",
             ));
+        }
+        let slots = self.kv_shape().dtype;
+        if o.kv_dtype.is_some_and(|d| d != slots) {
+            return Err(Error::invalid(format!(
+                "this scheduler's slots keep {slots:?} keys and values, not the kv_dtype {:?} asked for: start the scheduler with that kv_dtype",
+                o.kv_dtype.unwrap_or(slots)
+            )));
         }
         request::check_options(o, self.tokenizer.is_some())
     }
@@ -460,6 +476,13 @@ impl Scheduler {
         self.held = if steps == 0 { self.held + 1 } else { 0 };
         self.decode(steps, deadline, events)
     }
+}
+
+/// The shape of a scheduler's KV caches: the model's, in `config`'s dtype.
+fn kv_shape(model: &Model, config: &SchedulerConfig) -> KvShape {
+    let mut shape = model.kv_shape();
+    shape.dtype = config.kv_dtype.unwrap_or(shape.dtype);
+    shape
 }
 
 /// `[1, V]` logits -> the sampled token, lazily where the sampler allows.

@@ -178,6 +178,14 @@ impl KvStore for SlotCache {
                 "the slot cache takes one new position for every row of the step",
             ));
         }
+        // Stored in the slots' dtype (a `kv_dtype` other than the model's).
+        let dtype = self.layers[layer].0.dtype();
+        let (k, v) = if k.dtype() == dtype {
+            (k.clone(), v.clone())
+        } else {
+            (k.as_dtype(dtype)?, v.as_dtype(dtype)?)
+        };
+        let (k, v) = (&k, &v);
         let (k, v) = if self.rows < self.slots {
             let mut shape = k.shape().to_vec();
             shape[0] = self.slots - self.rows;

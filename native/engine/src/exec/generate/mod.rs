@@ -24,7 +24,7 @@ use crate::model::Model;
 use crate::text::tokenizer::Tokenizer;
 
 pub use generation::Generation;
-pub use options::{GenerateOptions, RowOptions};
+pub use options::{check_kv_dtype, GenerateOptions, RowOptions};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {

@@ -123,14 +123,7 @@ pub(super) fn validate(
         check_kv_quant(model, q)?;
     }
     if let Some(dtype) = o.kv_dtype {
-        if !matches!(
-            dtype,
-            mlx_rs::Dtype::Float32 | mlx_rs::Dtype::Float16 | mlx_rs::Dtype::Bfloat16
-        ) {
-            return Err(Error::invalid(format!(
-                "kv_dtype must be float32, float16 or bfloat16, got {dtype:?}"
-            )));
-        }
+        check_kv_dtype(dtype)?;
         if o.kv_quant.is_some() {
             return Err(Error::invalid(
                 "kv_dtype and kv_bits cannot be combined: kv_dtype is a float cache's dtype",
@@ -158,6 +151,20 @@ pub(super) fn validate(
 }
 
 /// A KV quantization MLX can apply to this model's heads.
+/// A float KV cache's dtype (`kv_dtype`) is one of MLX's float types.
+pub fn check_kv_dtype(dtype: mlx_rs::Dtype) -> Result<()> {
+    if matches!(
+        dtype,
+        mlx_rs::Dtype::Float32 | mlx_rs::Dtype::Float16 | mlx_rs::Dtype::Bfloat16
+    ) {
+        Ok(())
+    } else {
+        Err(Error::invalid(format!(
+            "kv_dtype must be float32, float16 or bfloat16, got {dtype:?}"
+        )))
+    }
+}
+
 fn check_kv_quant(model: &Model, q: KvQuant) -> Result<()> {
     if !matches!(q.bits, 2 | 3 | 4 | 5 | 6 | 8) {
         return Err(Error::invalid(format!(

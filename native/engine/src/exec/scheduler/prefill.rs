@@ -8,7 +8,7 @@ impl Scheduler {
     pub(super) fn start_prefill(&mut self, mut request: Request) -> Result<()> {
         request.prefill_started = Some(Instant::now());
         let len = request.prompt.len() as i32;
-        let mut cache = KvCache::new(&self.model.kv_shape(), 1, len)?;
+        let mut cache = KvCache::new(&self.kv_shape(), 1, len)?;
         let mut done = 0;
         if self.config.prefix_cache_bytes > 0 {
             if let Some(hit) = self.prefix.lookup(&request.prompt) {

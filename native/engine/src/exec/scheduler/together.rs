@@ -69,7 +69,7 @@ impl Scheduler {
         }
         let ids = Array::from_slice(&ids, &[n as i32, longest as i32]);
         let last: Vec<i32> = group.iter().map(|r| r.prompt.len() as i32 - 1).collect();
-        let mut cache = KvCache::new(&self.model.kv_shape(), n as i32, longest as i32)?;
+        let mut cache = KvCache::new(&self.kv_shape(), n as i32, longest as i32)?;
         let mask = if longest > 1 {
             AttentionMask::Causal
         } else {
