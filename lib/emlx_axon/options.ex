@@ -44,7 +44,9 @@ defmodule EMLXAxon.Options do
     sampler: [
       type: {:in, @samplers},
       default: :greedy,
-      doc: "greedy decoding, or nucleus sampling on the host (`:top_p_cpu`) or the device"
+      doc:
+        "greedy decoding, or nucleus sampling on the host (`:top_p_cpu`) or the device " <>
+          "(`:top_p_gpu`); on a CPU both run inside the step"
     ],
     temperature: [
       type: {:custom, {__MODULE__, :temperature}, "a number >= 0"},
