@@ -349,6 +349,61 @@ impl Sampler {
     }
 }
 
+/// One row each of `logits` (`[rows, V]`) drawn in one call of our CUDA
+/// sampling kernel, row `i` with `samplers[i]`'s seed (`None`: a row drawn
+/// elsewhere, greedy or free, whose token is not used): a scheduler's rows,
+/// each a request with a sampler of its own. The kernel takes one set of
+/// filters, so every sampler must ask for the same; and it needs the step's
+/// positions, which it takes. `None` (a reason noted) where it does not
+/// run: the rows then sample one by one.
+pub fn sample_rows(samplers: &[Option<&Sampler>], logits: &Array) -> Result<Option<Array>> {
+    use crate::backend::cuda::layer;
+    let sampled: Vec<&Sampler> = samplers.iter().flatten().copied().collect();
+    let Some(first) = sampled.first() else {
+        return Ok(None);
+    };
+    if !layer::wanted() || first.config.kind != SamplerKind::TopPGpu {
+        return Ok(None);
+    }
+    let c = &first.config;
+    let same = |s: &&Sampler| {
+        let o = &s.config;
+        o.kind == c.kind
+            && (o.temperature, o.top_p, o.min_p) == (c.temperature, c.top_p, c.min_p)
+            && (o.top_k, o.min_tokens_to_keep) == (c.top_k, c.min_tokens_to_keep)
+            && s.seeds.len() == 1
+    };
+    let positions = layer::take_step_positions();
+    let vocab = logits.dim(-1).max(0) as usize;
+    let why = if !sampled.iter().all(same) {
+        "sample kernel: the rows' samplers differ (one kernel call takes one set of filters)"
+    } else if let Some(why) = kernel::declines(c, vocab) {
+        why
+    } else {
+        match layer::sample_kernel(logits, |k| kernel::check(k, logits.dtype())) {
+            Err(why) => why,
+            Ok(k) => match positions.filter(|p| p.size() == samplers.len()) {
+                None => "sample kernel: no step positions for these rows (a prompt's token)",
+                Some(positions) => {
+                    let seeds: Vec<u64> = samplers
+                        .iter()
+                        .map(|s| s.map_or(0, |s| s.seeds[0]))
+                        .collect();
+                    let ids = k.draw(
+                        logits,
+                        &positions,
+                        &kernel::seeds(&seeds),
+                        &kernel::params(c),
+                    )?;
+                    return Ok(Some(ids));
+                }
+            },
+        }
+    };
+    crate::backend::declined(why);
+    Ok(None)
+}
+
 /// Whether sampled rows take the host's filters as a node of the graph
 /// ([`Sampler::host_node`]): on a CPU stream with our kernels.
 fn host_node_here() -> bool {

@@ -151,9 +151,36 @@ impl Scheduler {
         } else {
             None
         };
-        let tokens = match greedy {
-            Some(g) if all_greedy => g,
-            greedy => {
+        // The sampled rows in one kernel call where they can be.
+        let batched = {
+            let samplers: Vec<Option<&Sampler>> = self.slots[..n]
+                .iter()
+                .map(|s| {
+                    s.as_ref()
+                        .filter(|r| !r.request.options.sampler.is_greedy())
+                        .map(|r| &r.request.sampler)
+                })
+                .collect();
+            if all_greedy {
+                None
+            } else {
+                crate::sample::sample_rows(&samplers, &logits)?
+            }
+        };
+        let tokens = match (greedy, batched) {
+            (Some(g), _) if all_greedy => g,
+            (None, Some(sampled)) => sampled,
+            (Some(g), Some(sampled)) => {
+                let greedy_rows: Vec<bool> = self.slots[..n]
+                    .iter()
+                    .map(|s| {
+                        s.as_ref()
+                            .is_none_or(|r| r.request.options.sampler.is_greedy())
+                    })
+                    .collect();
+                mlx_rs::ops::select(Array::from_slice(&greedy_rows, &[rows]), &g, &sampled)?
+            }
+            (greedy, None) => {
                 let mut parts = Vec::with_capacity(n);
                 for (i, slot) in self.slots[..n].iter_mut().enumerate() {
                     let i = i as i32;
