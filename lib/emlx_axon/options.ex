@@ -25,6 +25,11 @@ defmodule EMLXAxon.Options do
   @doc false
   def samplers, do: @samplers
 
+  @kv_dtypes [:float32, :bfloat16, :float16]
+
+  @doc false
+  def kv_dtypes, do: @kv_dtypes
+
   ## Shared options
 
   @generation [
@@ -116,7 +121,7 @@ defmodule EMLXAxon.Options do
           "scheduler's slots, nor with `:kv_bits`"
     ],
     kv_dtype: [
-      type: {:or, [nil, {:in, [:float32, :bfloat16, :float16]}]},
+      type: {:or, [nil, {:in, @kv_dtypes}]},
       default: nil,
       doc:
         "the KV cache's dtype (`nil`: the model's). `:float16` under a float32 model (the " <>
@@ -153,6 +158,10 @@ defmodule EMLXAxon.Options do
   def max_queue(doc) do
     [type: :non_neg_integer, default: 64, doc: doc]
   end
+
+  @doc "A KV cache dtype as the NIF takes it (`nil`: the model's)."
+  def native_kv_dtype(nil), do: nil
+  def native_kv_dtype(dtype) when dtype in @kv_dtypes, do: Atom.to_string(dtype)
 
   @doc "The constrained decoding options (at most one of them is given)."
   def constraints, do: @constraints
@@ -522,7 +531,7 @@ defmodule EMLXAxon.Options do
       kv_group_size: opts.kv_group_size,
       quantized_kv_start: opts.quantized_kv_start,
       max_kv_size: opts.max_kv_size,
-      kv_dtype: opts.kv_dtype && Atom.to_string(opts.kv_dtype),
+      kv_dtype: native_kv_dtype(opts.kv_dtype),
       row_seeds: Map.get(opts, :row_seeds)
     }
     |> put_constraints(Map.get(opts, :row_constraints))

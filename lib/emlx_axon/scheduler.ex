@@ -128,7 +128,7 @@ defmodule EMLXAxon.Scheduler do
       doc: "shortest prompt prefix stored or reused"
     ],
     kv_dtype: [
-      type: {:or, [nil, {:in, [:float32, :bfloat16, :float16]}]},
+      type: {:or, [nil, {:in, Options.kv_dtypes()}]},
       default: nil,
       doc:
         "the slots' keys and values dtype (`nil`: the model's); `:float16` under a float32 " <>

@@ -24,7 +24,7 @@ defmodule EMLXAxon.Scheduler.Server do
       prefill_chunk: prefill_chunk(opts.prefill_chunk),
       prefix_cache_bytes: opts.prefix_cache_bytes,
       prefix_min_tokens: opts.prefix_min_tokens,
-      kv_dtype: opts.kv_dtype && Atom.to_string(opts.kv_dtype)
+      kv_dtype: EMLXAxon.Options.native_kv_dtype(opts.kv_dtype)
     }
 
     case Error.wrap(Native.scheduler_new(opts.model.ref, tokenizer_ref, native_opts)) do

@@ -310,37 +310,27 @@ defmodule Mix.Tasks.EmlxAxon.Generate do
   # be loaded yet, so String.to_existing_atom/1 could fail.
   @dtypes [:float32, :bfloat16, :float16]
 
-  defp parse_dtype!(name) do
-    Enum.find(@dtypes, &(Atom.to_string(&1) == name)) ||
-      Mix.raise("--dtype must be one of #{Enum.join(@dtypes, ", ")}, got: #{name}")
-  end
-
-  @kv_dtypes ~w(float32 bfloat16 float16)
+  defp parse_dtype!(name), do: choice!("--dtype", name, @dtypes)
 
   defp kv_dtype(opts) do
     case Keyword.fetch(opts, :kv_dtype) do
-      :error ->
-        []
-
-      {:ok, name} when name in @kv_dtypes ->
-        [kv_dtype: String.to_existing_atom(name)]
-
-      {:ok, name} ->
-        Mix.raise("--kv-dtype must be one of #{Enum.join(@kv_dtypes, ", ")}, got: #{name}")
+      :error -> []
+      {:ok, name} -> [kv_dtype: choice!("--kv-dtype", name, EMLXAxon.Options.kv_dtypes())]
     end
   end
 
-  defp parse_sampler!(name) do
-    case Enum.find(EMLXAxon.Options.samplers(), &(Atom.to_string(&1) == name)) do
+  defp parse_sampler!(name), do: choice!("--sampler", name, EMLXAxon.Options.samplers())
+
+  # The atom of `choices` named `name`, or a Mix error naming the flag.
+  defp choice!(flag, name, choices) do
+    case Enum.find(choices, &(Atom.to_string(&1) == name)) do
       nil ->
         Mix.raise(
-          "--sampler must be one of " <>
-            Enum.map_join(EMLXAxon.Options.samplers(), ", ", &Atom.to_string/1) <>
-            ", got: #{name}"
+          "#{flag} must be one of #{Enum.map_join(choices, ", ", &Atom.to_string/1)}, got: #{name}"
         )
 
-      sampler ->
-        sampler
+      choice ->
+        choice
     end
   end
 

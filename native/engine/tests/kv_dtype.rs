@@ -28,8 +28,7 @@ fn ids(n: usize, seed: u32) -> Vec<u32> {
 /// a fixed id, with a cache of `dtype`: through the layer nodes (`fused`, no
 /// mask) or MLX's separate ops (an all-keys mask of the same content).
 fn forced_steps(model: &Model, dtype: Dtype, fused: bool) -> Vec<f32> {
-    let mut shape = model.kv_shape();
-    shape.dtype = dtype;
+    let shape = model.kv_shape().in_dtype(Some(dtype));
     let prompt = ids(40, 13);
     let mut cache = KvCache::new(&shape, 1, (prompt.len() + STEPS) as i32).unwrap();
     let ids_array = Array::from_slice(&prompt, &[1, prompt.len() as i32]);

@@ -3,7 +3,9 @@
 use emlx_axon_engine::backend::Work;
 use emlx_axon_engine::kv::cache::KvQuant;
 use emlx_axon_engine::runtime::device::on_large_stack;
-use emlx_axon_engine::{GenerateOptions, Generation, RowOptions, SamplerConfig, SamplerKind};
+use emlx_axon_engine::{
+    Dtype, GenerateOptions, Generation, RowOptions, SamplerConfig, SamplerKind,
+};
 use rustler::{Atom, NifMap, ResourceArc, Term};
 
 use crate::constraint::constraint_spec;
@@ -59,6 +61,31 @@ pub struct StartOptions {
 /// `group_size`.
 pub(crate) fn kv_quant(bits: Option<i32>, group_size: i32) -> Option<KvQuant> {
     bits.map(|bits| KvQuant { group_size, bits })
+}
+
+/// A float KV cache's dtype as Elixir names it (`nil`: the model's).
+pub(crate) fn kv_dtype(name: Option<&str>) -> NifResult<Option<Dtype>> {
+    name.map(crate::model::parse_dtype).transpose()
+}
+
+/// The engine's sampler settings from an Elixir request's options.
+pub(crate) fn sampler_config(
+    kind: Atom,
+    temperature: f64,
+    top_p: f64,
+    top_k: usize,
+    min_p: f64,
+    seed: Option<u64>,
+) -> NifResult<SamplerConfig> {
+    Ok(SamplerConfig {
+        kind: sampler_kind(kind)?,
+        temperature: temperature as f32,
+        top_p: top_p as f32,
+        top_k,
+        min_p: min_p as f32,
+        seed,
+        ..SamplerConfig::default()
+    })
 }
 
 /// The engine's sampler for `:greedy`, `:top_p_cpu` or `:top_p_gpu`.
@@ -134,15 +161,7 @@ fn generation_start(
         let options = GenerateOptions {
             max_new_tokens: o.max_new_tokens,
             max_len: o.max_len,
-            sampler: SamplerConfig {
-                kind: sampler_kind(o.sampler)?,
-                temperature: o.temperature as f32,
-                top_p: o.top_p as f32,
-                top_k: o.top_k,
-                min_p: o.min_p as f32,
-                seed: o.seed,
-                ..SamplerConfig::default()
-            },
+            sampler: sampler_config(o.sampler, o.temperature, o.top_p, o.top_k, o.min_p, o.seed)?,
             rows,
             eos_token_ids: o.eos_token_ids,
             ignore_eos: o.ignore_eos,
@@ -151,11 +170,7 @@ fn generation_start(
             kv_quant: kv_quant(o.kv_bits, o.kv_group_size),
             quantized_kv_start: o.quantized_kv_start,
             max_kv_size: o.max_kv_size,
-            kv_dtype: o
-                .kv_dtype
-                .as_deref()
-                .map(crate::model::parse_dtype)
-                .transpose()?,
+            kv_dtype: kv_dtype(o.kv_dtype.as_deref())?,
             ..GenerateOptions::default()
         };
         let stream = stream.map(|s| s.get()).transpose()?;

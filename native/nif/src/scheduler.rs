@@ -4,14 +4,12 @@
 
 use emlx_axon_engine::backend::Work;
 use emlx_axon_engine::runtime::device::on_large_stack;
-use emlx_axon_engine::{
-    FinishReason, GenerateOptions, RequestStats, SamplerConfig, Scheduler, SchedulerConfig,
-};
+use emlx_axon_engine::{FinishReason, GenerateOptions, RequestStats, Scheduler, SchedulerConfig};
 use rustler::{Atom, NifMap, ResourceArc};
 
 use crate::constraint::constraint_spec;
 use crate::error::{guard, NifResult};
-use crate::generation::sampler_kind;
+use crate::generation::sampler_config;
 use crate::model::ModelResource;
 use crate::slot::Slot;
 use crate::tokenizer::TokenizerResource;
@@ -83,11 +81,7 @@ fn scheduler_new(
             prefill_chunk: o.prefill_chunk,
             prefix_cache_bytes: o.prefix_cache_bytes,
             prefix_min_tokens: o.prefix_min_tokens,
-            kv_dtype: o
-                .kv_dtype
-                .as_deref()
-                .map(crate::model::parse_dtype)
-                .transpose()?,
+            kv_dtype: crate::generation::kv_dtype(o.kv_dtype.as_deref())?,
         };
         let scheduler = on_large_stack(|| {
             Scheduler::new(
@@ -113,15 +107,7 @@ fn scheduler_admit(
         let options = GenerateOptions {
             max_new_tokens: o.max_new_tokens,
             max_len: o.max_len,
-            sampler: SamplerConfig {
-                kind: sampler_kind(o.sampler)?,
-                temperature: o.temperature as f32,
-                top_p: o.top_p as f32,
-                top_k: o.top_k,
-                min_p: o.min_p as f32,
-                seed: o.seed,
-                ..SamplerConfig::default()
-            },
+            sampler: sampler_config(o.sampler, o.temperature, o.top_p, o.top_k, o.min_p, o.seed)?,
             eos_token_ids: o.eos_token_ids,
             ignore_eos: o.ignore_eos,
             stop: o.stop,
@@ -130,11 +116,7 @@ fn scheduler_admit(
             kv_quant: crate::generation::kv_quant(o.kv_bits, o.kv_group_size),
             quantized_kv_start: o.quantized_kv_start,
             max_kv_size: o.max_kv_size,
-            kv_dtype: o
-                .kv_dtype
-                .as_deref()
-                .map(crate::model::parse_dtype)
-                .transpose()?,
+            kv_dtype: crate::generation::kv_dtype(o.kv_dtype.as_deref())?,
             ..GenerateOptions::default()
         };
         // Compiling a grammar evaluates no MLX graph, but can recurse deeply.

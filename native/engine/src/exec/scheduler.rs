@@ -251,7 +251,7 @@ impl Scheduler {
         if let Some(dtype) = config.kv_dtype {
             crate::exec::generate::check_kv_dtype(dtype)?;
         }
-        let kv_shape = kv_shape(&model, &config);
+        let kv_shape = model.kv_shape().in_dtype(config.kv_dtype);
         crate::runtime::memory::ensure_fits(
             slot_cache_bytes(&kv_shape, config.slots, config.capacity),
             &format!(
@@ -287,7 +287,7 @@ impl Scheduler {
 
     /// The shape (and dtype) of this scheduler's KV caches.
     pub(crate) fn kv_shape(&self) -> KvShape {
-        kv_shape(&self.model, &self.config)
+        self.model.kv_shape().in_dtype(self.config.kv_dtype)
     }
 
     /// Queues a request; its tokens come from later [`step`](Self::step)s.
@@ -476,13 +476,6 @@ impl Scheduler {
         self.held = if steps == 0 { self.held + 1 } else { 0 };
         self.decode(steps, deadline, events)
     }
-}
-
-/// The shape of a scheduler's KV caches: the model's, in `config`'s dtype.
-fn kv_shape(model: &Model, config: &SchedulerConfig) -> KvShape {
-    let mut shape = model.kv_shape();
-    shape.dtype = config.kv_dtype.unwrap_or(shape.dtype);
-    shape
 }
 
 /// `[1, V]` logits -> the sampled token, lazily where the sampler allows.

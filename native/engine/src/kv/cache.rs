@@ -89,6 +89,26 @@ pub struct KvShape {
     pub dtype: mlx_rs::Dtype,
 }
 
+impl KvShape {
+    /// The same shape in `dtype` where one is asked for (`kv_dtype`).
+    pub fn in_dtype(self, dtype: Option<mlx_rs::Dtype>) -> KvShape {
+        KvShape {
+            dtype: dtype.unwrap_or(self.dtype),
+            ..self
+        }
+    }
+}
+
+/// `k` and `v` in a cache buffer's `dtype` (a `kv_dtype` other than the
+/// pass's), as they are stored.
+pub(crate) fn stored_as(dtype: mlx_rs::Dtype, k: &Array, v: &Array) -> Result<(Array, Array)> {
+    Ok(if k.dtype() == dtype {
+        (k.clone(), v.clone())
+    } else {
+        (k.as_dtype(dtype)?, v.as_dtype(dtype)?)
+    })
+}
+
 /// A layer's quantized keys and values, `[packed, scales, biases]` each.
 type QuantizedLayer = ([Array; 3], [Array; 3]);
 
@@ -311,12 +331,10 @@ impl KvStore for KvCache {
     /// result leaves the graph as the buffer's only owner, so MLX donates it
     /// and the write happens in place.
     fn update(&mut self, layer: usize, k: &Array, v: &Array) -> Result<KvView> {
-        // Stored in the cache's dtype (a `kv_dtype` other than the model's).
-        let dtype = self.layers[layer].0.dtype();
-        let (k, v) = if k.dtype() == dtype || self.quantized.is_some() {
+        let (k, v) = if self.quantized.is_some() {
             (k.clone(), v.clone())
         } else {
-            (k.as_dtype(dtype)?, v.as_dtype(dtype)?)
+            stored_as(self.layers[layer].0.dtype(), k, v)?
         };
         let (k, v) = (&k, &v);
         if let Some(window) = &mut self.window {

@@ -14,7 +14,7 @@ use mlx_rs::Array;
 
 use crate::error::{Error, Result};
 use crate::kv::cache::KvShape;
-use crate::kv::cache::{KvStore, KvView, RopeOffset, StepRows};
+use crate::kv::cache::{stored_as, KvStore, KvView, RopeOffset, StepRows};
 
 pub struct SlotCache {
     layers: Vec<(Array, Array)>,
@@ -178,13 +178,7 @@ impl KvStore for SlotCache {
                 "the slot cache takes one new position for every row of the step",
             ));
         }
-        // Stored in the slots' dtype (a `kv_dtype` other than the model's).
-        let dtype = self.layers[layer].0.dtype();
-        let (k, v) = if k.dtype() == dtype {
-            (k.clone(), v.clone())
-        } else {
-            (k.as_dtype(dtype)?, v.as_dtype(dtype)?)
-        };
+        let (k, v) = stored_as(self.layers[layer].0.dtype(), k, v)?;
         let (k, v) = (&k, &v);
         let (k, v) = if self.rows < self.slots {
             let mut shape = k.shape().to_vec();

@@ -18,6 +18,7 @@ use mlx_rs::ops::concatenate;
 use mlx_rs::ops::indexing::{argmax_axis, take_along_axis, IndexOp};
 use mlx_rs::{random, Array, Dtype};
 
+use crate::backend::cuda::layer::SampleKernel;
 use crate::error::{Error, Result};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -296,35 +297,16 @@ impl Sampler {
         })
     }
 
-    /// Each row's token from our kernel, where it takes the work: a CUDA
-    /// GPU stream, filters it covers, and the positions of the step whose
-    /// logits these are (the layers keep them). Otherwise `None`, the reason
-    /// noted (MLX's ops then).
+    /// Each row's token from our kernel where it takes the work (see
+    /// [`kernel_for`]); otherwise `None` (MLX's ops then).
     fn sample_kernel(&mut self, logits: &Array) -> Result<Option<Array>> {
-        use crate::backend::cuda::layer;
-        if !layer::wanted() {
+        let Some((k, positions)) = kernel_for(&self.config, logits) else {
             return Ok(None);
-        }
-        // Taken whatever happens, so that no step's positions outlive it.
-        let positions = layer::take_step_positions();
-        let vocab = logits.dim(-1).max(0) as usize;
-        let why = match kernel::declines(&self.config, vocab) {
-            Some(why) => why,
-            None => match layer::sample_kernel(logits, |k| kernel::check(k, logits.dtype())) {
-                Err(why) => why,
-                Ok(k) => match positions.filter(|p| p.size() == logits.dim(0) as usize) {
-                    None => "sample kernel: no step positions for these rows (a prompt's token)",
-                    Some(positions) => {
-                        let (seeds, params) = self.kernel_inputs.get_or_insert_with(|| {
-                            (kernel::seeds(&self.seeds), kernel::params(&self.config))
-                        });
-                        return Ok(Some(k.draw(logits, &positions, seeds, params)?));
-                    }
-                },
-            },
         };
-        crate::backend::declined(why);
-        Ok(None)
+        let (seeds, params) = self
+            .kernel_inputs
+            .get_or_insert_with(|| (kernel::seeds(&self.seeds), kernel::params(&self.config)));
+        Ok(Some(k.draw(logits, &positions, seeds, params)?))
     }
 
     /// `[B, V]` logits -> token ids, sampled on the host.
@@ -357,15 +339,14 @@ impl Sampler {
 /// positions, which it takes. `None` (a reason noted) where it does not
 /// run: the rows then sample one by one.
 pub fn sample_rows(samplers: &[Option<&Sampler>], logits: &Array) -> Result<Option<Array>> {
-    use crate::backend::cuda::layer;
     let sampled: Vec<&Sampler> = samplers.iter().flatten().copied().collect();
     let Some(first) = sampled.first() else {
         return Ok(None);
     };
-    if !layer::wanted() || first.config.kind != SamplerKind::TopPGpu {
+    let c = &first.config;
+    if c.kind != SamplerKind::TopPGpu {
         return Ok(None);
     }
-    let c = &first.config;
     let same = |s: &&Sampler| {
         let o = &s.config;
         o.kind == c.kind
@@ -373,35 +354,52 @@ pub fn sample_rows(samplers: &[Option<&Sampler>], logits: &Array) -> Result<Opti
             && (o.top_k, o.min_tokens_to_keep) == (c.top_k, c.min_tokens_to_keep)
             && s.seeds.len() == 1
     };
+    if !sampled.iter().all(same) {
+        crate::backend::declined(
+            "sample kernel: the rows' samplers differ (one kernel call takes one set of filters)",
+        );
+        return Ok(None);
+    }
+    let Some((k, positions)) = kernel_for(c, logits) else {
+        return Ok(None);
+    };
+    let seeds: Vec<u64> = samplers
+        .iter()
+        .map(|s| s.map_or(0, |s| s.seeds[0]))
+        .collect();
+    let ids = k.draw(
+        logits,
+        &positions,
+        &kernel::seeds(&seeds),
+        &kernel::params(c),
+    )?;
+    Ok(Some(ids))
+}
+
+/// Our sampling kernel and the step's positions where the kernel takes
+/// `logits` (`[rows, V]`) sampled with `c`: a CUDA GPU stream, filters it
+/// covers, and the positions of the step whose logits these are (the
+/// layers keep them; taken here whatever happens, so that no step's
+/// positions outlive it). Otherwise `None`, the reason noted.
+fn kernel_for(c: &SamplerConfig, logits: &Array) -> Option<(SampleKernel, Array)> {
+    use crate::backend::cuda::layer;
+    if !layer::wanted() {
+        return None;
+    }
     let positions = layer::take_step_positions();
     let vocab = logits.dim(-1).max(0) as usize;
-    let why = if !sampled.iter().all(same) {
-        "sample kernel: the rows' samplers differ (one kernel call takes one set of filters)"
-    } else if let Some(why) = kernel::declines(c, vocab) {
-        why
-    } else {
-        match layer::sample_kernel(logits, |k| kernel::check(k, logits.dtype())) {
+    let why = match kernel::declines(c, vocab) {
+        Some(why) => why,
+        None => match layer::sample_kernel(logits, |k| kernel::check(k, logits.dtype())) {
             Err(why) => why,
-            Ok(k) => match positions.filter(|p| p.size() == samplers.len()) {
+            Ok(k) => match positions.filter(|p| p.size() == logits.dim(0) as usize) {
+                Some(positions) => return Some((k, positions)),
                 None => "sample kernel: no step positions for these rows (a prompt's token)",
-                Some(positions) => {
-                    let seeds: Vec<u64> = samplers
-                        .iter()
-                        .map(|s| s.map_or(0, |s| s.seeds[0]))
-                        .collect();
-                    let ids = k.draw(
-                        logits,
-                        &positions,
-                        &kernel::seeds(&seeds),
-                        &kernel::params(c),
-                    )?;
-                    return Ok(Some(ids));
-                }
             },
-        }
+        },
     };
     crate::backend::declined(why);
-    Ok(None)
+    None
 }
 
 /// Whether sampled rows take the host's filters as a node of the graph

@@ -96,8 +96,7 @@ impl Generation {
         } else {
             vec![]
         };
-        let mut kv_shape = model.kv_shape();
-        kv_shape.dtype = options.kv_dtype.unwrap_or(kv_shape.dtype);
+        let kv_shape = model.kv_shape().in_dtype(options.kv_dtype);
         let cache = MlxStream::run_on(stream.as_ref(), || match options.max_kv_size {
             Some(size) => KvCache::rotating(&kv_shape, size as i32, KV_KEEP as i32),
             None => KvCache::new(&kv_shape, prompts.len() as i32, capacity),

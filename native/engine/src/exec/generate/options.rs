@@ -150,7 +150,6 @@ pub(super) fn validate(
     Ok(())
 }
 
-/// A KV quantization MLX can apply to this model's heads.
 /// A float KV cache's dtype (`kv_dtype`) is one of MLX's float types.
 pub fn check_kv_dtype(dtype: mlx_rs::Dtype) -> Result<()> {
     if matches!(
@@ -165,6 +164,7 @@ pub fn check_kv_dtype(dtype: mlx_rs::Dtype) -> Result<()> {
     }
 }
 
+/// A KV quantization MLX can apply to this model's heads.
 fn check_kv_quant(model: &Model, q: KvQuant) -> Result<()> {
     if !matches!(q.bits, 2 | 3 | 4 | 5 | 6 | 8) {
         return Err(Error::invalid(format!(

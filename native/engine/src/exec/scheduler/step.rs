@@ -152,7 +152,9 @@ impl Scheduler {
             None
         };
         // The sampled rows in one kernel call where they can be.
-        let batched = {
+        let batched = if all_greedy {
+            None
+        } else {
             let samplers: Vec<Option<&Sampler>> = self.slots[..n]
                 .iter()
                 .map(|s| {
@@ -161,11 +163,7 @@ impl Scheduler {
                         .map(|r| &r.request.sampler)
                 })
                 .collect();
-            if all_greedy {
-                None
-            } else {
-                crate::sample::sample_rows(&samplers, &logits)?
-            }
+            crate::sample::sample_rows(&samplers, &logits)?
         };
         let tokens = match (greedy, batched) {
             (Some(g), _) if all_greedy => g,
