@@ -38,6 +38,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
+use emlx_axon_engine::backend::cuda::layer as cuda_layer;
 use emlx_axon_engine::backend::Work;
 use emlx_axon_engine::kv::cache::KvCache;
 use emlx_axon_engine::model::AttentionMask;
@@ -47,6 +48,7 @@ use emlx_axon_engine::{
     ConstraintSpec, Dtype, GenerateOptions, Generation, LoadOptions, Model, RowOptions,
     SamplerConfig, SamplerKind, Tokenizer,
 };
+use emlx_axon_kernels::QuantWeight;
 use mlx_rs::fast::{rms_norm, rope, scaled_dot_product_attention};
 use mlx_rs::ops::indexing::argmax_axis;
 use mlx_rs::ops::quantized_matmul;
@@ -730,48 +732,87 @@ impl Bench {
         };
         let mut rows = Vec::new();
         let mut per_token = 0.0;
+        let mut ours_per_token = 0.0;
+        // As a step reads them: q, k and v stacked, gate and up stacked
+        // (ours gives SwiGLU of the two halves).
         let shapes = [
-            ("q_proj", heads * hd, d, layers),
-            ("k_proj", kv_heads * hd, d, layers),
-            ("v_proj", kv_heads * hd, d, layers),
-            ("o_proj", d, heads * hd, layers),
-            ("gate_proj", inter, d, layers),
-            ("up_proj", inter, d, layers),
-            ("down_proj", d, inter, layers),
-            ("lm_head", c.vocab_size, d, 1.0),
+            ("qkv_proj", (heads + 2 * kv_heads) * hd, d, layers, false),
+            ("o_proj", d, heads * hd, layers, false),
+            ("gate_up_proj", 2 * inter, d, layers, true),
+            ("down_proj", d, inter, layers, false),
+            ("lm_head", c.vocab_size, d, 1.0, false),
         ];
-        for (name, out, inp, times) in shapes {
+        for (name, out, inp, times, swiglu) in shapes {
             // In usize: an output head's bits overflow an i32 from a
             // hidden size of 4,096 on.
             let (n, k) = (out as usize, inp as usize);
-            let w = Array::from_slice(
-                &random_u32(n * k * q.bits as usize / 32),
-                &[out, inp * q.bits / 32],
-            );
             let groups = n * k / q.group_size as usize;
-            let scales = Array::from_slice(&vec![0.01f32; groups], &[out, inp / q.group_size])
-                .as_dtype(dtype)?;
-            let biases = Array::from_slice(&vec![-0.05f32; groups], &[out, inp / q.group_size])
-                .as_dtype(dtype)?;
+            let bytes = n * k * q.bits as usize / 8 + 2 * groups * dtype_bytes(dtype);
+            // Enough copies that a chain of products reads more than a
+            // GPU's L2 cache holds: each product then reads its weight from
+            // memory, as a step's do.
+            let copies = (256 << 20) / bytes.max(1);
+            let copies = copies.clamp(1, 32);
+            let mut weights = Vec::new();
+            for _ in 0..copies {
+                let w = Array::from_slice(
+                    &random_u32(n * k * q.bits as usize / 32),
+                    &[out, inp * q.bits / 32],
+                );
+                let scales = Array::from_slice(&vec![0.01f32; groups], &[out, inp / q.group_size])
+                    .as_dtype(dtype)?;
+                let biases = Array::from_slice(&vec![-0.05f32; groups], &[out, inp / q.group_size])
+                    .as_dtype(dtype)?;
+                transforms::eval([&w, &scales, &biases])?;
+                weights.push((w, scales, biases));
+            }
             let input = x(inp)?;
-            transforms::eval([&w, &scales, &biases, &input])?;
-            let t = time_op(|| {
-                quantized_matmul(&input, &w, &scales, &biases, true, q.group_size, q.bits)
+            input.eval()?;
+            let chain = copies.max(8);
+            let t = time_chain(chain, |i| {
+                let (w, s, b) = &weights[i % copies];
+                Ok(quantized_matmul(
+                    &input,
+                    w,
+                    s,
+                    b,
+                    true,
+                    q.group_size,
+                    q.bits,
+                )?)
             })?;
+            let ours = time_chain(chain, |i| {
+                let (w, scales, biases) = &weights[i % copies];
+                let wt = QuantWeight {
+                    w,
+                    scales,
+                    biases,
+                    bits: q.bits,
+                    group_size: q.group_size,
+                };
+                cuda_layer::product(&input, &wt, swiglu)?.ok_or_else(|| "no product kernel".into())
+            })
+            .ok();
             per_token += t * times;
-            rows.push(
-                json!({"op": name, "shape": [out, inp], "ms": round(t, 4), "per_token": times}),
-            );
+            ours_per_token += ours.unwrap_or(t) * times;
+            let gbps = |ms: f64| bytes as f64 / ms / 1e6;
+            rows.push(json!({
+                "op": name, "shape": [out, inp], "ms": round(t, 4), "per_token": times,
+                "gb_per_s": round(gbps(t), 1),
+                "ours_ms": ours.map(|o| round(o, 4)), "ours_gb_per_s": ours.map(|o| round(gbps(o), 1)),
+            }));
         }
         let h = x(d)?;
         let norm_w = Array::from_slice(&vec![1.0f32; d as usize], &[d]).as_dtype(dtype)?;
         let t = time_op(|| rms_norm(&h, Some(&norm_w), 1e-6))?;
         per_token += t * (2.0 * layers + 1.0);
+        ours_per_token += t * (2.0 * layers + 1.0);
         rows.push(json!({"op": "rms_norm", "shape": [d], "ms": round(t, 4), "per_token": 2.0 * layers + 1.0}));
         let qh = Array::from_slice(&vec![0.01f32; (heads * hd) as usize], &[1, heads, 1, hd])
             .as_dtype(dtype)?;
         let t = time_op(|| rope(&qh, hd, false, c.rope_theta, 1.0, context as i32, None))?;
         per_token += t * 2.0 * layers;
+        ours_per_token += t * 2.0 * layers;
         rows.push(json!({"op": "rope", "shape": [heads, hd], "ms": round(t, 4), "per_token": 2.0 * layers}));
         let kv_len = (kv_heads as usize) * context * (hd as usize);
         let keys = Array::from_slice(&vec![0.01f32; kv_len], &[1, kv_heads, context as i32, hd])
@@ -780,6 +821,7 @@ impl Bench {
         let scale = (hd as f32).powf(-0.5);
         let t = time_op(|| scaled_dot_product_attention(&qh, &keys, &values, scale, None, None))?;
         per_token += t * layers;
+        ours_per_token += t * layers;
         rows.push(json!({"op": "sdpa", "shape": [heads, context, hd], "ms": round(t, 4), "per_token": layers}));
         for r in rows {
             self.emit("profile_kernel", None, r);
@@ -787,7 +829,11 @@ impl Bench {
         self.emit(
             "profile_kernels",
             None,
-            json!({"kernels_per_token_ms": round(per_token, 3), "context": context}),
+            json!({
+                "kernels_per_token_ms": round(per_token, 3),
+                "ours_kernels_per_token_ms": round(ours_per_token, 3),
+                "context": context,
+            }),
         );
         Ok(())
     }
@@ -838,6 +884,29 @@ fn time_op(op: impl Fn() -> mlx_rs::error::Result<Array>) -> AnyResult<f64> {
         times.push(ms(t));
     }
     Ok(median(&times))
+}
+
+/// Milliseconds per op of a chain of `count` ops (`op(i)`), built and
+/// evaluated together: one op alone would time MLX's launch and wait more
+/// than a kernel of a few microseconds. The median of 7, after 2 warm-ups.
+fn time_chain(count: usize, op: impl Fn(usize) -> AnyResult<Array>) -> AnyResult<f64> {
+    let mut times = Vec::new();
+    for run in 0..9 {
+        let ys = (0..count).map(&op).collect::<AnyResult<Vec<_>>>()?;
+        let t = Instant::now();
+        transforms::eval(&ys)?;
+        if run >= 2 {
+            times.push(ms(t) / count as f64);
+        }
+    }
+    Ok(median(&times))
+}
+
+fn dtype_bytes(dtype: Dtype) -> usize {
+    match dtype {
+        Dtype::Float32 => 4,
+        _ => 2,
+    }
 }
 
 fn median(values: &[f64]) -> f64 {

@@ -194,6 +194,26 @@ pub(super) fn passes(
     ok
 }
 
+/// `x @ W.T` (`x` `[rows, 1, K]`) by the product kernel a step's layers use,
+/// or with `swiglu`, SwiGLU of the halves of `W`'s outputs (gate rows, then
+/// up rows) as the gate/up product gives it; `None` where the kernels are
+/// not available in `x`'s dtype or do not take this weight. For timing the
+/// kernel beside MLX's product (the bench's profile).
+pub fn product(x: &Array, wt: &QuantWeight, swiglu: bool) -> Result<Option<Array>> {
+    let Some(k) = kernels(x.dtype()) else {
+        return Ok(None);
+    };
+    if !kernels::gemv_takes(wt.bits, wt.group_size, x.dim(-1), x.dtype()) {
+        return Ok(None);
+    }
+    let output = if swiglu {
+        GemvOutput::Swiglu
+    } else {
+        GemvOutput::Product
+    };
+    Ok(k.gemv(&GemvInput::Plain(x), output, wt)?.into_iter().next())
+}
+
 /// Each row's greedy token (uint32) from `logits` (`[..., vocab]`) with our
 /// kernel, on a GPU stream where the kernels passed their check; `None`
 /// elsewhere (MLX's argmax then).
