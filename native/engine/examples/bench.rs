@@ -3,7 +3,7 @@
 //!
 //! cargo run --release -p emlx_axon_engine --example bench -- --model DIR
 //!     (--prompts FILE | --prompt-ids 1,2,3) [--dtype float32|bfloat16|float16]
-//!     [--kv-dtype float32|bfloat16|float16]
+//!     [--kv-dtype float32|bfloat16|float16] [--kv-bits 4|8]
 //!     [--tokens N] [--batch-tokens N] [--batch 1,4,8] [--measures decode,prefill,batch,profile]
 //!     [--warmup K] [--warmup-mode full|light] [--runs R] [--profile-stream own|default] [--chunk C] [--label TEXT]
 //!     [--sampler greedy|top_p_cpu|top_p_gpu ...] [--json-schema FILE]
@@ -40,7 +40,7 @@ use std::time::Instant;
 
 use emlx_axon_engine::backend::cuda::layer as cuda_layer;
 use emlx_axon_engine::backend::Work;
-use emlx_axon_engine::kv::cache::KvCache;
+use emlx_axon_engine::kv::cache::{KvCache, KvQuant};
 use emlx_axon_engine::model::AttentionMask;
 use emlx_axon_engine::runtime::device::{gpu_available, mlx_version, DeviceKind, Lease};
 use emlx_axon_engine::sample::greedy;
@@ -84,6 +84,10 @@ struct Args {
     json_schema: Option<String>,
     /// The KV cache's dtype (default: the model's).
     kv_dtype: Option<Dtype>,
+    /// Keys and values quantized to this many bits from the first
+    /// position (mlx-lm's `kv_bits` with `quantized_kv_start` 0), groups of
+    /// 64.
+    kv_bits: Option<i32>,
 }
 
 fn dtype(name: &str, flag: &str) -> AnyResult<Dtype> {
@@ -143,6 +147,7 @@ fn parse() -> AnyResult<Args> {
         sampler: SamplerConfig::default(),
         json_schema: None,
         kv_dtype: None,
+        kv_bits: None,
     };
     let float = |s: String, flag: &str| -> AnyResult<f32> {
         s.parse()
@@ -175,6 +180,7 @@ fn parse() -> AnyResult<Args> {
             }
             "--dtype" => args.dtype = Some(dtype(&v(&mut rest, &flag)?, &flag)?),
             "--kv-dtype" => args.kv_dtype = Some(dtype(&v(&mut rest, &flag)?, &flag)?),
+            "--kv-bits" => args.kv_bits = Some(count(v(&mut rest, &flag)?, &flag)? as i32),
             "--tokens" => args.tokens = count(v(&mut rest, &flag)?, &flag)?,
             "--batch-tokens" => args.batch_tokens = Some(count(v(&mut rest, &flag)?, &flag)?),
             "--warmup" => args.warmup = count(v(&mut rest, &flag)?, &flag)?,
@@ -367,6 +373,14 @@ impl Bench {
                 vec![]
             },
             kv_dtype: self.args.kv_dtype,
+            kv_quant: self.args.kv_bits.map(|bits| KvQuant {
+                bits,
+                group_size: 64,
+            }),
+            quantized_kv_start: match self.args.kv_bits {
+                Some(_) => 0,
+                None => GenerateOptions::default().quantized_kv_start,
+            },
             ..GenerateOptions::default()
         }
     }
@@ -946,6 +960,9 @@ fn run(args: Args) -> AnyResult<()> {
     common.insert("peer".into(), json!(args.label));
     if let Some(d) = args.kv_dtype {
         common.insert("kv_dtype".into(), json!(format!("{d:?}")));
+    }
+    if let Some(bits) = args.kv_bits {
+        common.insert("kv_bits".into(), json!(bits));
     }
     let s = &args.sampler;
     common.insert(

@@ -75,8 +75,7 @@ void decode_rest(const DecodeRestArgs& a, Isa isa) {
   const int G = a.nq / a.nkv;
   std::vector<float> attn((size_t)a.B * a.nq * a.hd);
   // One task per (row, key head): its query heads over the row's keys.
-  const AttendFn attend = attend_fn(isa, a.hd);
-  const AttendF16Fn attend_f16 = attend_f16_fn(isa, a.hd);
+  const AttendFn attend = attend_fn(isa, a.hd, a.keys.bits, a.keys.group);
   auto task = [&](int u) {
     const int b = u / a.nkv, g = u % a.nkv;
     const int n = a.positions[b] - a.starts[b] + 1;
@@ -85,14 +84,10 @@ void decode_rest(const DecodeRestArgs& a, Isa isa) {
     scores.resize((size_t)G * n);
     const float* qs = a.q + ((size_t)b * a.nq + (size_t)g * G) * a.hd;
     for (int i = 0; i < G * a.hd; ++i) q[i] = qs[i] * a.scale;
-    const size_t first = (((size_t)b * a.nkv + g) * a.cap + a.starts[b]) * a.hd;
+    const size_t first = ((size_t)b * a.nkv + g) * a.cap + a.starts[b];
     float* o = attn.data() + ((size_t)b * a.nq + (size_t)g * G) * a.hd;
-    if (a.kv_f16)
-      attend_f16(q.data(), static_cast<const uint16_t*>(a.keys) + first,
-                 static_cast<const uint16_t*>(a.values) + first, scores.data(), o, G, n, a.hd);
-    else
-      attend(q.data(), static_cast<const float*>(a.keys) + first,
-             static_cast<const float*>(a.values) + first, scores.data(), o, G, n, a.hd);
+    attend(q.data(), a.keys.from(first, a.hd), a.values.from(first, a.hd), scores.data(), o, G,
+           n, a.hd);
   };
   long work = 0;
   for (int b = 0; b < a.B; ++b) work += (long)(a.positions[b] - a.starts[b] + 1) * a.nq * a.hd;
@@ -219,15 +214,18 @@ class DecodeQkv : public mx::Primitive {
   QkvShape s_;
 };
 
-// Inputs of DecodeLayerRest.
+// Inputs of DecodeLayerRest; a quantized cache's scales and biases follow
+// the others (keys and values are then its packed values).
 enum RestInput {
   kRH, kRQ, kKeys, kValues, kOW, kOS, kOB, kNormPost, kGuW, kGuS, kGuB, kDownW, kDownS, kDownB,
-  kRestInputs
+  kRestInputs,
+  kKeyScales = kRestInputs, kKeyBiases, kValueScales, kValueBiases, kRestQuantizedInputs
 };
 
 struct RestShape {
   int nkv, bits[3], group[3];  // o, gate_up, down
   float eps_post, scale;
+  int kv_bits, kv_group;  // the cache's rows (see KvRows)
 };
 
 class DecodeLayerRest : public mx::UnaryPrimitive {
@@ -252,7 +250,8 @@ class DecodeLayerRest : public mx::UnaryPrimitive {
     a.cap = inputs[kKeys].shape(2);
     a.scale = s_.scale;
     a.eps_post = s_.eps_post;
-    a.kv_f16 = inputs[kKeys].dtype() == mx::float16;
+    a.keys = KvRows{nullptr, nullptr, nullptr, s_.kv_bits, s_.kv_group};
+    a.values = a.keys;
     const bool bf16[3] = {inputs[kOS].dtype() == mx::bfloat16,
                           inputs[kGuS].dtype() == mx::bfloat16,
                           inputs[kDownS].dtype() == mx::bfloat16};
@@ -265,8 +264,14 @@ class DecodeLayerRest : public mx::UnaryPrimitive {
                    a.starts = starts.data();
                    a.h = f32(in[kRH]);
                    a.q = f32(in[kRQ]);
-                   a.keys = in[kKeys];
-                   a.values = in[kValues];
+                   a.keys.data = in[kKeys];
+                   a.values.data = in[kValues];
+                   if (s.kv_bits < 16) {
+                     a.keys.scales = f32(in[kKeyScales]);
+                     a.keys.biases = f32(in[kKeyBiases]);
+                     a.values.scales = f32(in[kValueScales]);
+                     a.values.biases = f32(in[kValueBiases]);
+                   }
                    a.o = quant(in, kOW, b0, s.bits[0], s.group[0]);
                    a.w_post = f32(in[kNormPost]);
                    a.gate_up = quant(in, kGuW, b1, s.bits[1], s.group[1]);
@@ -374,19 +379,23 @@ int emlx_kernels_decode_qkv(emlx_mlx_array* outs, const emlx_mlx_array* arrays,
 // value buffers [>= B, kv_heads, capacity, hd] (already holding the new
 // keys), the output projection's weight, scales and biases, the post norm's
 // weight [D], then the stacked gate/up projection's and the down
-// projection's; `bits` and `group` are those of the three products. Row b
-// attends keys starts[b]..=positions[b]. Returns as emlx_kernels_decode_qkv.
+// projection's; `bits` and `group` are those of the three products. With
+// `kv_bits` > 0 the buffers are a quantized cache's packed values (uint32)
+// and the keys' scales and biases, then the values', follow (float32
+// [>= B, kv_heads, capacity, hd / kv_group]). Row b attends keys
+// starts[b]..=positions[b]. Returns as emlx_kernels_decode_qkv.
 int emlx_kernels_decode_layer_rest(emlx_mlx_array* out, const emlx_mlx_array* arrays,
                                    const int* bits, const int* group, int rows,
                                    const int* positions, const int* starts, float eps_post,
-                                   float scale, emlx_mlx_stream stream, char* err,
-                                   size_t err_len) {
+                                   float scale, int kv_bits, int kv_group,
+                                   emlx_mlx_stream stream, char* err, size_t err_len) {
+  const int inputs = kv_bits > 0 ? emlx::kRestQuantizedInputs : emlx::kRestInputs;
   const bool set = arrays && bits && group && positions && starts && rows > 0 &&
-                   emlx::handles_set(arrays, emlx::kRestInputs);
+                   emlx::handles_set(arrays, inputs);
   return emlx::build_node(
       "decode layer", out, set, stream, err, err_len,
       [&](const mx::Stream& s) -> std::optional<mx::array> {
-        std::vector<mx::array> in = emlx::arrays(arrays, emlx::kRestInputs);
+        std::vector<mx::array> in = emlx::arrays(arrays, inputs);
         const auto& H = in[emlx::kRH];
         const auto& Q = in[emlx::kRQ];
         const auto& K = in[emlx::kKeys];
@@ -395,11 +404,24 @@ int emlx_kernels_decode_layer_rest(emlx_mlx_array* out, const emlx_mlx_array* ar
           return {};
         const int D = H.shape(2), nq = Q.shape(1), hd = Q.shape(2);
         const int nkv = K.shape(1), cap = K.shape(2);
-        // Keys and values in float32 or float16.
+        // Keys and values in float32 or float16, or quantized (uint32
+        // words, float32 scales and biases per group).
         const auto& V = in[emlx::kValues];
-        const bool kv_dtype = K.dtype() == mx::float32 || K.dtype() == mx::float16;
-        if (!emlx::f32_shaped(Q, {rows, nq, hd}) || !kv_dtype || V.dtype() != K.dtype() ||
-            V.shape() != K.shape() || K.shape(0) < rows || K.shape(3) != hd || nkv <= 0 ||
+        int rows_bits = K.dtype() == mx::float32 ? 32 : K.dtype() == mx::float16 ? 16 : 0;
+        int width = hd;
+        if (kv_bits > 0) {
+          rows_bits = K.dtype() == mx::uint32 && emlx::attend_takes(hd, kv_bits, kv_group) ? kv_bits : 0;
+          width = rows_bits ? hd * kv_bits / 32 : 0;
+          for (int i = emlx::kKeyScales; rows_bits && i < emlx::kRestQuantizedInputs; ++i) {
+            const auto& p = in[i];
+            if (p.dtype() != mx::float32 || p.ndim() != 4 || p.shape(0) != K.shape(0) ||
+                p.shape(1) != nkv || p.shape(2) != cap || p.shape(3) != hd / kv_group ||
+                !p.flags().row_contiguous)
+              rows_bits = 0;
+          }
+        }
+        if (!emlx::f32_shaped(Q, {rows, nq, hd}) || !rows_bits || V.dtype() != K.dtype() ||
+            V.shape() != K.shape() || K.shape(0) < rows || K.shape(3) != width || nkv <= 0 ||
             nq % nkv != 0)
           return {};
         for (int b = 0; b < rows; ++b)
@@ -414,8 +436,8 @@ int emlx_kernels_decode_layer_rest(emlx_mlx_array* out, const emlx_mlx_array* ar
             !emlx::quant_ok(in[emlx::kDownW], in[emlx::kDownS], in[emlx::kDownB], D, F, bits[2],
                             group[2]))
           return {};
-        emlx::RestShape shape{nkv, {bits[0], bits[1], bits[2]}, {group[0], group[1], group[2]},
-                              eps_post, scale};
+        emlx::RestShape shape{nkv,      {bits[0], bits[1], bits[2]}, {group[0], group[1], group[2]},
+                              eps_post, scale, rows_bits, kv_bits > 0 ? kv_group : 0};
         auto primitive = std::make_shared<emlx::DecodeLayerRest>(
             s, shape, std::vector<int>(positions, positions + rows),
             std::vector<int>(starts, starts + rows));

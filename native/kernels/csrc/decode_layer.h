@@ -5,6 +5,7 @@
 
 #include <stdint.h>
 
+#include "elementwise.h"
 #include "qmm.h"
 
 namespace emlx {
@@ -51,9 +52,9 @@ struct DecodeRestArgs {
   const float* h;  // [B, D]
   const float* q;  // [B, nq, hd]
   float scale;  // the softmax scale
-  const void* keys;  // [>= B, nkv, cap, hd], float32 or (kv_f16) float16
-  const void* values;
-  bool kv_f16;
+  // The whole cache buffers, [>= B, nkv, cap, hd] values each (see
+  // KvRows: float32, float16 or quantized).
+  KvRows keys, values;
   QuantWeight o;  // [D, nq hd]
   const float* w_post;  // [D]
   float eps_post;

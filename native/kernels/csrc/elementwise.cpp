@@ -74,65 +74,98 @@ float half_to_float(uint16_t h) {
 
 namespace {
 
-inline float value(const float* p, long i) { return p[i]; }
-inline float value(const uint16_t* p, long i) { return half_to_float(p[i]); }
+// Rows of float32 or float16 values, and of quantized ones: value e of row
+// j as float32.
+struct F32Rows {
+  const float* p;
+  int hd;
+  float at(long j, int e) const { return p[j * hd + e]; }
+};
+struct F16Rows {
+  const uint16_t* p;
+  int hd;
+  float at(long j, int e) const { return half_to_float(p[j * hd + e]); }
+};
+struct QuantRows {
+  const uint32_t* w;
+  const float* s;
+  const float* b;
+  int hd, bits, group;
+  float at(long j, int e) const {
+    const long i = j * hd + e;
+    const int per_word = 32 / bits;
+    const uint32_t q = (w[i / per_word] >> (bits * (i % per_word))) & ((1u << bits) - 1u);
+    return s[i / group] * (float)q + b[i / group];
+  }
+};
 
-template <typename KV>
-void attend_scalar_t(const float* q, const KV* k, const KV* v, float* scores, float* out, int G,
-                     int n, int hd) {
+template <typename Rows>
+void attend_scalar_t(const float* q, const Rows& k, const Rows& v, float* scores, float* out,
+                     int G, int n, int hd) {
   for (int j = 0; j < n; ++j) {
-    const KV* kj = k + (long)j * hd;
     for (int g = 0; g < G; ++g) {
       const float* qg = q + (long)g * hd;
       // Four partial sums, which the compiler keeps in vector registers.
       float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       int e = 0;
       for (; e + 4 <= hd; e += 4)
-        for (int u = 0; u < 4; ++u) s[u] += qg[e + u] * value(kj, e + u);
-      for (; e < hd; ++e) s[0] += qg[e] * value(kj, e);
+        for (int u = 0; u < 4; ++u) s[u] += qg[e + u] * k.at(j, e + u);
+      for (; e < hd; ++e) s[0] += qg[e] * k.at(j, e);
       scores[(long)g * n + j] = (s[0] + s[1]) + (s[2] + s[3]);
     }
   }
   attention_weights(softmax_row_scalar, scores, out, G, n, hd);
   for (int j = 0; j < n; ++j) {
-    const KV* vj = v + (long)j * hd;
     for (int g = 0; g < G; ++g) {
       const float p = scores[(long)g * n + j];
       float* og = out + (long)g * hd;
-      for (int e = 0; e < hd; ++e) og[e] += p * value(vj, e);
+      for (int e = 0; e < hd; ++e) og[e] += p * v.at(j, e);
     }
   }
 }
 
 }  // namespace
 
-void attend_scalar(const float* q, const float* k, const float* v, float* scores, float* out,
+void attend_scalar(const float* q, const KvRows& k, const KvRows& v, float* scores, float* out,
                    int G, int n, int hd) {
-  attend_scalar_t(q, k, v, scores, out, G, n, hd);
+  auto quant = [&](const KvRows& r) {
+    return QuantRows{static_cast<const uint32_t*>(r.data), r.scales, r.biases, hd, r.bits,
+                     r.group};
+  };
+  switch (k.bits) {
+    case 32:
+      attend_scalar_t(q, F32Rows{static_cast<const float*>(k.data), hd},
+                      F32Rows{static_cast<const float*>(v.data), hd}, scores, out, G, n, hd);
+      break;
+    case 16:
+      attend_scalar_t(q, F16Rows{static_cast<const uint16_t*>(k.data), hd},
+                      F16Rows{static_cast<const uint16_t*>(v.data), hd}, scores, out, G, n, hd);
+      break;
+    default:
+      attend_scalar_t(q, quant(k), quant(v), scores, out, G, n, hd);
+  }
 }
 
-void attend_f16_scalar(const float* q, const uint16_t* k, const uint16_t* v, float* scores,
-                       float* out, int G, int n, int hd) {
-  attend_scalar_t(q, k, v, scores, out, G, n, hd);
+bool attend_takes(int hd, int bits, int group) {
+  if (hd <= 0) return false;
+  if (bits == 32 || bits == 16) return true;
+  // Groups a power of two, as MLX's (32, 64, 128).
+  return (bits == 8 || bits == 4) && group > 0 && (group & (group - 1)) == 0 && hd % group == 0 &&
+         (hd * bits) % 32 == 0;
 }
 
-AttendF16Fn attend_f16_fn(Isa isa, int hd) {
+AttendFn attend_fn(Isa isa, int hd, int bits, int group) {
 #if defined(__x86_64__)
-  if (isa == kAvx512 && hd % 16 == 0) return attend_f16_avx512;
-  if (isa >= kAvx2 && hd % 8 == 0) return attend_f16_avx2;
+  // Quantized rows are read 16 (8) values at a time within one group.
+  const bool plain = bits == 32;
+  if (isa == kAvx512 && (plain || (hd % 16 == 0 && (bits == 16 || group % 16 == 0))))
+    return attend_avx512;
+  if (isa >= kAvx2 && hd % 8 == 0 && (bits >= 16 || group % 8 == 0)) return attend_avx2;
 #endif
   (void)isa;
   (void)hd;
-  return attend_f16_scalar;
-}
-
-AttendFn attend_fn(Isa isa, int hd) {
-#if defined(__x86_64__)
-  if (isa == kAvx512) return attend_avx512;
-  if (isa == kAvx2 && hd % 8 == 0) return attend_avx2;
-#endif
-  (void)isa;
-  (void)hd;
+  (void)bits;
+  (void)group;
   return attend_scalar;
 }
 

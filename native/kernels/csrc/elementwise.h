@@ -4,6 +4,7 @@
 // backend expands into seven nodes).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "qmm.h"
@@ -88,42 +89,56 @@ struct NormRopeArgs {
 
 void norm_rope(const NormRopeArgs& a, int max_threads);
 
+// One key head's keys or values as a one-token step's attention reads
+// them: row j holds position j's hd values, float32 (bits 32), float16 as
+// IEEE half bits (16, a kv_dtype float16 cache), or MLX's affine
+// quantization (8 or 4: values packed little-end first into uint32 words,
+// a float32 scale and bias per `group` values, read as scale * q + bias).
+struct KvRows {
+  const void* data;
+  const float* scales;  // quantized only
+  const float* biases;
+  int bits;
+  int group;  // quantized only
+
+  // The rows from position `first` on (a head's or a row's start in a
+  // cache of rows of hd values).
+  KvRows from(size_t first, int hd) const {
+    const size_t element = first * (size_t)hd;
+    KvRows r = *this;
+    r.data = static_cast<const uint8_t*>(data) + element * bits / 8;
+    if (bits < 16) {
+      r.scales = scales + element / group;
+      r.biases = biases + element / group;
+    }
+    return r;
+  }
+};
+
 // One token's attention for the G query heads q [G, hd] (already scaled)
-// that share one key head, over its n keys and values [n, hd]:
-// out[g] = softmax(q[g] . k) @ v, with scores [G, n] as scratch.
-using AttendFn = void (*)(const float* q, const float* k, const float* v, float* scores,
+// that share one key head, over its n keys and values: out[g] =
+// softmax(q[g] . k) @ v, with scores [G, n] as scratch.
+using AttendFn = void (*)(const float* q, const KvRows& k, const KvRows& v, float* scores,
                           float* out, int G, int n, int hd);
 
-void attend_scalar(const float* q, const float* k, const float* v, float* scores, float* out,
+void attend_scalar(const float* q, const KvRows& k, const KvRows& v, float* scores, float* out,
                    int G, int n, int hd);
 #if defined(__x86_64__)
-// hd a multiple of 8.
-void attend_avx2(const float* q, const float* k, const float* v, float* scores, float* out,
+// hd a multiple of 8 (float16 and quantized rows; groups too).
+void attend_avx2(const float* q, const KvRows& k, const KvRows& v, float* scores, float* out,
                  int G, int n, int hd);
-void attend_avx512(const float* q, const float* k, const float* v, float* scores, float* out,
+// hd a multiple of 16 (float16 and quantized rows; groups too).
+void attend_avx512(const float* q, const KvRows& k, const KvRows& v, float* scores, float* out,
                    int G, int n, int hd);
 #endif
 
-// The variant for `isa` and heads of `hd` values.
-AttendFn attend_fn(Isa isa, int hd);
+// The variant for `isa` and rows of `bits` (groups of `group`) of heads of
+// `hd` values: the widest the shapes allow.
+AttendFn attend_fn(Isa isa, int hd, int bits, int group);
 
-// The same over float16 keys and values (IEEE half bits), converted to
-// float32 as they are read: half the bytes a long context's step reads.
-using AttendF16Fn = void (*)(const float* q, const uint16_t* k, const uint16_t* v,
-                             float* scores, float* out, int G, int n, int hd);
-
-void attend_f16_scalar(const float* q, const uint16_t* k, const uint16_t* v, float* scores,
-                       float* out, int G, int n, int hd);
-#if defined(__x86_64__)
-// hd a multiple of 8.
-void attend_f16_avx2(const float* q, const uint16_t* k, const uint16_t* v, float* scores,
-                     float* out, int G, int n, int hd);
-// hd a multiple of 16.
-void attend_f16_avx512(const float* q, const uint16_t* k, const uint16_t* v, float* scores,
-                       float* out, int G, int n, int hd);
-#endif
-
-AttendF16Fn attend_f16_fn(Isa isa, int hd);
+// Whether the kernels read rows of `bits` bits in groups of `group` (heads
+// of `hd` values).
+bool attend_takes(int hd, int bits, int group);
 
 // The attention variants' middle step: each of the G rows of scores [G, n]
 // softmaxed in place, and out [G, hd] zeroed for the weighted values.

@@ -1,5 +1,5 @@
-// AVX2 rows of the one-token attention (float32 and float16 keys and
-// values), selected at run time; the softmax stays the portable one.
+// AVX2 rows of the one-token attention (float32, float16 and quantized
+// keys and values), selected at run time; the softmax stays the portable one.
 #if defined(__x86_64__)
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
@@ -9,11 +9,43 @@
 namespace emlx {
 namespace {
 
-// 8 keys' or values' elements as float32: float16 converted (F16C).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
+// Rows of keys or values (see KvRows): 8 values of row j from e as float32.
+struct F32Rows {
+  const float* p;
+  int hd;
+  __m256 load8(long j, int e) const { return _mm256_loadu_ps(p + j * hd + e); }
+};
+struct F16Rows {
+  const uint16_t* p;
+  int hd;
+  __m256 load8(long j, int e) const {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j * hd + e)));
+  }
+};
+// 8 values inside one group: scale * q + bias, q from 8 bytes (8 bits) or
+// from the nibbles of 4 bytes, low nibble first (4 bits).
+template <int BITS>
+struct QuantRows {
+  const uint8_t* p;
+  const float* s;
+  const float* b;
+  int hd, shift;  // the group's log2
+  __m256 load8(long j, int e) const {
+    const long i = j * hd + e;
+    __m128i bytes;
+    if constexpr (BITS == 8) {
+      bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + i));
+    } else {
+      int word;
+      __builtin_memcpy(&word, p + i / 2, sizeof word);
+      const __m128i x = _mm_cvtsi32_si128(word);
+      const __m128i low = _mm_set1_epi8(0x0f);
+      bytes = _mm_unpacklo_epi8(_mm_and_si128(x, low), _mm_and_si128(_mm_srli_epi16(x, 4), low));
+    }
+    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+    return _mm256_fmadd_ps(_mm256_set1_ps(s[i >> shift]), q, _mm256_set1_ps(b[i >> shift]));
+  }
+};
 
 inline float sum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -23,40 +55,52 @@ inline float sum8(__m256 v) {
 }
 
 // hd a multiple of 8.
-template <typename KV>
-void attend_avx2_t(const float* q, const KV* k, const KV* v, float* scores, float* out, int G,
+template <typename Rows>
+void attend_avx2_t(const float* q, const Rows& k, const Rows& v, float* scores, float* out, int G,
                    int n, int hd) {
   for (int j = 0; j < n; ++j) {
-    const KV* kj = k + (long)j * hd;
     for (int g = 0; g < G; ++g) {
       const float* qg = q + (long)g * hd;
       __m256 acc = _mm256_setzero_ps();
-      for (int e = 0; e < hd; e += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + e), load8(kj + e), acc);
+      for (int e = 0; e < hd; e += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + e), k.load8(j, e), acc);
       scores[(long)g * n + j] = sum8(acc);
     }
   }
   attention_weights(softmax_row_scalar, scores, out, G, n, hd);
   for (int j = 0; j < n; ++j) {
-    const KV* vj = v + (long)j * hd;
     for (int g = 0; g < G; ++g) {
       const __m256 p = _mm256_set1_ps(scores[(long)g * n + j]);
       float* og = out + (long)g * hd;
       for (int e = 0; e < hd; e += 8)
-        _mm256_storeu_ps(og + e, _mm256_fmadd_ps(p, load8(vj + e), _mm256_loadu_ps(og + e)));
+        _mm256_storeu_ps(og + e, _mm256_fmadd_ps(p, v.load8(j, e), _mm256_loadu_ps(og + e)));
     }
   }
 }
 
-}  // namespace
-
-void attend_avx2(const float* q, const float* k, const float* v, float* scores, float* out,
-                 int G, int n, int hd) {
-  attend_avx2_t(q, k, v, scores, out, G, n, hd);
+template <int BITS>
+QuantRows<BITS> quant_rows(const KvRows& r, int hd) {
+  return {static_cast<const uint8_t*>(r.data), r.scales, r.biases, hd, __builtin_ctz(r.group)};
 }
 
-void attend_f16_avx2(const float* q, const uint16_t* k, const uint16_t* v, float* scores,
-                     float* out, int G, int n, int hd) {
-  attend_avx2_t(q, k, v, scores, out, G, n, hd);
+}  // namespace
+
+void attend_avx2(const float* q, const KvRows& k, const KvRows& v, float* scores, float* out,
+                 int G, int n, int hd) {
+  switch (k.bits) {
+    case 32:
+      attend_avx2_t(q, F32Rows{static_cast<const float*>(k.data), hd},
+                    F32Rows{static_cast<const float*>(v.data), hd}, scores, out, G, n, hd);
+      break;
+    case 16:
+      attend_avx2_t(q, F16Rows{static_cast<const uint16_t*>(k.data), hd},
+                    F16Rows{static_cast<const uint16_t*>(v.data), hd}, scores, out, G, n, hd);
+      break;
+    case 8:
+      attend_avx2_t(q, quant_rows<8>(k, hd), quant_rows<8>(v, hd), scores, out, G, n, hd);
+      break;
+    default:
+      attend_avx2_t(q, quant_rows<4>(k, hd), quant_rows<4>(v, hd), scores, out, G, n, hd);
+  }
 }
 
 }  // namespace emlx

@@ -86,53 +86,98 @@ void rms_norm_row_avx512(const float* x, const float* w, float* y, int D, float 
 
 namespace {
 
-// 16 keys' or values' elements as float32 under mask `m`: float32 as they
-// are, float16 converted (rows of 16, so the mask is full).
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const uint16_t* p, __mmask16) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+// Rows of keys or values (see KvRows): 16 values of row j from e as
+// float32, under mask `m` for float32 rows (float16 and quantized rows come
+// in whole 16s, the mask full).
+struct F32Rows {
+  const float* p;
+  int hd;
+  __m512 load16(long j, int e, __mmask16 m) const {
+    return _mm512_maskz_loadu_ps(m, p + j * hd + e);
+  }
+};
+struct F16Rows {
+  const uint16_t* p;
+  int hd;
+  __m512 load16(long j, int e, __mmask16) const {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j * hd + e)));
+  }
+};
+// 16 values inside one group: scale * q + bias, q from 16 bytes (8 bits)
+// or from the nibbles of 8 bytes, low nibble first (4 bits).
+template <int BITS>
+struct QuantRows {
+  const uint8_t* p;
+  const float* s;
+  const float* b;
+  int hd, shift;  // the group's log2
+  __m512 load16(long j, int e, __mmask16) const {
+    const long i = j * hd + e;
+    __m128i bytes;
+    if constexpr (BITS == 8) {
+      bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i));
+    } else {
+      const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + i / 2));
+      const __m128i low = _mm_set1_epi8(0x0f);
+      bytes = _mm_unpacklo_epi8(_mm_and_si128(x, low), _mm_and_si128(_mm_srli_epi16(x, 4), low));
+    }
+    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+    return _mm512_fmadd_ps(_mm512_set1_ps(s[i >> shift]), q, _mm512_set1_ps(b[i >> shift]));
+  }
+};
 
-template <typename KV>
-void attend_avx512_t(const float* q, const KV* k, const KV* v, float* scores, float* out, int G,
-                     int n, int hd) {
+template <typename Rows>
+void attend_avx512_t(const float* q, const Rows& k, const Rows& v, float* scores, float* out,
+                     int G, int n, int hd) {
   for (int j = 0; j < n; ++j) {
-    const KV* kj = k + (long)j * hd;
     for (int g = 0; g < G; ++g) {
       const float* qg = q + (long)g * hd;
       __m512 acc = _mm512_setzero_ps();
       for (int e = 0; e < hd; e += 16) {
         const __mmask16 m = tail(hd - e);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, qg + e), load16(kj + e, m), acc);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, qg + e), k.load16(j, e, m), acc);
       }
       scores[(long)g * n + j] = _mm512_reduce_add_ps(acc);
     }
   }
   attention_weights(softmax_row_avx512, scores, out, G, n, hd);
   for (int j = 0; j < n; ++j) {
-    const KV* vj = v + (long)j * hd;
     for (int g = 0; g < G; ++g) {
       const __m512 p = _mm512_set1_ps(scores[(long)g * n + j]);
       float* og = out + (long)g * hd;
       for (int e = 0; e < hd; e += 16) {
         const __mmask16 m = tail(hd - e);
-        _mm512_mask_storeu_ps(
-            og + e, m, _mm512_fmadd_ps(p, load16(vj + e, m), _mm512_maskz_loadu_ps(m, og + e)));
+        _mm512_mask_storeu_ps(og + e, m,
+                              _mm512_fmadd_ps(p, v.load16(j, e, m), _mm512_maskz_loadu_ps(m, og + e)));
       }
     }
   }
 }
 
-}  // namespace
-
-void attend_avx512(const float* q, const float* k, const float* v, float* scores, float* out,
-                   int G, int n, int hd) {
-  attend_avx512_t(q, k, v, scores, out, G, n, hd);
+template <int BITS>
+QuantRows<BITS> quant_rows(const KvRows& r, int hd) {
+  return {static_cast<const uint8_t*>(r.data), r.scales, r.biases, hd, __builtin_ctz(r.group)};
 }
 
-void attend_f16_avx512(const float* q, const uint16_t* k, const uint16_t* v, float* scores,
-                       float* out, int G, int n, int hd) {
-  attend_avx512_t(q, k, v, scores, out, G, n, hd);
+}  // namespace
+
+void attend_avx512(const float* q, const KvRows& k, const KvRows& v, float* scores, float* out,
+                   int G, int n, int hd) {
+  switch (k.bits) {
+    case 32:
+      attend_avx512_t(q, F32Rows{static_cast<const float*>(k.data), hd},
+                      F32Rows{static_cast<const float*>(v.data), hd}, scores, out, G, n, hd);
+      break;
+    case 16:
+      attend_avx512_t(q, F16Rows{static_cast<const uint16_t*>(k.data), hd},
+                      F16Rows{static_cast<const uint16_t*>(v.data), hd}, scores, out, G, n, hd);
+      break;
+    case 8:
+      attend_avx512_t(q, quant_rows<8>(k, hd), quant_rows<8>(v, hd), scores, out, G, n, hd);
+      break;
+    default:
+      attend_avx512_t(q, quant_rows<4>(k, hd), quant_rows<4>(v, hd), scores, out, G, n, hd);
+  }
 }
 
 }  // namespace emlx

@@ -538,18 +538,17 @@ int emlx_kernels_qmm_int8(const float* x, const uint32_t* w, const void* scales,
 }
 
 // One key head's attention (see AttendFn) on plain buffers with a chosen
-// variant: keys and values float32, or IEEE half bits when `f16`.
-int emlx_kernels_attend_raw(const float* q, const void* k, const void* v, int f16, float* out,
-                            int G, int n, int hd, int isa) {
+// variant: keys and values float32 (bits 32), IEEE half bits (16), or
+// quantized (8 or 4: packed words with float32 scales and biases per
+// `group`, see KvRows).
+int emlx_kernels_attend_raw(const float* q, const void* k, const void* v, const float* k_scales,
+                            const float* k_biases, const float* v_scales, const float* v_biases,
+                            int bits, int group, float* out, int G, int n, int hd, int isa) {
   return emlx::run_raw(isa, [&](emlx::Isa variant) {
     std::vector<float> scores((size_t)G * n);
-    if (f16)
-      emlx::attend_f16_fn(variant, hd)(q, static_cast<const uint16_t*>(k),
-                                       static_cast<const uint16_t*>(v), scores.data(), out, G, n,
-                                       hd);
-    else
-      emlx::attend_fn(variant, hd)(q, static_cast<const float*>(k), static_cast<const float*>(v),
-                                   scores.data(), out, G, n, hd);
+    const emlx::KvRows keys{k, k_scales, k_biases, bits, group};
+    const emlx::KvRows values{v, v_scales, v_biases, bits, group};
+    emlx::attend_fn(variant, hd, bits, group)(q, keys, values, scores.data(), out, G, n, hd);
   });
 }
 

@@ -138,7 +138,12 @@ extern "C" {
         q: *const f32,
         k: *const std::ffi::c_void,
         v: *const std::ffi::c_void,
-        f16: c_int,
+        k_scales: *const f32,
+        k_biases: *const f32,
+        v_scales: *const f32,
+        v_biases: *const f32,
+        bits: c_int,
+        group: c_int,
         out: *mut f32,
         g: c_int,
         n: c_int,
@@ -240,6 +245,8 @@ extern "C" {
         starts: *const c_int,
         eps_post: f32,
         scale: f32,
+        kv_bits: c_int,
+        kv_group: c_int,
         stream: Handle,
         err: *mut c_char,
         err_len: usize,
@@ -682,8 +689,7 @@ pub fn decode_qkv(p: &QkvParts) -> Result<Option<[Array; 3]>, KernelError> {
 pub struct RestParts<'a> {
     pub h: &'a Array,
     pub q: &'a Array,
-    pub keys: &'a Array,
-    pub values: &'a Array,
+    pub kv: KvBuffers<'a>,
     /// The softmax scale.
     pub scale: f32,
     pub o: QuantWeight<'a>,
@@ -692,6 +698,22 @@ pub struct RestParts<'a> {
     /// gate and up projections stacked, gate first, of equal widths.
     pub gate_up: QuantWeight<'a>,
     pub down: QuantWeight<'a>,
+}
+
+/// A layer's whole cache buffers, `[>= rows, kv_heads, capacity, ...]`
+/// (already holding the step's keys), as [`decode_layer_rest`] reads them.
+pub enum KvBuffers<'a> {
+    /// Keys and values in float32 or float16.
+    Dense { keys: &'a Array, values: &'a Array },
+    /// MLX's affine quantization of them (`[packed, scales, biases]` each,
+    /// float32 scales and biases), `bits` 8 or 4, groups a power of two
+    /// dividing the heads.
+    Quantized {
+        keys: [&'a Array; 3],
+        values: [&'a Array; 3],
+        bits: i32,
+        group_size: i32,
+    },
 }
 
 /// The rest of a one-token step's layer as one lazy MLX node of our
@@ -713,12 +735,28 @@ pub fn decode_layer_rest(
     {
         return Ok(None);
     }
-    let mut arrays = vec![handle(p.h), handle(p.q), handle(p.keys), handle(p.values)];
+    let (keys, values, quantized, kv_bits, kv_group) = match &p.kv {
+        KvBuffers::Dense { keys, values } => (*keys, *values, vec![], 0, 0),
+        KvBuffers::Quantized {
+            keys: [kw, ks, kb],
+            values: [vw, vs, vb],
+            bits,
+            group_size,
+        } => (
+            *kw,
+            *vw,
+            vec![handle(ks), handle(kb), handle(vs), handle(vb)],
+            *bits,
+            *group_size,
+        ),
+    };
+    let mut arrays = vec![handle(p.h), handle(p.q), handle(keys), handle(values)];
     arrays.extend([handle(p.o.w), handle(p.o.scales), handle(p.o.biases)]);
     arrays.push(handle(p.post_norm.0));
     for w in [&p.gate_up, &p.down] {
         arrays.extend([handle(w.w), handle(w.scales), handle(w.biases)]);
     }
+    arrays.extend(quantized);
     let bits = weights.map(|w| w.bits);
     let group = weights.map(|w| w.group_size);
     node(|out, stream, err, n| {
@@ -735,6 +773,8 @@ pub fn decode_layer_rest(
                 starts.as_ptr(),
                 p.post_norm.1,
                 p.scale,
+                kv_bits,
+                kv_group,
                 stream,
                 err,
                 n,
@@ -814,16 +854,25 @@ fn ran(status: c_int, isa: Isa, kernel: Option<&str>) -> Result<(), KernelError>
     }
 }
 
-/// A one-token step's keys and values for [`attend_with`]: float32, or
-/// float16 as IEEE half bits (a `kv_dtype` float16 cache).
+/// A one-token step's keys and values for [`attend_with`]: float32,
+/// float16 as IEEE half bits (a `kv_dtype` float16 cache), or MLX's affine
+/// quantization (`bits` 8 or 4 packed into words, a float32 scale and bias
+/// per `group_size` values: `[words, scales, biases]` each).
 pub enum KeysValues<'a> {
     F32(&'a [f32], &'a [f32]),
     F16(&'a [u16], &'a [u16]),
+    Quantized {
+        keys: (&'a [u32], &'a [f32], &'a [f32]),
+        values: (&'a [u32], &'a [f32], &'a [f32]),
+        bits: i32,
+        group_size: i32,
+    },
 }
 
 /// The decode layer's attention for one key head on plain buffers, with a
 /// chosen variant: `q` `[G, hd]` (already scaled) over `n` keys and values
-/// `[n, hd]`, `out` `[G, hd]` = softmax(q . k) @ v. For tests and benchmarks.
+/// (`n * hd` values each), `out` `[G, hd]` = softmax(q . k) @ v. For tests
+/// and benchmarks.
 pub fn attend_with(
     isa: Isa,
     q: &[f32],
@@ -831,9 +880,56 @@ pub fn attend_with(
     hd: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    let (k, v, f16, len) = match kv {
-        KeysValues::F32(k, v) => (k.as_ptr().cast(), v.as_ptr().cast(), 0, (k.len(), v.len())),
-        KeysValues::F16(k, v) => (k.as_ptr().cast(), v.as_ptr().cast(), 1, (k.len(), v.len())),
+    let none = std::ptr::null::<f32>();
+    // Pointers, bits, group and (keys, values) lengths in values.
+    let (k, v, params, bits, group, len) = match kv {
+        KeysValues::F32(k, v) => (
+            k.as_ptr().cast(),
+            v.as_ptr().cast(),
+            [none; 4],
+            32,
+            0,
+            (k.len(), v.len()),
+        ),
+        KeysValues::F16(k, v) => (
+            k.as_ptr().cast(),
+            v.as_ptr().cast(),
+            [none; 4],
+            16,
+            0,
+            (k.len(), v.len()),
+        ),
+        KeysValues::Quantized {
+            keys,
+            values,
+            bits,
+            group_size,
+        } => {
+            let values_of = |w: &[u32]| w.len() * 32 / bits.max(1) as usize;
+            let groups = |w: &[u32]| values_of(w) / group_size.max(1) as usize;
+            let params_fit = [keys, values]
+                .iter()
+                .all(|(w, s, b)| s.len() == groups(w) && b.len() == groups(w));
+            if !matches!(bits, 4 | 8)
+                || group_size <= 0
+                || !(group_size as u32).is_power_of_two()
+                || hd % group_size as usize != 0
+                || !params_fit
+            {
+                return Err(KernelError(format!(
+                    "attend: quantized keys and values of {bits} bits in groups of {group_size} \
+                     for heads of {hd}"
+                )));
+            }
+            (
+                keys.0.as_ptr().cast(),
+                values.0.as_ptr().cast(),
+                [keys.1, keys.2, values.1, values.2].map(|p| p.as_ptr()),
+                bits,
+                group_size,
+                (values_of(keys.0), values_of(values.0)),
+            )
+        }
     };
     let g = q.len() / hd.max(1);
     let n = len.0 / hd.max(1);
@@ -852,13 +948,20 @@ pub fn attend_with(
             out.len()
         )));
     }
-    // SAFETY: q and out hold g * hd floats, k and v n * hd elements, checked above.
+    // SAFETY: q and out hold g * hd floats, k and v n * hd values (and a
+    // quantized cache's scales and biases one per group of them), checked
+    // above.
     let status = unsafe {
         emlx_kernels_attend_raw(
             q.as_ptr(),
             k,
             v,
-            f16,
+            params[0],
+            params[1],
+            params[2],
+            params[3],
+            bits,
+            group,
             out.as_mut_ptr(),
             g as c_int,
             n as c_int,

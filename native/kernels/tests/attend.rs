@@ -1,5 +1,5 @@
 //! The decode layer's one-token attention, every variant that runs here,
-//! with float32 and float16 keys and values, against a float64 evaluation
+//! with float32, float16 and quantized keys and values, against a float64 evaluation
 //! of softmax(q . k) @ v over the same values (the float16 ones decoded
 //! from their bits), for head widths the vector loads divide and ones
 //! they do not.
@@ -91,6 +91,75 @@ fn every_variant_matches_a_float64_evaluation_for_both_cache_dtypes() {
     assert!(ran >= 8);
 }
 
+/// MLX's affine quantization of `x` (rows of `group` values): `bits`-bit
+/// values packed little-end first into words, a scale and a bias per group;
+/// and the values it stands for (`scale * q + bias`, in float64).
+fn quantize(x: &[f32], bits: i32, group: usize) -> (Vec<u32>, Vec<f32>, Vec<f32>, Vec<f64>) {
+    let levels = ((1u32 << bits) - 1) as f32;
+    let per_word = 32 / bits as usize;
+    let mut words = vec![0u32; x.len() / per_word];
+    let (mut scales, mut biases, mut values) = (vec![], vec![], vec![]);
+    for (g, xs) in x.chunks(group).enumerate() {
+        let (lo, hi) = xs
+            .iter()
+            .fold((f32::MAX, f32::MIN), |(l, h), &v| (l.min(v), h.max(v)));
+        let scale = ((hi - lo) / levels).max(1e-7);
+        scales.push(scale);
+        biases.push(lo);
+        for (e, &v) in xs.iter().enumerate() {
+            let q = ((v - lo) / scale).round().clamp(0.0, levels) as u32;
+            let i = g * group + e;
+            words[i / per_word] |= q << (bits as usize * (i % per_word));
+            values.push(scale as f64 * q as f64 + lo as f64);
+        }
+    }
+    (words, scales, biases, values)
+}
+
+/// Quantized keys and values (8 and 4 bits, groups of 32, 64 and 16),
+/// every variant against the float64 evaluation over the values they stand
+/// for, which differ from the float32 ones they were made from.
+#[test]
+fn every_variant_matches_a_float64_evaluation_of_quantized_keys_and_values() {
+    let mut ran = 0;
+    for (hd, g, n, group) in [
+        (128, 2, 300, 64),
+        (64, 4, 17, 32),
+        (32, 1, 9, 16),
+        (128, 8, 40, 128),
+    ] {
+        let q: Vec<f32> = data(g * hd, hd as u64).iter().map(|x| x * 0.5).collect();
+        let k = data(n * hd, 7 + n as u64);
+        let v = data(n * hd, 11 + n as u64);
+        for bits in [8, 4] {
+            let (kw, ks, kb, kx) = quantize(&k, bits, group);
+            let (vw, vs, vb, vx) = quantize(&v, bits, group);
+            let expected = reference(&q, &kx, &vx, hd);
+            let wide = |x: &[f32]| x.iter().map(|&x| x as f64).collect::<Vec<_>>();
+            let unquantized = reference(&q, &wide(&k), &wide(&v), hd);
+            assert!(rel_err(&expected, &unquantized) > 1e-4, "bits={bits}");
+            for isa in Isa::ALL.into_iter().filter(|i| i.supported()) {
+                let kv = KeysValues::Quantized {
+                    keys: (&kw, &ks, &kb),
+                    values: (&vw, &vs, &vb),
+                    bits,
+                    group_size: group as i32,
+                };
+                let mut out = vec![0f32; g * hd];
+                attend_with(isa, &q, kv, hd, &mut out).unwrap();
+                let err = rel_err(&out, &expected);
+                assert!(
+                    err < 2e-6,
+                    "{} hd={hd} g={g} n={n} bits={bits} group={group}: {err}",
+                    isa.name()
+                );
+                ran += 1;
+            }
+        }
+    }
+    assert!(ran >= 8);
+}
+
 #[test]
 fn bad_buffers_are_an_error() {
     let q = vec![0f32; 8];
@@ -98,4 +167,17 @@ fn bad_buffers_are_an_error() {
     let mut out = vec![0f32; 8];
     let err = attend_with(Isa::Scalar, &q, KeysValues::F32(&k, &k[..8]), 4, &mut out).unwrap_err();
     assert!(err.to_string().contains("attend"), "{err}");
+    // A group that does not divide the heads, and scales for too few groups.
+    let words = vec![0u32; 4];
+    let params = vec![0f32; 2];
+    for (group, params) in [(3, &params[..]), (8, &params[..1])] {
+        let kv = KeysValues::Quantized {
+            keys: (&words, params, params),
+            values: (&words, params, params),
+            bits: 8,
+            group_size: group,
+        };
+        let err = attend_with(Isa::Scalar, &q, kv, 4, &mut out).unwrap_err();
+        assert!(err.to_string().contains("quantized"), "{err}");
+    }
 }

@@ -75,6 +75,12 @@ pub trait KvStore {
     /// Layer `layer`'s whole key and value buffers, `[rows, kv_heads,
     /// capacity, head_dim]`, which such a layer reads after `update`.
     fn buffers(&self, layer: usize) -> &(Array, Array);
+    /// A quantized cache's layer `layer`, keys then values, each
+    /// `[packed, scales, biases]` over the whole capacity, which the CPU
+    /// layer nodes read after `update` in place of [`KvStore::buffers`].
+    fn quantized_buffers(&self, _layer: usize) -> Option<&QuantizedLayer> {
+        None
+    }
     /// Replaces layer `layer`'s buffers with handles on the same memory
     /// (the CUDA backend's in-place writes).
     fn set_buffers(&mut self, layer: usize, keys: Array, values: Array);
@@ -110,7 +116,7 @@ pub(crate) fn stored_as(dtype: mlx_rs::Dtype, k: &Array, v: &Array) -> Result<(A
 }
 
 /// A layer's quantized keys and values, `[packed, scales, biases]` each.
-type QuantizedLayer = ([Array; 3], [Array; 3]);
+pub type QuantizedLayer = ([Array; 3], [Array; 3]);
 
 /// Empty dense buffers, where a layer keeps its keys and values otherwise
 /// (quantized) or has none yet (a window before its first pass).
@@ -307,11 +313,16 @@ impl KvStore for KvCache {
         }
     }
 
+    /// Rows for a window: none (its positions rotate). A quantized cache's
+    /// rows are its buffers' (the CPU layer nodes read them).
     fn step_rows(&self) -> Option<StepRows> {
-        if self.no_buffers().is_some() {
+        if self.window.is_some() {
             return None;
         }
-        let rows = self.layers.first()?.0.dim(0) as usize;
+        let rows = match &self.quantized {
+            Some((_, layers)) => layers.first()?.0[0].dim(0),
+            None => self.layers.first()?.0.dim(0),
+        } as usize;
         (self.offset < self.capacity).then(|| StepRows {
             positions: vec![self.offset; rows],
             starts: vec![0; rows],
@@ -320,6 +331,10 @@ impl KvStore for KvCache {
 
     fn buffers(&self, layer: usize) -> &(Array, Array) {
         &self.layers[layer]
+    }
+
+    fn quantized_buffers(&self, layer: usize) -> Option<&QuantizedLayer> {
+        self.quantized.as_ref().map(|(_, layers)| &layers[layer])
     }
 
     fn set_buffers(&mut self, layer: usize, keys: Array, values: Array) {

@@ -385,12 +385,18 @@ impl Model {
             declined(MOE_DECLINED);
         }
         // A quantized cache or a rotating window has no dense buffers for
-        // the fused layers.
+        // the CUDA layers; the CPU layer nodes read a quantized cache's
+        // (they have step rows), not a window's.
         let no_buffers = cache.no_buffers();
-        if let Some(why) = no_buffers.filter(|_| cpu_ops || cuda::layer::wanted()) {
+        let unread = if cpu_ops {
+            step_rows.is_none()
+        } else {
+            cuda::layer::wanted()
+        };
+        if let Some(why) = no_buffers.filter(|_| unread) {
             declined(&format!("layers: {why}"));
         }
-        if let (Some(rows), false, false) = (&step_rows, cpu_ops, sparse) {
+        if let (Some(rows), false, false, None) = (&step_rows, cpu_ops, sparse, no_buffers) {
             let stack = cuda::layer::Stack {
                 embed: self.embed.quantized(),
                 blocks: &self.blocks,

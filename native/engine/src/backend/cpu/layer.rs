@@ -10,7 +10,8 @@
 //! kernel, MLX's rope, another dtype, routed experts in place of the MLP)
 //! return `None` before touching the cache, and are built from separate
 //! nodes as before. The cache may be float16 under float32 activations
-//! (`kv_dtype`): the attention then reads half the bytes.
+//! (`kv_dtype`), or quantized to 8 or 4 bits (`kv_bits`): the attention
+//! then reads its half or fewer bytes as they are stored.
 
 use mlx_rs::{Array, Dtype};
 
@@ -57,13 +58,24 @@ pub(crate) fn forward<C: KvStore>(
         emlx_axon_kernels::supports(w.bits, w.group_size)
             && matches!(w.scales.dtype(), Dtype::Float32 | Dtype::Bfloat16)
     };
+    let cache_read = match (cache.quantized(), cache.quantized_buffers(layer)) {
+        (Some(q), Some((keys, _))) => {
+            matches!(q.bits, 4 | 8)
+                && q.group_size > 0
+                && (q.group_size as u32).is_power_of_two()
+                && c.head_dim % q.group_size == 0
+                && keys[1].dtype() == Dtype::Float32
+        }
+        (None, _) => matches!(
+            cache.buffers(layer).0.dtype(),
+            Dtype::Float32 | Dtype::Float16
+        ),
+        _ => false,
+    };
     if h.dtype() != Dtype::Float32
         || !matches!(mlp.gate_up.sizes(), [g, u] if g == u)
         || ![&o, &gate_up, &down].into_iter().all(takes)
-        || !matches!(
-            cache.buffers(layer).0.dtype(),
-            Dtype::Float32 | Dtype::Float16
-        )
+        || !cache_read
     {
         return Ok(None);
     }
@@ -84,12 +96,22 @@ pub(crate) fn forward<C: KvStore>(
         return Ok(None);
     };
     cache.update(layer, &k, &v)?;
-    let (keys, values) = cache.buffers(layer);
+    let kv = match (cache.quantized(), cache.quantized_buffers(layer)) {
+        (Some(quant), Some((keys, values))) => emlx_axon_kernels::KvBuffers::Quantized {
+            keys: [&keys[0], &keys[1], &keys[2]],
+            values: [&values[0], &values[1], &values[2]],
+            bits: quant.bits,
+            group_size: quant.group_size,
+        },
+        _ => {
+            let (keys, values) = cache.buffers(layer);
+            emlx_axon_kernels::KvBuffers::Dense { keys, values }
+        }
+    };
     let rest = emlx_axon_kernels::RestParts {
         h,
         q: &q,
-        keys,
-        values,
+        kv,
         scale: (c.head_dim as f32).powf(-0.5),
         o,
         post_norm: (block.post_norm.weight(), block.post_norm.eps()),

@@ -82,7 +82,9 @@ impl Generation {
         if matches!(self.replay, Replay::Untried) && self.steps > 0 && !unchecked {
             match self.not_replayed() {
                 None => return self.record_step(current),
-                Some(why) if replay::wanted() => {
+                // On a CPU stream a replay does not apply: nothing stepped
+                // aside.
+                Some(why) if replay::wanted() && !crate::runtime::device::on_cpu_stream() => {
                     declined(why);
                     self.collect_paths();
                 }
