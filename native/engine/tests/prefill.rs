@@ -19,7 +19,9 @@ fn prompt() -> Vec<u32> {
 }
 
 /// The last position's logits, the prompt given in parts of `chunk` tokens;
-/// between parts only the cache is evaluated, as a generation does.
+/// each part's output is evaluated before the next part, as a generation
+/// does (a one-token step's keys reach the cache as its output is
+/// evaluated: see `Model::forward`).
 fn logits_in_chunks(model: &Model, prompt: &[u32], chunk: usize) -> Vec<f32> {
     let mut cache = KvCache::new(&model.kv_shape(), 1, prompt.len() as i32 + 8).unwrap();
     let parts: Vec<&[u32]> = prompt.chunks(chunk).collect();
@@ -32,7 +34,7 @@ fn logits_in_chunks(model: &Model, prompt: &[u32], chunk: usize) -> Vec<f32> {
         };
         let logits = model.forward(&ids, &mut cache, &mask, true, &[]).unwrap();
         if i + 1 < parts.len() {
-            mlx_rs::transforms::eval(cache.arrays()).unwrap();
+            mlx_rs::transforms::eval(cache.arrays().chain([&logits])).unwrap();
             continue;
         }
         let logits = logits.index((0, 0, ..)).as_dtype(Dtype::Float32).unwrap();

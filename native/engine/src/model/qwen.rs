@@ -327,6 +327,12 @@ impl Model {
     /// Runs `ids` (`[B, L]` int32) through the model, writing keys and values
     /// into `cache` at its offset. Returns logits `[B, L, vocab]`, or
     /// `[B, 1, vocab]` for the last position only when `last_only`.
+    ///
+    /// On a CUDA GPU a one-token step's layer kernels write its keys and
+    /// values into the cache's buffers in place, as the step's output is
+    /// evaluated: evaluate the output (a generation reads each step's
+    /// token) before the cache's contents are read or the next pass is
+    /// evaluated.
     pub fn forward<C: KvStore>(
         &self,
         ids: &Array,

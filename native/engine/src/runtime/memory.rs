@@ -116,7 +116,8 @@ pub(crate) fn unevaluated_bytes<'a>(arrays: impl IntoIterator<Item = &'a Array>)
         .sum()
 }
 
-fn is_available(array: &Array) -> bool {
+/// Whether `array` holds its data (evaluated, or made from data).
+pub(crate) fn is_available(array: &Array) -> bool {
     let mut available = false;
     // SAFETY: MLX-C writes one bool; a failure leaves `false`, which only
     // makes the estimate larger.

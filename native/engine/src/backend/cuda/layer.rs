@@ -296,6 +296,21 @@ pub(crate) fn forward<C: KvStore>(
     let Some(k) = kernels(dtype) else {
         return Ok(None);
     };
+    // Buffers a pass wrote in place that nothing has evaluated yet (a prompt
+    // through the prompt kernels whose output was not read): within one
+    // graph MLX's CUDA backend orders kernels by the buffers it sees them
+    // write, and an in-place write is not one, so this step's attention
+    // could read the cache before that write. Evaluated first, it is done.
+    let pending: Vec<&Array> = (0..blocks.len())
+        .flat_map(|i| {
+            let (keys, values) = cache.buffers(i);
+            [keys, values]
+        })
+        .filter(|a| !crate::runtime::memory::is_available(a))
+        .collect();
+    if !pending.is_empty() {
+        mlx_rs::transforms::eval(pending)?;
+    }
     let positions = Array::from_slice(&rows.positions, &[n]);
     let starts = Array::from_slice(&rows.starts, &[n]);
     STEP_POSITIONS.with(|p| *p.borrow_mut() = Some(positions.clone()));
