@@ -46,6 +46,15 @@ def reset_peak():
         pass
 
 
+def kv_cache(kind):
+    """Llama() settings for a KV cache of `kind`: llama.cpp's default f16, or
+    q8_0 keys and values (GGML_TYPE_Q8_0), which llama.cpp reads only with
+    flash attention."""
+    if kind == "f16":
+        return {}
+    return {"type_k": 8, "type_v": 8, "flash_attn": True}
+
+
 class Bench:
     def __init__(self, args):
         self.args = args
@@ -63,10 +72,11 @@ class Bench:
             n_threads=args.threads,
             n_threads_batch=args.threads,
             verbose=False,
+            **kv_cache(args.kv),
         )
         self.load_ms = (time.perf_counter() - started) * 1e3
         self.common = {"peer": args.label, "model": args.model, "dtype": "q4_0", "device": "cpu",
-                       "threads": args.threads}
+                       "threads": args.threads, "kv_cache": args.kv}
 
     def emit(self, measure, run=None, **fields):
         out = dict(self.common, measure=measure)
@@ -106,6 +116,8 @@ def main():
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--label", default="llama.cpp")
     parser.add_argument("--model", default="")
+    parser.add_argument("--kv", choices=["f16", "q8_0"], default="f16",
+                        help="the KV cache's type (q8_0 needs flash attention, which it turns on)")
     args = parser.parse_args()
     measures = args.measures.split(",")
     if args.tokens < 2:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-PEER_ORDER = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-kv16", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream",
-              "mlx-lm-cli", "llama.cpp"]
+PEER_ORDER = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-kv16", "rust-kv8", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream",
+              "mlx-lm-cli", "llama.cpp", "llama.cpp-kv8"]
 PEER_NAMES = {
     "rust": "Rust engine",
     "rust-mlx-steps": "Rust engine, decode steps in MLX's graph (step replay off)",
@@ -33,6 +33,8 @@ PEER_NAMES = {
     "rust-sampled-device": "Rust engine, Qwen3 sampling (device)",
     "rust-structured": "Rust engine, structured output (JSON Schema)",
     "rust-kv16": "Rust engine, float16 KV cache",
+    "rust-kv8": "Rust engine, 8-bit KV cache",
+    "llama.cpp-kv8": "llama.cpp, q8_0 KV cache",
     "rust-ops": "Rust engine, layers from MLX's ops (fused GPU layer kernels off)",
     "rust-mlx-products": "Rust engine, fused GPU layers with MLX's quantized products",
     "mlx-lm-stream": "mlx-lm (stream_generate)",
@@ -44,10 +46,10 @@ PEER_NAMES = {
     "elixir-textgen": "Elixir (TextGeneration.stream)",
     "mlx-lm": "mlx-lm",
 }
-OURS = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-kv16", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen"]
+OURS = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-kv16", "rust-kv8", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen"]
 MLX_LM = ["mlx-lm", "mlx-lm-stream", "mlx-lm-cli"]
 # The engine under its GPU-relevant settings, each set against the mlx-lm paths.
-ENGINE_VARIANTS = ["rust", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-kv16", "rust-baseline", "rust-mlx-steps", "rust-mlx-prompt", "rust-ops", "rust-mlx-products"]
+ENGINE_VARIANTS = ["rust", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-kv16", "rust-kv8", "rust-baseline", "rust-mlx-steps", "rust-mlx-prompt", "rust-ops", "rust-mlx-products"]
 BEST_MLX = "best mlx-lm path"
 
 
@@ -371,7 +373,7 @@ def model_section(name, folder, settings):
         ratio_pairs += [(p, BEST_MLX) for p in ENGINE_VARIANTS if p in peers]
     if "rust" in peers and "rust-baseline" in peers:
         ratio_pairs.append(("rust", "rust-baseline"))
-    ratio_pairs += [(p, "rust") for p in ("rust-sampled", "rust-sampled-device", "rust-structured", "rust-kv16")
+    ratio_pairs += [(p, "rust") for p in ("rust-sampled", "rust-sampled-device", "rust-structured", "rust-kv16", "rust-kv8")
                     if p in peers and "rust" in peers]
     if "rust" in peers:
         ratio_pairs += [(p, "rust") for p in peers if p in ("elixir", "elixir-textgen")]
@@ -379,6 +381,10 @@ def model_section(name, folder, settings):
         ratio_pairs.append(("rust", "llama.cpp"))
     if "llama.cpp" in peers and "rust-kv16" in peers:
         ratio_pairs.append(("rust-kv16", "llama.cpp"))
+    if "llama.cpp" in peers and "rust-kv8" in peers:
+        ratio_pairs.append(("rust-kv8", "llama.cpp"))
+    if "llama.cpp-kv8" in peers and "rust-kv8" in peers:
+        ratio_pairs.append(("rust-kv8", "llama.cpp-kv8"))
     header += [f"{p} / {q}" for p, q in ratio_pairs]
     rows = []
     for metric in order:

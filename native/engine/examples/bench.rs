@@ -84,9 +84,9 @@ struct Args {
     json_schema: Option<String>,
     /// The KV cache's dtype (default: the model's).
     kv_dtype: Option<Dtype>,
-    /// Keys and values quantized to this many bits from the first
-    /// position (mlx-lm's `kv_bits` with `quantized_kv_start` 0), groups of
-    /// 64.
+    /// Keys and values quantized to this many bits once the prompt is in
+    /// (mlx-lm's `kv_bits`, groups of 64, with `quantized_kv_start` the
+    /// prompt's length): the steps read a quantized cache.
     kv_bits: Option<i32>,
 }
 
@@ -378,7 +378,7 @@ impl Bench {
                 group_size: 64,
             }),
             quantized_kv_start: match self.args.kv_bits {
-                Some(_) => 0,
+                Some(_) => longest,
                 None => GenerateOptions::default().quantized_kv_start,
             },
             ..GenerateOptions::default()

@@ -116,7 +116,8 @@ fn quantize(x: &[f32], bits: i32, group: usize) -> (Vec<u32>, Vec<f32>, Vec<f32>
     (words, scales, biases, values)
 }
 
-/// Quantized keys and values (8 and 4 bits, groups of 32, 64 and 16),
+/// Quantized keys and values (8 and 4 bits, groups of 16 to 128, one to
+/// ten query heads a key head),
 /// every variant against the float64 evaluation over the values they stand
 /// for, which differ from the float32 ones they were made from.
 #[test]
@@ -147,9 +148,12 @@ fn every_variant_matches_a_float64_evaluation_of_quantized_keys_and_values() {
                 };
                 let mut out = vec![0f32; g * hd];
                 attend_with(isa, &q, kv, hd, &mut out).unwrap();
+                // The vector variants sum scale * (q . integers) and
+                // bias * (the sum of q) per group, which partly cancel:
+                // a little more rounding than the values' own products.
                 let err = rel_err(&out, &expected);
                 assert!(
-                    err < 2e-6,
+                    err < 2e-5,
                     "{} hd={hd} g={g} n={n} bits={bits} group={group}: {err}",
                     isa.name()
                 );
