@@ -71,6 +71,21 @@ void decode_qkv(const DecodeQkvArgs& a, Isa isa) {
   }
 }
 
+// The rows of `r` from position `first` on (a head's or a row's start in a
+// cache of rows of hd values). Defined here, not in the header the vector
+// translation units include: an inline function compiled under their
+// target could be the copy the linker keeps.
+static KvRows rows_from(const KvRows& r, size_t first, int hd) {
+  const size_t element = first * (size_t)hd;
+  KvRows out = r;
+  out.data = static_cast<const uint8_t*>(r.data) + element * r.bits / 8;
+  if (r.bits < 16) {
+    out.scales = r.scales + element / r.group;
+    out.biases = r.biases + element / r.group;
+  }
+  return out;
+}
+
 void decode_rest(const DecodeRestArgs& a, Isa isa) {
   const int G = a.nq / a.nkv;
   std::vector<float> attn((size_t)a.B * a.nq * a.hd);
@@ -86,8 +101,8 @@ void decode_rest(const DecodeRestArgs& a, Isa isa) {
     for (int i = 0; i < G * a.hd; ++i) q[i] = qs[i] * a.scale;
     const size_t first = ((size_t)b * a.nkv + g) * a.cap + a.starts[b];
     float* o = attn.data() + ((size_t)b * a.nq + (size_t)g * G) * a.hd;
-    attend(q.data(), a.keys.from(first, a.hd), a.values.from(first, a.hd), scores.data(), o, G,
-           n, a.hd);
+    attend(q.data(), rows_from(a.keys, first, a.hd), rows_from(a.values, first, a.hd),
+           scores.data(), o, G, n, a.hd);
   };
   long work = 0;
   for (int b = 0; b < a.B; ++b) work += (long)(a.positions[b] - a.starts[b] + 1) * a.nq * a.hd;

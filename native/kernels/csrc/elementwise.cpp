@@ -156,8 +156,10 @@ bool attend_takes(int hd, int bits, int group) {
 
 AttendFn attend_fn(Isa isa, int hd, int bits, int group) {
 #if defined(__x86_64__)
-  // Quantized rows are read 16 (8) values at a time within one group.
-  const bool plain = bits == 32;
+  // Quantized rows are read 16 (8) values at a time within one group, and
+  // the vector kernels keep at most 32 groups a head.
+  const bool plain = bits == 32, quantized = bits < 16;
+  if (quantized && hd / group > 32) return attend_scalar;
   if (isa == kAvx512 && (plain || (hd % 16 == 0 && (bits == 16 || group % 16 == 0))))
     return attend_avx512;
   if (isa >= kAvx2 && hd % 8 == 0 && (bits >= 16 || group % 8 == 0)) return attend_avx2;

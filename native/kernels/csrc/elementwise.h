@@ -100,19 +100,6 @@ struct KvRows {
   const float* biases;
   int bits;
   int group;  // quantized only
-
-  // The rows from position `first` on (a head's or a row's start in a
-  // cache of rows of hd values).
-  KvRows from(size_t first, int hd) const {
-    const size_t element = first * (size_t)hd;
-    KvRows r = *this;
-    r.data = static_cast<const uint8_t*>(data) + element * bits / 8;
-    if (bits < 16) {
-      r.scales = scales + element / group;
-      r.biases = biases + element / group;
-    }
-    return r;
-  }
 };
 
 // One token's attention for the G query heads q [G, hd] (already scaled)

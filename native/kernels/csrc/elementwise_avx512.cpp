@@ -5,8 +5,6 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
-#include <vector>
-
 #include "elementwise.h"
 
 namespace emlx {
@@ -105,106 +103,6 @@ struct F16Rows {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j * hd + e)));
   }
 };
-// Quantized rows: 16 values inside one group as the float32 of their
-// integers (16 bytes at 8 bits; the nibbles of 8 bytes, low nibble first,
-// at 4 bits), and each group's scale and bias.
-template <int BITS>
-struct QuantRows {
-  const uint8_t* p;
-  const float* s;
-  const float* b;
-  int hd, shift;  // the group's log2
-  __m512 ints16(long j, int e) const {
-    const long i = j * hd + e;
-    __m128i bytes;
-    if constexpr (BITS == 8) {
-      bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i));
-    } else {
-      const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + i / 2));
-      const __m128i low = _mm_set1_epi8(0x0f);
-      bytes = _mm_unpacklo_epi8(_mm_and_si128(x, low), _mm_and_si128(_mm_srli_epi16(x, 4), low));
-    }
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
-  }
-};
-
-// Attention over quantized rows, a group at a time: each 16 integers
-// converted once for the G query heads; a key's score is the sum over its
-// groups of scale * (q . ints) + bias * (the sum of q over the group), and
-// each value group adds (p * scale) * ints to a head's output, its
-// p * bias summed apart and added once at the end.
-template <int G, int BITS>
-void attend_quant_avx512(const float* q, const QuantRows<BITS>& k, const QuantRows<BITS>& v,
-                         float* scores, float* out, int n, int hd) {
-  const int group = 1 << k.shift, groups = hd >> k.shift;
-  std::vector<float> qsum((size_t)G * groups), bsum((size_t)G * groups, 0.0f);
-  for (int g = 0; g < G; ++g)
-    for (int gi = 0; gi < groups; ++gi) {
-      float t = 0.0f;
-      for (int e = 0; e < group; ++e) t += q[(long)g * hd + gi * group + e];
-      qsum[g * groups + gi] = t;
-    }
-  for (int j = 0; j < n; ++j) {
-    __m512 total[G];
-    float bias[G];
-    for (int g = 0; g < G; ++g) {
-      total[g] = _mm512_setzero_ps();
-      bias[g] = 0.0f;
-    }
-    for (int gi = 0; gi < groups; ++gi) {
-      __m512 acc[G];
-      for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
-      for (int e = gi * group; e < (gi + 1) * group; e += 16) {
-        const __m512 x = k.ints16(j, e);
-        for (int g = 0; g < G; ++g)
-          acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (long)g * hd + e), x, acc[g]);
-      }
-      const long at = (long)j * groups + gi;
-      const __m512 scale = _mm512_set1_ps(k.s[at]);
-      for (int g = 0; g < G; ++g) {
-        total[g] = _mm512_fmadd_ps(scale, acc[g], total[g]);
-        bias[g] += k.b[at] * qsum[g * groups + gi];
-      }
-    }
-    for (int g = 0; g < G; ++g) scores[(long)g * n + j] = _mm512_reduce_add_ps(total[g]) + bias[g];
-  }
-  attention_weights(softmax_row_avx512, scores, out, G, n, hd);
-  for (int j = 0; j < n; ++j) {
-    for (int gi = 0; gi < groups; ++gi) {
-      const long at = (long)j * groups + gi;
-      __m512 w[G];
-      for (int g = 0; g < G; ++g) {
-        const float p = scores[(long)g * n + j];
-        w[g] = _mm512_set1_ps(p * v.s[at]);
-        bsum[g * groups + gi] += p * v.b[at];
-      }
-      for (int e = gi * group; e < (gi + 1) * group; e += 16) {
-        const __m512 x = v.ints16(j, e);
-        for (int g = 0; g < G; ++g) {
-          float* o = out + (long)g * hd + e;
-          _mm512_storeu_ps(o, _mm512_fmadd_ps(w[g], x, _mm512_loadu_ps(o)));
-        }
-      }
-    }
-  }
-  for (int g = 0; g < G; ++g)
-    for (int gi = 0; gi < groups; ++gi) {
-      const __m512 b = _mm512_set1_ps(bsum[g * groups + gi]);
-      for (int e = gi * group; e < (gi + 1) * group; e += 16) {
-        float* o = out + (long)g * hd + e;
-        _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), b));
-      }
-    }
-}
-
-template <int BITS, int G = 1>
-void attend_quant_g(const float* q, const QuantRows<BITS>& k, const QuantRows<BITS>& v,
-                    float* scores, float* out, int g, int n, int hd) {
-  if constexpr (G < 8) {
-    if (g != G) return attend_quant_g<BITS, G + 1>(q, k, v, scores, out, g, n, hd);
-  }
-  attend_quant_avx512<G, BITS>(q, k, v, scores, out, n, hd);
-}
 
 template <typename Rows>
 void attend_avx512_t(const float* q, const Rows& k, const Rows& v, float* scores, float* out,
@@ -234,43 +132,31 @@ void attend_avx512_t(const float* q, const Rows& k, const Rows& v, float* scores
   }
 }
 
+// What attend_quant_simd.inc needs: 16 lanes, and 16 integers as float32
+// from 16 bytes (8 bits) or from the nibbles of 8 bytes (4 bits).
+#include "vec_avx512.inc"
+#define SOFTMAX_ROW softmax_row_avx512
 template <int BITS>
-QuantRows<BITS> quant_rows(const KvRows& r, int hd) {
-  return {static_cast<const uint8_t*>(r.data), r.scales, r.biases, hd, __builtin_ctz(r.group)};
+static inline vf ints_w(const uint8_t* p) {
+  __m128i bytes;
+  if constexpr (BITS == 8) {
+    bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  } else {
+    const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    const __m128i low = _mm_set1_epi8(0x0f);
+    bytes = _mm_unpacklo_epi8(_mm_and_si128(x, low), _mm_and_si128(_mm_srli_epi16(x, 4), low));
+  }
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
 }
 
-// Query heads per key head the quantized kernel unrolls (up to 8; more go
-// through it in parts of 8).
-template <int BITS>
-void attend_quant(const float* q, const KvRows& k, const KvRows& v, float* scores, float* out,
-                  int G, int n, int hd) {
-  const auto keys = quant_rows<BITS>(k, hd), values = quant_rows<BITS>(v, hd);
-  for (int g0 = 0; g0 < G; g0 += 8) {
-    const int g = G - g0 < 8 ? G - g0 : 8;
-    attend_quant_g<BITS>(q + (long)g0 * hd, keys, values, scores + (long)g0 * n,
-                         out + (long)g0 * hd, g, n, hd);
-  }
-}
+#define ATTEND_PLAIN attend_avx512_t
+#include "attend_quant_simd.inc"
 
 }  // namespace
 
 void attend_avx512(const float* q, const KvRows& k, const KvRows& v, float* scores, float* out,
                    int G, int n, int hd) {
-  switch (k.bits) {
-    case 32:
-      attend_avx512_t(q, F32Rows{static_cast<const float*>(k.data), hd},
-                      F32Rows{static_cast<const float*>(v.data), hd}, scores, out, G, n, hd);
-      break;
-    case 16:
-      attend_avx512_t(q, F16Rows{static_cast<const uint16_t*>(k.data), hd},
-                      F16Rows{static_cast<const uint16_t*>(v.data), hd}, scores, out, G, n, hd);
-      break;
-    case 8:
-      attend_quant<8>(q, k, v, scores, out, G, n, hd);
-      break;
-    default:
-      attend_quant<4>(q, k, v, scores, out, G, n, hd);
-  }
+  attend_rows(q, k, v, scores, out, G, n, hd);
 }
 
 }  // namespace emlx

@@ -14,23 +14,9 @@
 namespace emlx {
 namespace avx512 {
 
-#define W 16
 #define MR 4
 #define NR 4
-typedef __m512 vf;
-static inline vf vzero() { return _mm512_setzero_ps(); }
-static inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
-static inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
-static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
-static inline vf vset1(float s) { return _mm512_set1_ps(s); }
-static inline float vhsum(vf v) {
-  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-  q = _mm_add_ss(q, _mm_movehdup_ps(q));
-  return _mm_cvtss_f32(q);
-}
+#include "vec_avx512.inc"
 
 struct F16 {
   vf v[16 / W];

@@ -913,7 +913,7 @@ pub fn attend_with(
             if !matches!(bits, 4 | 8)
                 || group_size <= 0
                 || !(group_size as u32).is_power_of_two()
-                || hd % group_size as usize != 0
+                || !hd.is_multiple_of(group_size as usize)
                 || !params_fit
             {
                 return Err(KernelError(format!(

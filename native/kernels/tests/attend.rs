@@ -172,8 +172,8 @@ fn bad_buffers_are_an_error() {
     let err = attend_with(Isa::Scalar, &q, KeysValues::F32(&k, &k[..8]), 4, &mut out).unwrap_err();
     assert!(err.to_string().contains("attend"), "{err}");
     // A group that does not divide the heads, and scales for too few groups.
-    let words = vec![0u32; 4];
-    let params = vec![0f32; 2];
+    let words = [0u32; 4];
+    let params = [0f32; 2];
     for (group, params) in [(3, &params[..]), (8, &params[..1])] {
         let kv = KeysValues::Quantized {
             keys: (&words, params, params),
