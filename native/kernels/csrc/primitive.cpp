@@ -99,7 +99,7 @@ class AffineQuantizedLinear : public KernelPrimitive {
       args.scales = in[2];
       args.biases = in[3];
       args.y = y;
-      if (selected_activations() == kActivationsInt8)
+      if (int8_for_rows(args.M))
         qmm_int8(args, selected_isa(), 0);
       else
         qmm(args, selected_isa(), 0);
@@ -553,6 +553,8 @@ int emlx_kernels_attend_raw(const float* q, const void* k, const void* v, const 
 }
 
 int emlx_kernels_activations() { return emlx::selected_activations(); }
+
+int emlx_kernels_int8_min_rows() { return emlx::kInt8MinRows; }
 
 int emlx_kernels_int8_vnni() {
 #if defined(__x86_64__)

@@ -193,24 +193,18 @@ Int8Kernels int8_kernels_for(Isa isa) {
   return scalar_int8_kernels();
 }
 
-// Up to this many rows of x, the weights are read as stored (one pass over
-// them from memory, each row of W reused from L1 for the few rows of x);
-// beyond, blocks of weight rows are repacked once and reused for many.
-constexpr int kGemvMaxRows = 2;
-// Rows of W per SIMD matrix-vector step.
-constexpr int kGemvRowAlign = 8;
 constexpr long kMinParallelWork = 1L << 17;
 constexpr long kMinParallelQuantize = 1L << 15;
 constexpr int kChunksPerThread = 8;
-constexpr int kGemvChunksPerThread = 2;
 
 }  // namespace
 
-Int8Kernels scalar_int8_kernels() { return Int8Kernels{quantize_activations, rows_any, rows_any, 1}; }
+Int8Kernels scalar_int8_kernels() { return Int8Kernels{quantize_activations, rows_any, 1}; }
+
+bool int8_for_rows(int M) { return selected_activations() == kActivationsInt8 && M >= kInt8MinRows; }
 
 void qmm_int8(const QmmArgs& a, Isa isa, int max_threads) {
   const Int8Kernels k = int8_kernels_for(isa);
-  const bool gemv = a.M <= kGemvMaxRows;
   const int blocks = a.K / kXBlock;
   const int groups = a.K / a.group;
   std::vector<int8_t> q((size_t)a.M * a.K);
@@ -237,20 +231,17 @@ void qmm_int8(const QmmArgs& a, Isa isa, int max_threads) {
 
   const long work = (long)a.M * a.N * a.K;
   if (work < kMinParallelWork) threads = 1;
-  const int align = gemv ? kGemvRowAlign : k.gemm_rows;
+  const int align = k.gemm_rows;
   const int units = (a.N + align - 1) / align;
   threads = std::max(1, std::min(threads, units));
   const int tasks =
       threads == 1 ? 1
-                   : std::min(units, threads * (gemv ? kGemvChunksPerThread : kChunksPerThread));
+                   : std::min(units, threads * kChunksPerThread);
   auto task = [&](int t) {
     const int n0 = std::min(a.N, (int)((long)units * t / tasks) * align);
     const int n1 = std::min(a.N, (int)((long)units * (t + 1) / tasks) * align);
     if (n0 >= n1) return;
-    if (gemv)
-      k.gemv(a, xa, n0, n1);
-    else
-      k.gemm(a, xa, n0, n1);
+    k.gemm(a, xa, n0, n1);
   };
   if (threads == 1)
     task(0);

@@ -34,8 +34,7 @@ using QuantizeFn = void (*)(const QmmArgs&, int m0, int m1, int8_t* q, float* sc
 
 struct Int8Kernels {
   QuantizeFn quantize;
-  Int8RowsFn gemv;  // reads the weights as stored; for few rows of x
-  Int8RowsFn gemm;  // repacks blocks of weight rows, reused over many rows of x
+  Int8RowsFn gemm;  // repacks blocks of weight rows, reused over the rows of x
   int gemm_rows;  // n0 of a gemm call is a multiple of this
 };
 
@@ -76,6 +75,14 @@ enum Activations { kActivationsF32 = 0, kActivationsInt8 = 1 };
 // EMLX_AXON_CPU_ACTIVATIONS=int8 selects the int8 form for products built by
 // the primitive; anything else (or unset) keeps float32. Read once.
 Activations selected_activations();
+
+// Rows of x from which a product takes int8 activations where they are
+// selected: fewer (a decode step's) keep float32, which reads the weights
+// faster than the int8 product there.
+constexpr int kInt8MinRows = 8;
+
+// Whether a product of M rows of x runs with int8 activations.
+bool int8_for_rows(int M);
 
 // Whole product on `isa` with int8 activations, split over the shared pool's
 // threads (at most `max_threads`, 0 for all). The AVX-512 variant uses VNNI;

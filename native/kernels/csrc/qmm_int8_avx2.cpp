@@ -17,26 +17,6 @@ static inline __m256i dot_nibbles(__m256i w, __m256i xv) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), _mm256_set1_epi16(1));
 }
 
-template <int BITS>
-static inline __m256i block_weights(const uint8_t* w) {
-  if (BITS == 4) {
-    // Low nibbles pair with the block's even activations, high with the odd.
-    const __m128i b = _mm_loadu_si128((const __m128i*)w);
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
-  }
-  return _mm256_loadu_si256((const __m256i*)w);
-}
-
-template <int BITS>
-static inline __m256i block_dot(__m256i wv, __m256i xv) {
-  if (BITS == 4) return dot_nibbles(wv, xv);
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  const __m256i lo = _mm256_and_si256(wv, mask);
-  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), mask);
-  return _mm256_add_epi32(dot_nibbles(lo, xv), _mm256_slli_epi32(dot_nibbles(hi, xv), 4));
-}
-
 // 8 weight rows per packed block: one vector of 8 lanes.
 #define NB 8
 // 4-bit: 4 int16 sums + 4 block sums + 4 accumulators + weights, x and a
@@ -201,7 +181,7 @@ void quantize_activations_avx2(const QmmArgs& a, int m0, int m1, int8_t* q, floa
 }
 
 Int8Kernels avx2_int8_kernels() {
-  return Int8Kernels{quantize_activations_avx2, int8_avx2::gemv_int8_any, int8_avx2::gemm_int8_any,
+  return Int8Kernels{quantize_activations_avx2, int8_avx2::gemm_int8_any,
                      NB};
 }
 

@@ -14,22 +14,6 @@
 namespace emlx {
 namespace int8_avx512 {
 
-template <int BITS>
-static inline __m256i block_weights(const uint8_t* w) {
-  if (BITS == 4) {
-    // Low nibbles pair with the block's even activations, high with the odd.
-    const __m128i b = _mm_loadu_si128((const __m128i*)w);
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
-  }
-  return _mm256_loadu_si256((const __m256i*)w);
-}
-
-template <int BITS>
-static inline __m256i block_dot(__m256i wv, __m256i xv) {
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv, xv);
-}
-
 // 32 weight rows per packed block: two vectors of 16 lanes.
 #define NB 32
 // 4 x 2 integer sums + 4 x 2 block sums + 4 x 2 accumulators + 2 weight
@@ -150,8 +134,7 @@ static void micro_int8(const emlx::Int8MicroArgs& m) {
 
 Int8Kernels avx512_int8_kernels() {
   // The AVX2 quantizer: 32 elements are one AVX2 step already.
-  return Int8Kernels{quantize_activations_avx2, int8_avx512::gemv_int8_any,
-                     int8_avx512::gemm_int8_any, NB};
+  return Int8Kernels{quantize_activations_avx2, int8_avx512::gemm_int8_any, NB};
 }
 
 }  // namespace emlx

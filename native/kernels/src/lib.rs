@@ -252,6 +252,7 @@ extern "C" {
         err_len: usize,
     ) -> c_int;
     fn emlx_kernels_activations() -> c_int;
+    fn emlx_kernels_int8_min_rows() -> c_int;
     fn emlx_kernels_int8_vnni() -> c_int;
     fn emlx_kernels_selected_isa() -> c_int;
     fn emlx_kernels_isa_supported(isa: c_int) -> c_int;
@@ -306,13 +307,21 @@ impl Isa {
     }
 }
 
+/// Rows of activations from which [`Activations::Int8`] applies.
+pub fn int8_min_rows() -> usize {
+    // SAFETY: a pure query.
+    unsafe { emlx_kernels_int8_min_rows() as usize }
+}
+
 /// Precision of the activations in the products [`quantized_linear`] builds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Activations {
     /// Exact float32 (the default).
     F32,
     /// Quantized to int8 per row and block of 32, integer dot products
-    /// (`EMLX_AXON_CPU_ACTIVATIONS=int8`).
+    /// (`EMLX_AXON_CPU_ACTIVATIONS=int8`), for products of at least
+    /// [`int8_min_rows`] rows (prompts); fewer rows (a decode step's) keep
+    /// float32, which reads the weights faster there.
     Int8,
 }
 

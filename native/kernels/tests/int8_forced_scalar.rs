@@ -1,12 +1,15 @@
 //! EMLX_AXON_CPU_ACTIVATIONS=int8 with EMLX_AXON_KERNELS=scalar: the
-//! primitive runs the portable int8 product, as on a CPU without AVX2, and
-//! that differs from the float32 one. (Its own test binary: both settings are
+//! primitive runs the portable int8 product for prompt batches, as on a CPU
+//! without AVX2, and that differs from the float32 one; a decode batch keeps
+//! the float32 product. (Its own test binary: both settings are
 //! read once per process.)
 
 mod common;
 
 use common::{case, check_against_mlx, on_cpu};
-use emlx_axon_kernels::{qmm_int8_with, qmm_with, quantized_linear, Activations, Isa};
+use emlx_axon_kernels::{
+    int8_min_rows, qmm_int8_with, qmm_with, quantized_linear, Activations, Isa,
+};
 
 #[test]
 fn forced_scalar_int8_variant() {
@@ -15,7 +18,7 @@ fn forced_scalar_int8_variant() {
         std::env::set_var("EMLX_AXON_CPU_ACTIVATIONS", "int8");
         assert_eq!(Isa::selected(), Isa::Scalar);
         assert_eq!(Activations::selected(), Activations::Int8);
-        for (bits, group, m) in [(4, 64, 1), (8, 32, 5), (4, 128, 17)] {
+        for (bits, group, m) in [(4, 64, 1), (4, 64, 7), (8, 32, 8), (4, 128, 17)] {
             let c = case(90 + m as u64, m, 257, 512, bits, group, false);
             let y = quantized_linear(&c.x, &c.w, &c.scales, &c.biases, group, bits)
                 .unwrap()
@@ -28,12 +31,19 @@ fn forced_scalar_int8_variant() {
             let mut f32s = vec![0f32; m * 257];
             qmm_with(Isa::Scalar, 1, x, &c.matrix(), &mut f32s).unwrap();
             let what = format!("bits={bits} group={group} m={m}");
-            assert!(
+            let same = |theirs: &[f32]| {
                 ours.iter()
-                    .zip(&int8)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{what}: not the scalar int8 product"
-            );
+                    .zip(theirs)
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+            };
+            if m < int8_min_rows() {
+                assert!(
+                    same(&f32s),
+                    "{what}: a decode batch did not keep the float32 product"
+                );
+                continue;
+            }
+            assert!(same(&int8), "{what}: not the scalar int8 product");
             assert!(ours != &f32s[..], "{what}: the float32 product ran");
             check_against_mlx(&c, ours, &what);
         }

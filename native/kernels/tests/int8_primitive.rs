@@ -1,13 +1,16 @@
 //! EMLX_AXON_CPU_ACTIVATIONS=int8 makes the primitive run the int8 product of
-//! the selected variant: its outputs are exactly `qmm_int8_with`'s, for
-//! float32 and bfloat16 scales, decode and prompt batches, and within the
-//! activation rounding bound of MLX's float32 product. (Its own test binary:
-//! the setting is read once per process.)
+//! the selected variant for prompt batches (at least `int8_min_rows()` rows):
+//! its outputs are exactly `qmm_int8_with`'s, for float32 and bfloat16
+//! scales, and within the activation rounding bound of MLX's float32
+//! product. Decode batches keep the float32 product (`qmm_with`'s outputs).
+//! (Its own test binary: the setting is read once per process.)
 
 mod common;
 
 use common::{case, check_against_mlx, on_cpu};
-use emlx_axon_kernels::{qmm_int8_with, quantized_linear, Activations, Isa};
+use emlx_axon_kernels::{
+    int8_min_rows, qmm_int8_with, qmm_with, quantized_linear, Activations, Isa,
+};
 use mlx_rs::{Array, Dtype};
 
 fn int8_selected() {
@@ -20,7 +23,7 @@ fn the_primitive_runs_the_selected_variants_int8_product() {
     on_cpu(|| {
         int8_selected();
         for (bits, group) in [(4, 64), (4, 32), (4, 128), (8, 64)] {
-            for m in [1usize, 3, 17, 128] {
+            for m in [1usize, 7, 8, 17, 128] {
                 for bf16 in [false, true] {
                     let c = case(50 + m as u64, m, 301, 1152, bits, group, bf16);
                     let what = format!("bits={bits} group={group} m={m} bf16={bf16}");
@@ -47,7 +50,12 @@ fn the_primitive_runs_the_selected_variants_int8_product() {
 
                     let mut direct = vec![0f32; m * 301];
                     let xs = c.x.as_slice::<f32>();
-                    if bf16 {
+                    let int8 = m >= int8_min_rows();
+                    if !int8 {
+                        // The scales are bfloat16 values either way: the
+                        // float32 product reads them alike.
+                        qmm_with(Isa::selected(), 0, xs, &c.matrix(), &mut direct).unwrap();
+                    } else if bf16 {
                         let (s16, b16) = c.bf16_params();
                         let matrix = emlx_axon_kernels::QuantizedMatrix {
                             w: c.w.as_slice::<u32>(),
@@ -66,7 +74,8 @@ fn the_primitive_runs_the_selected_variants_int8_product() {
                         ours.iter()
                             .zip(&direct)
                             .all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{what}: the primitive's outputs are not the int8 product's"
+                        "{what}: the primitive's outputs are not the {} product's",
+                        if int8 { "int8" } else { "float32" }
                     );
                     check_against_mlx(&c, ours, &what);
                 }
