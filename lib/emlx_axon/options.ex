@@ -98,7 +98,8 @@ defmodule EMLXAxon.Options do
       doc:
         "keep the KV cache quantized to this many bits once it holds `:quantized_kv_start` " <>
           "positions, as mlx-lm's `kv_bits` (8 bits: about 0.53x of a bfloat16 cache); " <>
-          "attention then runs MLX's quantized products. Not offered by a scheduler's " <>
+          "on a CPU the layer kernels read 8- and 4-bit caches as stored, elsewhere " <>
+          "attention runs MLX's quantized products. Not offered by a scheduler's " <>
           "slots: with one, requests asking for it fail"
     ],
     kv_group_size: [

@@ -141,6 +141,51 @@ fn quantized_cache_logits_match_mlx_lm() {
     }
 }
 
+/// A prompt's later part over a quantized cache, all at once (on a CPU
+/// stream: the dequantized cache through float products), gives the logits
+/// of the same ids fed one at a time (the quantized products, or the CPU
+/// layer nodes), position by position: the part's own keys are quantized
+/// as they are stored either way.
+#[test]
+fn a_prompt_part_over_a_quantized_cache_gives_the_steps_logits() {
+    let model = load_f32(FIXTURE);
+    let vocab = model.config.vocab_size as usize;
+    let r = kv_reference(8);
+    let (head, tail) = r.ids.split_at(r.ids.len() / 2);
+    let fed = |at_once: bool| -> Vec<f32> {
+        let mut cache = KvCache::new(&model.kv_shape(), 1, r.ids.len() as i32 + 8).unwrap();
+        let input = Array::from_slice(head, &[1, head.len() as i32]);
+        model
+            .forward(&input, &mut cache, &AttentionMask::Causal, true, &[])
+            .unwrap();
+        cache.quantize(quant(8)).unwrap();
+        let logits = |ids: &[u32], cache: &mut KvCache| -> Vec<f32> {
+            let n = ids.len() as i32;
+            let mask = if n > 1 {
+                AttentionMask::Causal
+            } else {
+                AttentionMask::None
+            };
+            let input = Array::from_slice(ids, &[1, n]);
+            let out = model.forward(&input, cache, &mask, false, &[]).unwrap();
+            out.as_dtype(mlx_rs::Dtype::Float32)
+                .unwrap()
+                .as_slice::<f32>()
+                .to_vec()
+        };
+        if at_once {
+            logits(tail, &mut cache)
+        } else {
+            tail.iter()
+                .flat_map(|&id| logits(&[id], &mut cache))
+                .collect()
+        }
+    };
+    let error = worst_relative(&fed(true), &fed(false), vocab);
+    eprintln!("a part at once against one at a time: worst {error:e}");
+    assert!(error < 1e-4, "logits differ by {error}");
+}
+
 /// The comparison above sees the quantization: the float cache's logits
 /// are further from mlx-lm's quantized ones than ours are, at 4 bits.
 #[test]

@@ -11,7 +11,8 @@
 use mlx_rs::fast::{rms_norm, scaled_dot_product_attention, ScaledDotProductAttentionMask};
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::ops::{
-    broadcast_to, concatenate, expand_dims, matmul, quantized_matmul, select, softmax_axis,
+    broadcast_to, concatenate, dequantize, expand_dims, matmul, quantized_matmul, select,
+    softmax_axis,
 };
 use mlx_rs::{Array, Dtype};
 
@@ -378,7 +379,18 @@ pub(crate) fn attend_quantized(
         q = q.reshape(&[b, nkv, repeats, l, hd])?;
     }
     let (gs, bits) = (quant.group_size, quant.bits);
-    let scores = quantized_matmul(&q, &kw, &ks, &kb, true, gs, bits)?;
+    // A prompt's rows on a CPU stream: MLX's CPU quantized product takes
+    // many rows slowly (minutes for a 2,048-token prompt's later chunks on
+    // 2 cores), so the cache is dequantized, to the same values, for
+    // float products; one-token steps keep the quantized products (or the
+    // CPU layer nodes).
+    let dense = l > 1 && crate::runtime::device::on_cpu_stream();
+    let scores = if dense {
+        let k = dequantize(&kw, &ks, &kb, gs, bits)?;
+        matmul(&q, k.swap_axes(-1, -2)?)?
+    } else {
+        quantized_matmul(&q, &kw, &ks, &kb, true, gs, bits)?
+    };
     let s = scores.dim(-1);
     let allowed = match mask {
         AttentionMask::None => None,
@@ -399,7 +411,11 @@ pub(crate) fn attend_quantized(
         None => scores,
     };
     let weights = softmax_axis(&scores, -1, true)?;
-    let out = quantized_matmul(&weights, &vw, &vs, &vb, false, gs, bits)?;
+    let out = if dense {
+        matmul(&weights, dequantize(&vw, &vs, &vb, gs, bits)?)?
+    } else {
+        quantized_matmul(&weights, &vw, &vs, &vb, false, gs, bits)?
+    };
     Ok(if repeats > 1 {
         out.reshape(&[b, nq, l, hd])?
     } else {
