@@ -57,6 +57,9 @@ use serde_json::{json, Map, Value};
 
 type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
+/// Values per scale and bias of a `--kv-bits` cache.
+const KV_GROUP: i32 = 64;
+
 struct Prompts {
     decode: Vec<u32>,
     prefill: Vec<u32>,
@@ -375,7 +378,7 @@ impl Bench {
             kv_dtype: self.args.kv_dtype,
             kv_quant: self.args.kv_bits.map(|bits| KvQuant {
                 bits,
-                group_size: 64,
+                group_size: KV_GROUP,
             }),
             quantized_kv_start: match self.args.kv_bits {
                 Some(_) => longest,
@@ -571,14 +574,18 @@ impl Bench {
         Ok(())
     }
 
-    /// Bytes of the engine's preallocated KV cache for `rows` x `positions`.
+    /// Bytes of the engine's preallocated KV cache for `rows` x `positions`:
+    /// with `--kv-bits`, its packed values and a scale and a bias per group
+    /// in the model's dtype.
     fn kv_bytes(&self, rows: usize, positions: usize) -> usize {
         let c = &self.model.config;
-        let item = match self.args.kv_dtype.unwrap_or(self.model.dtype) {
-            Dtype::Float32 => 4,
-            _ => 2,
-        };
-        2 * c.num_layers * rows * c.num_kv_heads as usize * positions * c.head_dim as usize * item
+        let item = dtype_bytes(self.args.kv_dtype.unwrap_or(self.model.dtype));
+        let values =
+            2 * c.num_layers * rows * c.num_kv_heads as usize * positions * c.head_dim as usize;
+        match self.args.kv_bits {
+            Some(bits) => values * bits as usize / 8 + values / KV_GROUP as usize * 2 * item,
+            None => values * item,
+        }
     }
 
     /// Where a decode step's time goes: a decode loop run by hand, timing
