@@ -556,6 +556,10 @@ int emlx_kernels_activations() { return emlx::selected_activations(); }
 
 int emlx_kernels_int8_min_rows() { return emlx::kInt8MinRows; }
 
+int emlx_kernels_attend_takes(int hd, int bits, int group) {
+  return emlx::attend_takes(hd, bits, group);
+}
+
 int emlx_kernels_int8_vnni() {
 #if defined(__x86_64__)
   return emlx::vnni_supported();

@@ -253,6 +253,7 @@ extern "C" {
     ) -> c_int;
     fn emlx_kernels_activations() -> c_int;
     fn emlx_kernels_int8_min_rows() -> c_int;
+    fn emlx_kernels_attend_takes(hd: c_int, bits: c_int, group: c_int) -> c_int;
     fn emlx_kernels_int8_vnni() -> c_int;
     fn emlx_kernels_selected_isa() -> c_int;
     fn emlx_kernels_isa_supported(isa: c_int) -> c_int;
@@ -353,6 +354,14 @@ pub fn enabled() -> bool {
 pub fn threads() -> usize {
     // SAFETY: a pure query (starts the pool on first use).
     unsafe { emlx_kernels_threads() as usize }
+}
+
+/// Whether the decode layer's attention reads keys and values quantized to
+/// `bits` (8 or 4) in groups of `group_size` (a power of two dividing the
+/// heads of `head_dim` values).
+pub fn attend_reads_quantized(head_dim: i32, bits: i32, group_size: i32) -> bool {
+    // SAFETY: a pure query.
+    matches!(bits, 4 | 8) && unsafe { emlx_kernels_attend_takes(head_dim, bits, group_size) != 0 }
 }
 
 /// Whether [`quantized_linear`] takes products of this bit width and group size.
@@ -878,6 +887,25 @@ pub enum KeysValues<'a> {
     },
 }
 
+/// Keys and values as [`attend_with`] passes them on: their pointers, a
+/// quantized cache's scales and biases (keys', then values'), bits, group
+/// and (keys, values) lengths in values.
+type RawKv = (
+    *const std::ffi::c_void,
+    *const std::ffi::c_void,
+    [*const f32; 4],
+    i32,
+    i32,
+    (usize, usize),
+);
+
+/// [`RawKv`] of float32 or float16 keys and values (`bits` 32 or 16).
+fn plain_kv<T>(k: &[T], v: &[T], bits: i32) -> RawKv {
+    let none = std::ptr::null::<f32>();
+    let (kp, vp) = (k.as_ptr().cast(), v.as_ptr().cast());
+    (kp, vp, [none; 4], bits, 0, (k.len(), v.len()))
+}
+
 /// The decode layer's attention for one key head on plain buffers, with a
 /// chosen variant: `q` `[G, hd]` (already scaled) over `n` keys and values
 /// (`n * hd` values each), `out` `[G, hd]` = softmax(q . k) @ v. For tests
@@ -889,25 +917,9 @@ pub fn attend_with(
     hd: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    let none = std::ptr::null::<f32>();
-    // Pointers, bits, group and (keys, values) lengths in values.
-    let (k, v, params, bits, group, len) = match kv {
-        KeysValues::F32(k, v) => (
-            k.as_ptr().cast(),
-            v.as_ptr().cast(),
-            [none; 4],
-            32,
-            0,
-            (k.len(), v.len()),
-        ),
-        KeysValues::F16(k, v) => (
-            k.as_ptr().cast(),
-            v.as_ptr().cast(),
-            [none; 4],
-            16,
-            0,
-            (k.len(), v.len()),
-        ),
+    let (k, v, params, bits, group, len): RawKv = match kv {
+        KeysValues::F32(k, v) => plain_kv(k, v, 32),
+        KeysValues::F16(k, v) => plain_kv(k, v, 16),
         KeysValues::Quantized {
             keys,
             values,
@@ -919,10 +931,7 @@ pub fn attend_with(
             let params_fit = [keys, values]
                 .iter()
                 .all(|(w, s, b)| s.len() == groups(w) && b.len() == groups(w));
-            if !matches!(bits, 4 | 8)
-                || group_size <= 0
-                || !(group_size as u32).is_power_of_two()
-                || !hd.is_multiple_of(group_size as usize)
+            if !attend_reads_quantized(hd.min(i32::MAX as usize) as i32, bits, group_size)
                 || !params_fit
             {
                 return Err(KernelError(format!(

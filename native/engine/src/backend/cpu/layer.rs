@@ -60,10 +60,7 @@ pub(crate) fn forward<C: KvStore>(
     };
     let cache_read = match (cache.quantized(), cache.quantized_buffers(layer)) {
         (Some(q), Some((keys, _))) => {
-            matches!(q.bits, 4 | 8)
-                && q.group_size > 0
-                && (q.group_size as u32).is_power_of_two()
-                && c.head_dim % q.group_size == 0
+            emlx_axon_kernels::attend_reads_quantized(c.head_dim, q.bits, q.group_size)
                 && keys[1].dtype() == Dtype::Float32
         }
         (None, _) => matches!(
