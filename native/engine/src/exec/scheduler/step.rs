@@ -151,31 +151,29 @@ impl Scheduler {
         } else {
             None
         };
-        // The sampled rows in one kernel call where they can be.
-        let batched = if all_greedy {
-            None
-        } else {
-            let samplers: Vec<Option<&Sampler>> = self.slots[..n]
+        // Each slot's sampler where its row samples (`None`: greedy or
+        // empty), when one does; those rows in one kernel call where they
+        // can be.
+        let samplers: Option<Vec<Option<&Sampler>>> = (!all_greedy).then(|| {
+            self.slots[..n]
                 .iter()
                 .map(|s| {
                     s.as_ref()
                         .filter(|r| !r.request.options.sampler.is_greedy())
                         .map(|r| &r.request.sampler)
                 })
-                .collect();
-            crate::sample::sample_rows(&samplers, &logits)?
+                .collect()
+        });
+        let batched = match &samplers {
+            Some(samplers) => crate::sample::sample_rows(samplers, &logits)?,
+            None => None,
         };
         let tokens = match (greedy, batched) {
             (Some(g), _) if all_greedy => g,
             (None, Some(sampled)) => sampled,
             (Some(g), Some(sampled)) => {
-                let greedy_rows: Vec<bool> = self.slots[..n]
-                    .iter()
-                    .map(|s| {
-                        s.as_ref()
-                            .is_none_or(|r| r.request.options.sampler.is_greedy())
-                    })
-                    .collect();
+                let greedy_rows: Vec<bool> =
+                    samplers.iter().flatten().map(Option::is_none).collect();
                 mlx_rs::ops::select(Array::from_slice(&greedy_rows, &[rows]), &g, &sampled)?
             }
             (greedy, None) => {
