@@ -86,6 +86,30 @@ fn assert_stepped_aside(fallbacks: &[String], why: &str) {
     );
 }
 
+/// `ids` through the model into `cache` as a generation feeds them (a
+/// window's mask, causal for several, none for one): float32 logits of
+/// every position (`last_only`: of the last).
+fn forward_logits(
+    model: &emlx_axon_engine::Model,
+    ids: &[u32],
+    cache: &mut KvCache,
+    last_only: bool,
+) -> Vec<f32> {
+    let n = ids.len() as i32;
+    let mask = match cache.window_mask(n).unwrap() {
+        Some(m) => AttentionMask::Array(m),
+        None if n > 1 => AttentionMask::Causal,
+        None => AttentionMask::None,
+    };
+    let input = Array::from_slice(ids, &[1, n]);
+    let out = model
+        .forward(&input, cache, &mask, last_only, &[])
+        .unwrap()
+        .as_dtype(mlx_rs::Dtype::Float32)
+        .unwrap();
+    out.as_slice::<f32>().to_vec()
+}
+
 /// Our logits from the prompt's last position on, fed as mlx-lm's
 /// generate_step feeds them: the prompt but its last id at once into
 /// `cache`, then `between` (the quantization), then one id at a time.
@@ -95,26 +119,11 @@ fn fed_as_generate_step(
     r: &KvReference,
     between: impl FnOnce(&mut KvCache),
 ) -> Vec<f32> {
-    let run = |ids: &[u32], cache: &mut KvCache| -> Vec<f32> {
-        let n = ids.len() as i32;
-        let mask = match cache.window_mask(n).unwrap() {
-            Some(m) => AttentionMask::Array(m),
-            None if n > 1 => AttentionMask::Causal,
-            None => AttentionMask::None,
-        };
-        let input = Array::from_slice(ids, &[1, n]);
-        let out = model
-            .forward(&input, cache, &mask, true, &[])
-            .unwrap()
-            .as_dtype(mlx_rs::Dtype::Float32)
-            .unwrap();
-        out.as_slice::<f32>().to_vec()
-    };
-    run(&r.ids[..r.prompt - 1], &mut cache);
+    forward_logits(model, &r.ids[..r.prompt - 1], &mut cache, true);
     between(&mut cache);
     let mut ours = Vec::new();
     for &id in &r.ids[r.prompt - 1..] {
-        ours.extend(run(&[id], &mut cache));
+        ours.extend(forward_logits(model, &[id], &mut cache, true));
     }
     ours
 }
@@ -154,31 +163,13 @@ fn a_prompt_part_over_a_quantized_cache_gives_the_steps_logits() {
     let (head, tail) = r.ids.split_at(r.ids.len() / 2);
     let fed = |at_once: bool| -> Vec<f32> {
         let mut cache = KvCache::new(&model.kv_shape(), 1, r.ids.len() as i32 + 8).unwrap();
-        let input = Array::from_slice(head, &[1, head.len() as i32]);
-        model
-            .forward(&input, &mut cache, &AttentionMask::Causal, true, &[])
-            .unwrap();
+        forward_logits(&model, head, &mut cache, true);
         cache.quantize(quant(8)).unwrap();
-        let logits = |ids: &[u32], cache: &mut KvCache| -> Vec<f32> {
-            let n = ids.len() as i32;
-            let mask = if n > 1 {
-                AttentionMask::Causal
-            } else {
-                AttentionMask::None
-            };
-            let input = Array::from_slice(ids, &[1, n]);
-            let out = model.forward(&input, cache, &mask, false, &[]).unwrap();
-            out.as_dtype(mlx_rs::Dtype::Float32)
-                .unwrap()
-                .as_slice::<f32>()
-                .to_vec()
-        };
         if at_once {
-            logits(tail, &mut cache)
+            forward_logits(&model, tail, &mut cache, false)
         } else {
-            tail.iter()
-                .flat_map(|&id| logits(&[id], &mut cache))
-                .collect()
+            let one = |&id: &u32| forward_logits(&model, &[id], &mut cache, false);
+            tail.iter().flat_map(one).collect()
         }
     };
     let error = worst_relative(&fed(true), &fed(false), vocab);
@@ -202,17 +193,8 @@ fn the_quantization_matters() {
 fn full_cache_error(model: &emlx_axon_engine::Model, r: &KvReference) -> f32 {
     let vocab = model.config.vocab_size as usize;
     let mut cache = KvCache::new(&model.kv_shape(), 1, r.ids.len() as i32 + 8).unwrap();
-    let input = Array::from_slice(&r.ids, &[1, r.ids.len() as i32]);
-    let out = model
-        .forward(&input, &mut cache, &AttentionMask::Causal, false, &[])
-        .unwrap()
-        .as_dtype(mlx_rs::Dtype::Float32)
-        .unwrap();
-    worst_relative(
-        &out.as_slice::<f32>()[(r.prompt - 1) * vocab..],
-        &r.logits,
-        vocab,
-    )
+    let all = forward_logits(model, &r.ids, &mut cache, false);
+    worst_relative(&all[(r.prompt - 1) * vocab..], &r.logits, vocab)
 }
 
 #[test]
