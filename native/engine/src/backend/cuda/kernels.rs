@@ -130,15 +130,18 @@ const SAMPLE: &str = include_str!("cu/sample.cu");
 /// takes `R` outputs, each from `PER_OUT` weight rows (two for SwiGLU: the
 /// gate row and the up row `OUTS` further on), fetched before the
 /// prologue (`GEMV_START`) so that their trips to memory overlap its
-/// (with `LOOP`, further outputs a grid apart, see `LOOP_OUTPUTS`); rows
+/// (with `LOOP`, further outputs a grid apart, see [`loops`]); rows
 /// wider than a lane's four chunks are taken two chunks a lane at a time,
 /// the next two in flight while these are used, so that registers stay
-/// bounded at any width. A
-/// lane takes chunks of four words (16 bytes, in one group), and every
-/// weight value `scale * q + bias` (float32) is used for all rows of the
-/// tile. A lane reads its chunk's inputs with 16-byte loads, and the
-/// padding after each chunk's inputs (see `GEMV_START`) puts the lanes of
-/// a load on different banks.
+/// bounded at any width. A lane takes chunks of four words (16 bytes, in
+/// one group). A value q is not converted to a float (a quarter-rate
+/// instruction, per value and output): a shift and a mask make the
+/// float `1 + q / 2^BITS`, and a chunk's part of an output is
+/// `scale * 2^BITS * (sum(f * x) - sum(x)) + bias * sum(x)`, the chunk's
+/// input sums made once per tile. A lane reads its chunk's inputs with
+/// 16-byte loads, and the padding after each chunk's inputs (see
+/// `GEMV_START`), which holds the chunk's sum, puts the lanes of a load on
+/// different banks.
 const GEMV_BODY: &str = include_str!("cu/gemv_body.cu");
 
 /// What every prologue starts with (after naming its first input's rows
@@ -620,7 +623,7 @@ impl Kernels {
         };
         let outs = wt.w.dim(0) / per_out;
         let (bt, xt) = tile(rows, k_dim, wt.bits, dtype);
-        let looping = outs >= LOOP_OUTPUTS;
+        let looping = loops(wt.w.dim(0), k_dim);
         let r = if looping { 1 } else { outputs_per_warp(outs) };
         let mut templates = vec![
             ("T", Template::Dtype(dtype)),
@@ -666,7 +669,7 @@ impl Kernels {
 /// every block's prologue on the same inputs) up to a few thousand; more for
 /// wider products, where the repeated prologues would cost more than the
 /// products (all a warp's weight rows are fetched at once, so they cost
-/// registers, not trips). Products of `LOOP_OUTPUTS` or more loop instead.
+/// registers, not trips).
 fn outputs_per_warp(outs: i32) -> i32 {
     match outs {
         4096.. => 2,
@@ -674,12 +677,19 @@ fn outputs_per_warp(outs: i32) -> i32 {
     }
 }
 
-/// Products at least this wide (an output head: 18,992 warps' worth of
-/// outputs for Qwen3's 151,936) loop: one wave of blocks, each warp taking
-/// outputs a grid apart with the next weight row always in flight, so that
-/// each block's prologue (the add + norm of all its rows) is done a few
-/// hundred times rather than thousands.
-const LOOP_OUTPUTS: i32 = 32768;
+/// Whether a product of `rows` weight rows of `k_dim` values loops: one wave
+/// of blocks, each warp taking outputs a grid apart with its next weight
+/// rows always in flight, so that each block's prologue (the tile, its
+/// chunk sums, the add + norm) is done once rather than per 8 outputs and
+/// the reads never wait on a block's start. Products of `LOOP_VALUES`
+/// weight values or more loop: every layer product of Qwen3-4B and wider
+/// and every output head; the 0.6B's layer products (at most 6.3M values,
+/// rows of 1,024) are faster as one output a warp.
+fn loops(rows: i32, k_dim: i32) -> bool {
+    i64::from(rows) * i64::from(k_dim) >= LOOP_VALUES
+}
+
+const LOOP_VALUES: i64 = 1 << 23;
 
 /// The product kernel for an input (plain, or add + norm) and an output
 /// (each of `per_out` weight rows: 1 a product, 2 SwiGLU of gate and up).
@@ -773,5 +783,30 @@ mod tests {
         // A row too wide for a tile is refused.
         assert!(gemv_takes(4, 64, 17408, Dtype::Bfloat16));
         assert!(!gemv_takes(4, 64, 25600, Dtype::Bfloat16));
+    }
+
+    #[test]
+    fn wide_products_and_heads_loop() {
+        // Weight rows and inputs of q/k/v, o, gate/up and down.
+        let layers = |d: i32, heads: i32, kv: i32, inter: i32| {
+            let hd = 128;
+            [
+                ((heads + 2 * kv) * hd, d),
+                (d, heads * hd),
+                (2 * inter, d),
+                (d, inter),
+            ]
+        };
+        assert!(layers(1024, 16, 8, 3072).iter().all(|&(n, k)| !loops(n, k)));
+        for (d, heads, kv, inter) in [
+            (2560, 32, 8, 9728),
+            (4096, 32, 8, 12288),
+            (5120, 64, 8, 25600),
+        ] {
+            assert!(layers(d, heads, kv, inter)
+                .iter()
+                .all(|&(n, k)| loops(n, k)));
+        }
+        assert!(loops(151_936, 1024));
     }
 }

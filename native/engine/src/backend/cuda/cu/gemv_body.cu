@@ -1,8 +1,24 @@
 
   constexpr unsigned MASK = (1u << BITS) - 1u;
   constexpr int LOADS = CH * (int)sizeof(XT) / 16;
+  // Each chunk's input sum, as float bits in the first bytes of its
+  // padding, for the products' `bias * sum(x)` and `- sum(x)` terms.
+  for (int c = t; c < BT * CHUNKS; c += BLOCK) {
+    XT* p = &xs[c / CHUNKS][c % CHUNKS * (CH + PAD)];
+    const uint4* pv = reinterpret_cast<const uint4*>(p);
+    float s = 0.f;
+#pragma unroll
+    for (int q = 0; q < LOADS; q++) {
+      const uint4 raw = pv[q];
+      const XT* v = reinterpret_cast<const XT*>(&raw);
+#pragma unroll
+      for (int e = 0; e < 16 / (int)sizeof(XT); e++) s += static_cast<float>(v[e]);
+    }
+    *reinterpret_cast<float*>(p + CH) = s;
+  }
+  __syncthreads();
   // The tile's products with window `win` of one weight row, added to
-  // this lane's sums.
+  // this lane's sums (its scales already times 2^BITS, see `fetch`).
   auto dot = [&](const Row& row, int win, float (&acc)[BT]) {
 #pragma unroll
     for (int it = 0; it < WIN; it++) {
@@ -14,20 +30,24 @@
       for (int v = 0; v < 4; v++) {
 #pragma unroll
         for (int j = 0; j < PER_WORD; j++) {
-          wv[v * PER_WORD + j] = row.sc[it] * static_cast<float>((ws[v] >> (BITS * j)) & MASK) + row.bi[it];
+          constexpr int TOP = 23 - BITS;
+          const int sh = TOP - BITS * j;
+          const uint32_t m = sh >= 0 ? ws[v] << sh : ws[v] >> -sh;
+          wv[v * PER_WORD + j] = __uint_as_float((m & (MASK << TOP)) | 0x3f800000u);
         }
       }
 #pragma unroll
       for (int b = 0; b < BT; b++) {
         const uint4* xp = reinterpret_cast<const uint4*>(&xs[b][i * (CH + PAD)]);
-        uint4 raw[LOADS];
+        uint4 raw[LOADS + 1];
 #pragma unroll
-        for (int q = 0; q < LOADS; q++) raw[q] = xp[q];
+        for (int q = 0; q <= LOADS; q++) raw[q] = xp[q];
         const XT* xv = reinterpret_cast<const XT*>(raw);
-        float a = acc[b];
+        const float xsum = __uint_as_float(raw[LOADS].x);
+        float a = -xsum;
 #pragma unroll
         for (int e = 0; e < CH; e++) a += wv[e] * static_cast<float>(xv[e]);
-        acc[b] = a;
+        acc[b] += row.sc[it] * a + row.bi[it] * xsum;
       }
     }
   };

@@ -81,7 +81,7 @@
           if (base + rr < OUTS && i < CHUNKS) {
             rs[rr][p].words[it] = wr[i];
             const size_t g = (size_t)n * GROUPS + i * CH / GS;
-            rs[rr][p].sc[it] = static_cast<float>(scales[g]);
+            rs[rr][p].sc[it] = static_cast<float>(scales[g]) * (float)(1 << BITS);
             rs[rr][p].bi[it] = static_cast<float>(biases[g]);
           }
         }
