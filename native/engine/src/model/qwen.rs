@@ -554,9 +554,14 @@ mod tests {
     use crate::kv::cache::KvCache;
     use crate::runtime::device::{DeviceKind, Lease};
 
+    /// As the integration tests find them: `EMLX_AXON_FIXTURES`, else the
+    /// checkout's `.cache/fixtures`.
     fn fixture(name: &str) -> PathBuf {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../../.cache/fixtures")
+        std::env::var_os("EMLX_AXON_FIXTURES")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| {
+                PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.cache/fixtures")
+            })
             .join(name)
     }
 
