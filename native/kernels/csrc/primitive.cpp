@@ -99,7 +99,7 @@ class AffineQuantizedLinear : public KernelPrimitive {
       args.scales = in[2];
       args.biases = in[3];
       args.y = y;
-      if (int8_for_rows(args.M))
+      if (int8_for(args))
         qmm_int8(args, selected_isa(), 0);
       else
         qmm(args, selected_isa(), 0);
@@ -554,7 +554,13 @@ int emlx_kernels_attend_raw(const float* q, const void* k, const void* v, const 
 
 int emlx_kernels_activations() { return emlx::selected_activations(); }
 
-int emlx_kernels_int8_min_rows() { return emlx::kInt8MinRows; }
+int emlx_kernels_int8_takes(int rows, int cols, int bits) {
+  emlx::QmmArgs args{};
+  args.M = rows;
+  args.K = cols;
+  args.bits = bits;
+  return emlx::int8_takes(args);
+}
 
 int emlx_kernels_attend_takes(int hd, int bits, int group) {
   return emlx::attend_takes(hd, bits, group);

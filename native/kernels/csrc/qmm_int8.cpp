@@ -199,9 +199,21 @@ constexpr int kChunksPerThread = 8;
 
 }  // namespace
 
-Int8Kernels scalar_int8_kernels() { return Int8Kernels{quantize_activations, rows_any, 1}; }
+Int8Kernels scalar_int8_kernels() { return Int8Kernels{quantize_activations, rows_any, 1, nullptr}; }
 
-bool int8_for_rows(int M) { return selected_activations() == kActivationsInt8 && M >= kInt8MinRows; }
+namespace {
+
+bool gemv_takes(const Int8Kernels& k, const QmmArgs& a) {
+  return k.gemv && a.M == 1 && a.bits == 4 && a.K % 128 == 0;
+}
+
+}  // namespace
+
+bool int8_takes(const QmmArgs& a) {
+  return a.M >= kInt8MinRows || gemv_takes(int8_kernels_for(selected_isa()), a);
+}
+
+bool int8_for(const QmmArgs& a) { return selected_activations() == kActivationsInt8 && int8_takes(a); }
 
 void qmm_int8(const QmmArgs& a, Isa isa, int max_threads) {
   const Int8Kernels k = int8_kernels_for(isa);
@@ -231,17 +243,19 @@ void qmm_int8(const QmmArgs& a, Isa isa, int max_threads) {
 
   const long work = (long)a.M * a.N * a.K;
   if (work < kMinParallelWork) threads = 1;
-  const int align = k.gemm_rows;
+  const bool gemv = gemv_takes(k, a);
+  const int align = gemv ? 4 : k.gemm_rows;
   const int units = (a.N + align - 1) / align;
   threads = std::max(1, std::min(threads, units));
+  // The matrix-vector form streams the weights once: a chunk per thread
+  // (as the float32 one), where the matrix product takes several.
   const int tasks =
-      threads == 1 ? 1
-                   : std::min(units, threads * kChunksPerThread);
+      threads == 1 ? 1 : std::min(units, threads * (gemv ? 1 : kChunksPerThread));
   auto task = [&](int t) {
     const int n0 = std::min(a.N, (int)((long)units * t / tasks) * align);
     const int n1 = std::min(a.N, (int)((long)units * (t + 1) / tasks) * align);
     if (n0 >= n1) return;
-    k.gemm(a, xa, n0, n1);
+    (gemv ? k.gemv : k.gemm)(a, xa, n0, n1);
   };
   if (threads == 1)
     task(0);

@@ -36,6 +36,9 @@ struct Int8Kernels {
   QuantizeFn quantize;
   Int8RowsFn gemm;  // repacks blocks of weight rows, reused over the rows of x
   int gemm_rows;  // n0 of a gemm call is a multiple of this
+  // One row of x, 4-bit weights as stored, K a multiple of 128; null where
+  // the variant has none. n0 of a call is a multiple of 4.
+  Int8RowsFn gemv;
 };
 
 // One micro-tile of the SIMD matrix product: rows of x from xq (row i at
@@ -77,12 +80,17 @@ enum Activations { kActivationsF32 = 0, kActivationsInt8 = 1 };
 Activations selected_activations();
 
 // Rows of x from which a product takes int8 activations where they are
-// selected: fewer (a decode step's) keep float32, which reads the weights
-// faster than the int8 product there.
+// selected, through the matrix product.
 constexpr int kInt8MinRows = 8;
 
-// Whether a product of M rows of x runs with int8 activations.
-bool int8_for_rows(int M);
+// Whether a product of this shape takes int8 activations where they are
+// selected: kInt8MinRows rows or more, or one row that the selected
+// variant's matrix-vector form takes (other shapes keep float32, which reads
+// the weights faster than the matrix product there).
+bool int8_takes(const QmmArgs& a);
+
+// Whether a product runs with int8 activations: selected, and int8_takes.
+bool int8_for(const QmmArgs& a);
 
 // Whole product on `isa` with int8 activations, split over the shared pool's
 // threads (at most `max_threads`, 0 for all). The AVX-512 variant uses VNNI;

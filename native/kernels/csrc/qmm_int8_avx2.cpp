@@ -181,8 +181,7 @@ void quantize_activations_avx2(const QmmArgs& a, int m0, int m1, int8_t* q, floa
 }
 
 Int8Kernels avx2_int8_kernels() {
-  return Int8Kernels{quantize_activations_avx2, int8_avx2::gemm_int8_any,
-                     NB};
+  return Int8Kernels{quantize_activations_avx2, int8_avx2::gemm_int8_any, NB, nullptr};
 }
 
 }  // namespace emlx

@@ -7,6 +7,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 #include <stdint.h>
+#include <math.h>
 #include <stdlib.h>
 
 #include "qmm_int8.h"
@@ -130,11 +131,137 @@ static void micro_int8(const emlx::Int8MicroArgs& m) {
 
 #include "qmm_int8_simd.inc"
 
+// 128-bit lane K of v in every lane.
+template <int K>
+static inline __m512 lane(__m512 v) {
+  return _mm512_shuffle_f32x4(v, v, K * 0x55);
+}
+
+// Parameters (scales or biases) of 4 weight rows, from their first groups
+// p + first[j], as out[g * 4 + j] for all `groups` groups (rounded up to 16).
+static void params_by_group(const void* p, const long* first, int groups, bool bf16, float* out) {
+  for (int g = 0; g < groups; g += 16) {
+    const int c = groups - g < 16 ? groups - g : 16;
+    const __mmask16 mk = (__mmask16)(c == 16 ? 0xFFFFu : (1u << c) - 1);
+    __m512 r[4];
+    for (int j = 0; j < 4; ++j) {
+      if (bf16) {
+        const __m256i h = _mm256_maskz_loadu_epi16(mk, (const uint16_t*)p + first[j] + g);
+        r[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      } else {
+        r[j] = _mm512_maskz_loadu_ps(mk, (const float*)p + first[j] + g);
+      }
+    }
+    // In each 128-bit lane i (groups g + 4i ..): 4 x 4 transposes, then the
+    // lanes put in group order.
+    const __m512 a0 = _mm512_unpacklo_ps(r[0], r[1]), a1 = _mm512_unpackhi_ps(r[0], r[1]);
+    const __m512 b0 = _mm512_unpacklo_ps(r[2], r[3]), b1 = _mm512_unpackhi_ps(r[2], r[3]);
+    const __m512 v[4] = {
+        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a0), _mm512_castps_pd(b0))),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a0), _mm512_castps_pd(b0))),
+        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a1), _mm512_castps_pd(b1))),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a1), _mm512_castps_pd(b1)))};
+    const __m512 t0 = _mm512_shuffle_f32x4(v[0], v[1], 0x44), t1 = _mm512_shuffle_f32x4(v[2], v[3], 0x44);
+    const __m512 t2 = _mm512_shuffle_f32x4(v[0], v[1], 0xEE), t3 = _mm512_shuffle_f32x4(v[2], v[3], 0xEE);
+    _mm512_store_ps(out + g * 4, _mm512_shuffle_f32x4(t0, t1, 0x88));
+    _mm512_store_ps(out + g * 4 + 16, _mm512_shuffle_f32x4(t0, t1, 0xDD));
+    _mm512_store_ps(out + g * 4 + 32, _mm512_shuffle_f32x4(t2, t3, 0x88));
+    _mm512_store_ps(out + g * 4 + 48, _mm512_shuffle_f32x4(t2, t3, 0xDD));
+  }
+}
+
+// The matrix-vector form, for one row of x and 4-bit weights, read as
+// stored (no repacking): a 64-byte load of a weight row is 4 blocks, its
+// low nibbles pairing with the blocks' even activations and its high ones
+// with the odd (x is laid out once per call so that one load holds each),
+// and vpdpbusd leaves 4 partial sums a block. Four rows' are added and
+// interleaved into one vector, a 128-bit lane a block, a lane in it a row;
+// the float steps then repeat the scalar order on those 4 lanes.
+static void gemv_int8_4bit(const emlx::QmmArgs& a, const emlx::Int8Activations& xa, int n0,
+                           int n1) {
+  const int K = a.K;
+  const int groups = K / a.group;
+  const int per_group = a.group / emlx::kXBlock;
+  const long row_bytes = K / 2;
+  const size_t param_bytes = (size_t)(groups + 15) / 16 * 16 * 4 * sizeof(float);
+  int8_t* xeo = (int8_t*)aligned_alloc(64, (size_t)K);
+  float* sw = (float*)aligned_alloc(64, 2 * param_bytes);
+  if (!xeo || !sw) {
+    free(xeo);
+    free(sw);
+    return;
+  }
+  float* sb = sw + param_bytes / sizeof(float);
+  int8_t* xe = xeo;
+  int8_t* xo = xeo + K / 2;
+  for (int c = 0; c < K / emlx::kXBlock; ++c) {
+    __builtin_memcpy(xe + c * 16, xa.q + c * 32, 16);
+    __builtin_memcpy(xo + c * 16, xa.q + c * 32 + 16, 16);
+  }
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  for (int n = n0; n < n1; n += 4) {
+    const int rows = n1 - n < 4 ? n1 - n : 4;
+    const uint8_t* w[4];
+    long params[4];
+    for (int j = 0; j < 4; ++j) {
+      const long row = n + (j < rows ? j : rows - 1);
+      w[j] = (const uint8_t*)a.w + row * row_bytes;
+      params[j] = row * groups;
+    }
+    params_by_group(a.scales, params, groups, a.bf16_params, sw);
+    params_by_group(a.biases, params, groups, a.bf16_params, sb);
+    __m512 acc = _mm512_setzero_ps();
+    __m512 t = _mm512_setzero_ps();
+    for (int b = 0; b < K / 128; ++b) {
+      const __m512i e = _mm512_load_si512((const void*)(xe + b * 64));
+      const __m512i o = _mm512_load_si512((const void*)(xo + b * 64));
+      __m512i d[4];
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512((const void*)(w[j] + b * 64));
+        const __m512i lo = _mm512_and_si512(v, mask);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+        d[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, e), hi, o);
+      }
+      const __m512i d01 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[0], d[1]),
+                                           _mm512_unpackhi_epi32(d[0], d[1]));
+      const __m512i d23 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[2], d[3]),
+                                           _mm512_unpackhi_epi32(d[2], d[3]));
+      const __m512 f = _mm512_cvtepi32_ps(
+          _mm512_add_epi32(_mm512_unpacklo_epi64(d01, d23), _mm512_unpackhi_epi64(d01, d23)));
+      const __m512 fk[4] = {lane<0>(f), lane<1>(f), lane<2>(f), lane<3>(f)};
+      for (int k = 0; k < 4; ++k) {
+        const int c = b * 4 + k;
+        const __m512 from = c % per_group == 0 ? _mm512_setzero_ps() : t;
+        t = _mm512_fmadd_ps(_mm512_set1_ps(xa.scale[c]), fk[k], from);
+        if (c % per_group == per_group - 1) {
+          const __m512 s = _mm512_castps128_ps512(_mm_load_ps(sw + (c / per_group) * 4));
+          acc = _mm512_fmadd_ps(s, t, acc);
+        }
+      }
+    }
+    __m512 bacc = _mm512_setzero_ps();
+    for (int g = 0; g < groups; ++g)
+      bacc = _mm512_fmadd_ps(_mm512_castps128_ps512(_mm_load_ps(sb + g * 4)),
+                             _mm512_set1_ps(xa.sum[g]), bacc);
+    alignas(64) float out[16];
+    _mm512_store_ps(out, _mm512_add_ps(acc, bacc));
+    for (int j = 0; j < rows; ++j) a.y[n + j] = out[j];
+  }
+  free(xeo);
+  free(sw);
+}
+
+static void gemv_int8_any(const emlx::QmmArgs& a, const emlx::Int8Activations& xa, int n0,
+                          int n1) {
+  gemv_int8_4bit(a, xa, n0, n1);
+}
+
 }  // namespace int8_avx512
 
 Int8Kernels avx512_int8_kernels() {
   // The AVX2 quantizer: 32 elements are one AVX2 step already.
-  return Int8Kernels{quantize_activations_avx2, int8_avx512::gemm_int8_any, NB};
+  return Int8Kernels{quantize_activations_avx2, int8_avx512::gemm_int8_any, NB,
+                     int8_avx512::gemv_int8_any};
 }
 
 }  // namespace emlx

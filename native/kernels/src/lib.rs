@@ -252,7 +252,7 @@ extern "C" {
         err_len: usize,
     ) -> c_int;
     fn emlx_kernels_activations() -> c_int;
-    fn emlx_kernels_int8_min_rows() -> c_int;
+    fn emlx_kernels_int8_takes(rows: c_int, cols: c_int, bits: c_int) -> c_int;
     fn emlx_kernels_attend_takes(hd: c_int, bits: c_int, group: c_int) -> c_int;
     fn emlx_kernels_int8_vnni() -> c_int;
     fn emlx_kernels_selected_isa() -> c_int;
@@ -308,10 +308,15 @@ impl Isa {
     }
 }
 
-/// Rows of activations from which [`Activations::Int8`] applies.
-pub fn int8_min_rows() -> usize {
+/// Whether a product of `rows` rows of activations against `bits`-bit
+/// weights of `cols` columns takes [`Activations::Int8`] where it is
+/// selected: prompts of 8 rows or more (the matrix product), and one row
+/// where the selected variant has a matrix-vector form for it (AVX-512 VNNI,
+/// 4 bits, `cols` a multiple of 128). Other products keep float32, which
+/// reads the weights faster than the matrix product.
+pub fn int8_takes(rows: usize, cols: usize, bits: i32) -> bool {
     // SAFETY: a pure query.
-    unsafe { emlx_kernels_int8_min_rows() as usize }
+    unsafe { emlx_kernels_int8_takes(rows as c_int, cols as c_int, bits) != 0 }
 }
 
 /// Precision of the activations in the products [`quantized_linear`] builds.
@@ -320,9 +325,8 @@ pub enum Activations {
     /// Exact float32 (the default).
     F32,
     /// Quantized to int8 per row and block of 32, integer dot products
-    /// (`EMLX_AXON_CPU_ACTIVATIONS=int8`), for products of at least
-    /// [`int8_min_rows`] rows (prompts); fewer rows (a decode step's) keep
-    /// float32, which reads the weights faster there.
+    /// (`EMLX_AXON_CPU_ACTIVATIONS=int8`), for the products
+    /// [`int8_takes`] names.
     Int8,
 }
 

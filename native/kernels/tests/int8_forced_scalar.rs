@@ -7,9 +7,7 @@
 mod common;
 
 use common::{case, check_against_mlx, on_cpu};
-use emlx_axon_kernels::{
-    int8_min_rows, qmm_int8_with, qmm_with, quantized_linear, Activations, Isa,
-};
+use emlx_axon_kernels::{int8_takes, qmm_int8_with, qmm_with, quantized_linear, Activations, Isa};
 
 #[test]
 fn forced_scalar_int8_variant() {
@@ -36,7 +34,7 @@ fn forced_scalar_int8_variant() {
                     .zip(theirs)
                     .all(|(a, b)| a.to_bits() == b.to_bits())
             };
-            if m < int8_min_rows() {
+            if !int8_takes(m, 512, bits) {
                 assert!(
                     same(&f32s),
                     "{what}: a decode batch did not keep the float32 product"

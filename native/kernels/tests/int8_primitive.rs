@@ -1,16 +1,15 @@
 //! EMLX_AXON_CPU_ACTIVATIONS=int8 makes the primitive run the int8 product of
-//! the selected variant for prompt batches (at least `int8_min_rows()` rows):
-//! its outputs are exactly `qmm_int8_with`'s, for float32 and bfloat16
-//! scales, and within the activation rounding bound of MLX's float32
-//! product. Decode batches keep the float32 product (`qmm_with`'s outputs).
+//! the selected variant for the products `int8_takes` names (prompt batches,
+//! and one row where the variant has a matrix-vector form for it): its
+//! outputs are exactly `qmm_int8_with`'s, for float32 and bfloat16 scales,
+//! and within the activation rounding bound of MLX's float32 product. Other
+//! decode batches keep the float32 product (`qmm_with`'s outputs).
 //! (Its own test binary: the setting is read once per process.)
 
 mod common;
 
 use common::{case, check_against_mlx, on_cpu};
-use emlx_axon_kernels::{
-    int8_min_rows, qmm_int8_with, qmm_with, quantized_linear, Activations, Isa,
-};
+use emlx_axon_kernels::{int8_takes, qmm_int8_with, qmm_with, quantized_linear, Activations, Isa};
 use mlx_rs::{Array, Dtype};
 
 fn int8_selected() {
@@ -50,7 +49,7 @@ fn the_primitive_runs_the_selected_variants_int8_product() {
 
                     let mut direct = vec![0f32; m * 301];
                     let xs = c.x.as_slice::<f32>();
-                    let int8 = m >= int8_min_rows();
+                    let int8 = int8_takes(m, 1152, bits);
                     if !int8 {
                         // The scales are bfloat16 values either way: the
                         // float32 product reads them alike.
