@@ -199,13 +199,24 @@ static void gemv_int8_4bit(const emlx::QmmArgs& a, const emlx::Int8Activations& 
     __builtin_memcpy(xo + c * 16, xa.q + c * 32 + 16, 16);
   }
   const __m512i mask = _mm512_set1_epi8(0x0F);
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int n = n0; n < n1; n += 4) {
     const int rows = n1 - n < 4 ? n1 - n : 4;
-    const uint8_t* w[4];
+    emlx::prefetch_params(a, n, 4);
+    // As the float32 form reads them: a row off a cache-line boundary as
+    // aligned lines, each 64 bytes from two of them (see qmm_avx512.cpp).
+    const uint32_t* w[4];
+    const uint32_t* wline[4];
+    __m512i pick[4];
+    bool offset[4];
     long params[4];
     for (int j = 0; j < 4; ++j) {
       const long row = n + (j < rows ? j : rows - 1);
-      w[j] = (const uint8_t*)a.w + row * row_bytes;
+      w[j] = a.w + row * (row_bytes / 4);
+      const int off = (int)(((uintptr_t)w[j] & 63) / 4);
+      wline[j] = w[j] - off;
+      offset[j] = off != 0;
+      pick[j] = _mm512_add_epi32(iota, _mm512_set1_epi32(off));
       params[j] = row * groups;
     }
     params_by_group(a.scales, params, groups, a.bf16_params, sw);
@@ -216,8 +227,11 @@ static void gemv_int8_4bit(const emlx::QmmArgs& a, const emlx::Int8Activations& 
       const __m512i e = _mm512_load_si512((const void*)(xe + b * 64));
       const __m512i o = _mm512_load_si512((const void*)(xo + b * 64));
       __m512i d[4];
+      for (int j = 0; j < 4; ++j) emlx::prefetch_weights(w[j] + b * 16);
       for (int j = 0; j < 4; ++j) {
-        const __m512i v = _mm512_loadu_si512((const void*)(w[j] + b * 64));
+        const __m512i v = offset[j] ? _mm512_permutex2var_epi32(_mm512_load_si512(wline[j] + b * 16), pick[j],
+                                                                _mm512_load_si512(wline[j] + b * 16 + 16))
+                                    : _mm512_load_si512(w[j] + b * 16);
         const __m512i lo = _mm512_and_si512(v, mask);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
         d[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, e), hi, o);
