@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-PEER_ORDER = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-kv16", "rust-kv8", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream",
+PEER_ORDER = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-kv16", "rust-kv8", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "rust-int8-kv16", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream",
               "mlx-lm-cli", "llama.cpp", "llama.cpp-kv8"]
 PEER_NAMES = {
     "rust": "Rust engine",
@@ -41,12 +41,13 @@ PEER_NAMES = {
     "mlx-lm-cli": "mlx-lm (python -m mlx_lm generate)",
     "rust-1t": "Rust engine, 1 thread",
     "rust-int8": "Rust engine, int8 activations (opt-in)",
+    "rust-int8-kv16": "Rust engine, int8 activations (opt-in), float16 KV cache",
     "llama.cpp": "llama.cpp (Q4_0 GGUF)",
     "elixir": "Elixir (Generate.generate)",
     "elixir-textgen": "Elixir (TextGeneration.stream)",
     "mlx-lm": "mlx-lm",
 }
-OURS = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-kv16", "rust-kv8", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "elixir", "elixir-textgen"]
+OURS = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-kv16", "rust-kv8", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "rust-int8-kv16", "elixir", "elixir-textgen"]
 MLX_LM = ["mlx-lm", "mlx-lm-stream", "mlx-lm-cli"]
 # The engine under its GPU-relevant settings, each set against the mlx-lm paths.
 ENGINE_VARIANTS = ["rust", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-kv16", "rust-kv8", "rust-baseline", "rust-mlx-steps", "rust-mlx-prompt", "rust-ops", "rust-mlx-products"]
@@ -383,6 +384,11 @@ def model_section(name, folder, settings):
         ratio_pairs.append(("rust-kv16", "llama.cpp"))
     if "llama.cpp" in peers and "rust-kv8" in peers:
         ratio_pairs.append(("rust-kv8", "llama.cpp"))
+    for p in ("rust-int8", "rust-int8-kv16"):
+        if "llama.cpp" in peers and p in peers and (p, "llama.cpp") not in ratio_pairs:
+            ratio_pairs.append((p, "llama.cpp"))
+    if "rust-int8-kv16" in peers and "rust-kv16" in peers:
+        ratio_pairs.append(("rust-int8-kv16", "rust-kv16"))
     if "llama.cpp-kv8" in peers and "rust-kv8" in peers:
         ratio_pairs.append(("rust-kv8", "llama.cpp-kv8"))
     header += [f"{p} / {q}" for p, q in ratio_pairs]
@@ -803,7 +809,7 @@ def plot(summaries, path):
     n = len(summaries)
     fig, axes = plt.subplots(n, 2, figsize=(12, 4.2 * n), squeeze=False, gridspec_kw={"width_ratios": [3, 1]})
     colors = {"rust": "#c0392b", "rust-mlx-steps": "#641e16", "rust-mlx-prompt": "#a04000", "rust-baseline": "#922b21", "rust-ops": "#ec7063", "rust-mlx-products": "#f5b7b1", "mlx-lm-stream": "#5dade2", "mlx-lm-cli": "#1b4f72",
-              "rust-1t": "#e59866", "rust-int8": "#f1c40f", "elixir": "#8e44ad", "elixir-textgen": "#bb8fce",
+              "rust-1t": "#e59866", "rust-int8": "#f1c40f", "rust-int8-kv16": "#d4ac0d", "elixir": "#8e44ad", "elixir-textgen": "#bb8fce",
               "mlx-lm": "#2e86c1", "llama.cpp": "#229954"}
     for row, s in enumerate(summaries):
         m, peers, sizes = s["metrics"], s["peers"], s["sizes"] or [1]

@@ -14,7 +14,8 @@
 //! GB/s of weights read (packed values + scales + biases) and GFLOP/s, for
 //! each activation precision, and the int8 speed-up. `--layers L` instead
 //! runs L layers' products at batch 1 one after another, each layer its own
-//! matrices, as a decode step reads them from memory.
+//! matrices, as a decode step reads them from memory, with each activation
+//! precision.
 
 use std::time::Instant;
 
@@ -165,24 +166,27 @@ fn bench_layers(shapes: &[Shape], layers: usize, isa: Isa) {
     let x = vec![0.1f32; widest];
     let mut y = vec![0f32; widest];
     for threads in [1usize, 2] {
-        let s = time(|| {
-            for (shape, w) in &all {
-                qmm_with(
-                    isa,
-                    threads,
-                    &x[..shape.k],
-                    &w.matrix(shape),
-                    &mut y[..shape.n],
-                )
-                .unwrap();
-            }
-        });
+        let mut run = |int8: bool| {
+            time(|| {
+                for (shape, w) in &all {
+                    let (x, y) = (&x[..shape.k], &mut y[..shape.n]);
+                    if int8 {
+                        qmm_int8_with(isa, threads, x, &w.matrix(shape), y).unwrap();
+                    } else {
+                        qmm_with(isa, threads, x, &w.matrix(shape), y).unwrap();
+                    }
+                }
+            })
+        };
+        let (f, q) = (run(false), run(true));
         println!(
-            "{:7} {layers} layers x {} products, m=1 t={threads}: {:8.3} ms {:6.1} GB/s",
+            "{:7} {layers} layers x {} products, m=1 t={threads}: f32 {:8.3} ms {:6.1} GB/s | int8 {:8.3} ms {:6.1} GB/s",
             isa.name(),
             per_layer.len(),
-            s * 1e3,
-            bytes as f64 / s / 1e9
+            f * 1e3,
+            bytes as f64 / f / 1e9,
+            q * 1e3,
+            bytes as f64 / q / 1e9
         );
     }
 }

@@ -12,9 +12,10 @@
 //! products [`quantized_linear`] builds quantize their activations to int8
 //! (symmetric, one float scale per row and block of 32 elements) and use
 //! integer dot products (AVX512-VNNI `vpdpbusd`, AVX2 `pmaddubsw`, portable
-//! code elsewhere; every variant gives the same bits). Faster (about 3-5x the
-//! float32 products for prompts, 1.2-1.5x for decode on an AVX512-VNNI CPU),
-//! but it rounds the activations, so it is opt-in: each output moves by up
+//! code elsewhere; every variant gives the same bits), for the products
+//! [`int8_takes`] names: prompts, and on an AVX512-VNNI CPU one-row products
+//! of 4-bit weights (a matrix-vector form reading the weights as stored).
+//! Faster, but it rounds the activations, so it is opt-in: each output moves by up
 //! to `sum over blocks of (max |x| in the block / 254) * sum |w| in the
 //! block` (about 0.7% of the outputs' root mean square on normal
 //! activations). Unset (or any other value), the products are the float32
