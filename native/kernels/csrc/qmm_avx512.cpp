@@ -28,6 +28,7 @@ static inline F16 cvt16(__m128i b) {
 }
 
 #include "qmm_simd.inc"
+#include "rows_avx512.inc"
 
 // Matrix-vector form without byte shuffles. A 512-bit load of a row holds
 // 16 uint32 words; lane i's word packs 32 / BITS consecutive values, so the
@@ -38,13 +39,6 @@ static inline F16 cvt16(__m128i b) {
 // form: 1.9x its rate on cache-resident weights (a 1024 x 3072 4-bit
 // product on one thread of an AMD EPYC: 0.073 ms against 0.138); weights
 // streamed from memory are bound by bandwidth either way.
-static inline __m512 params16(const void* p, long i, __mmask16 m, bool bf16) {
-  if (bf16) {
-    const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t*)p + i);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-  return _mm512_maskz_loadu_ps(m, (const float*)p + i);
-}
 
 // R weight rows against MB rows of x at a time: a row's unpacked values
 // serve every x row, so a decode batch or a short prompt reads and unpacks
@@ -66,7 +60,6 @@ static void gemv_lanes(const emlx::QmmArgs& a, const float* xsum, int n0, int n1
   const __mmask16 span_mask = (__mmask16)((1u << span) - 1);
   const __m512i vmask = _mm512_set1_epi32((1 << BITS) - 1);
   const __m512 nibbles = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   float* xr = (float*)aligned_alloc(64, ((size_t)a.M * K * sizeof(float) + 63) / 64 * 64);
   if (!xr) return;
   for (int m = 0; m < a.M; ++m) {
@@ -81,24 +74,11 @@ static void gemv_lanes(const emlx::QmmArgs& a, const float* xsum, int n0, int n1
     // overlap.
     const int rows = n1 - n < R ? n1 - n : R;
     emlx::prefetch_params(a, n, R);
-    const uint32_t* wrow[R];
-    // Checkpoint tensors sit at any 4-byte offset (safetensors), and a
-    // 64-byte load across two cache lines halves the rate at which the
-    // weights stream from memory: a row off a line boundary is read as
-    // aligned lines, each block taken from two of them (one shuffle). The
-    // lines' bytes outside the row lie in the same cache lines as row
-    // bytes, so never on another page.
-    const uint32_t* wline[R];
-    __m512i pick[R];
-    bool offset[R];
+    RowLines wrow[R];
     long params[R];
     for (int r = 0; r < R; ++r) {
       const long row = n + (r < rows ? r : rows - 1);
-      wrow[r] = a.w + row * (K / VPL);
-      const int off = (int)(((uintptr_t)wrow[r] & 63) / 4);
-      wline[r] = wrow[r] - off;
-      offset[r] = off != 0;
-      pick[r] = _mm512_add_epi32(iota, _mm512_set1_epi32(off));
+      wrow[r] = row_lines(a.w + row * (K / VPL));
       params[r] = row * groups;
     }
     // The x rows in passes of MB (the last pass repeats its last row); the
@@ -112,11 +92,8 @@ static void gemv_lanes(const emlx::QmmArgs& a, const float* xsum, int n0, int n1
         for (int j = 0; j < MB; ++j) tot[r][j] = _mm512_setzero_ps();
       for (int b = 0; b < blocks; ++b) {
         __m512i v[R];
-        for (int r = 0; r < R; ++r) emlx::prefetch_weights(wrow[r] + b * 16);
-        for (int r = 0; r < R; ++r)
-          v[r] = offset[r] ? _mm512_permutex2var_epi32(_mm512_load_si512(wline[r] + b * 16), pick[r],
-                                                       _mm512_load_si512(wline[r] + b * 16 + 16))
-                           : _mm512_load_si512(wrow[r] + b * 16);
+        for (int r = 0; r < R; ++r) emlx::prefetch_weights(wrow[r].row + b * 16);
+        for (int r = 0; r < R; ++r) v[r] = row_load(wrow[r], b);
         __m512 acc[R][MB][2];
         // Fully unrolled (as are the loops below), so that every
         // accumulator is a register.

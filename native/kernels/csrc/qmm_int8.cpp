@@ -210,7 +210,9 @@ bool gemv_takes(const Int8Kernels& k, const QmmArgs& a) {
 }  // namespace
 
 bool int8_takes(const QmmArgs& a) {
-  return a.M >= kInt8MinRows || gemv_takes(int8_kernels_for(selected_isa()), a);
+  // Asked for every product the primitive and the layer nodes run.
+  static const Int8Kernels selected = int8_kernels_for(selected_isa());
+  return a.M >= kInt8MinRows || gemv_takes(selected, a);
 }
 
 bool int8_for(const QmmArgs& a) { return selected_activations() == kActivationsInt8 && int8_takes(a); }

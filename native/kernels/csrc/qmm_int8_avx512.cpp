@@ -130,6 +130,7 @@ static void micro_int8(const emlx::Int8MicroArgs& m) {
 }
 
 #include "qmm_int8_simd.inc"
+#include "rows_avx512.inc"
 
 // 128-bit lane K of v in every lane.
 template <int K>
@@ -144,14 +145,7 @@ static void params_by_group(const void* p, const long* first, int groups, bool b
     const int c = groups - g < 16 ? groups - g : 16;
     const __mmask16 mk = (__mmask16)(c == 16 ? 0xFFFFu : (1u << c) - 1);
     __m512 r[4];
-    for (int j = 0; j < 4; ++j) {
-      if (bf16) {
-        const __m256i h = _mm256_maskz_loadu_epi16(mk, (const uint16_t*)p + first[j] + g);
-        r[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-      } else {
-        r[j] = _mm512_maskz_loadu_ps(mk, (const float*)p + first[j] + g);
-      }
-    }
+    for (int j = 0; j < 4; ++j) r[j] = params16(p, first[j] + g, mk, bf16);
     // In each 128-bit lane i (groups g + 4i ..): 4 x 4 transposes, then the
     // lanes put in group order.
     const __m512 a0 = _mm512_unpacklo_ps(r[0], r[1]), a1 = _mm512_unpackhi_ps(r[0], r[1]);
@@ -199,24 +193,14 @@ static void gemv_int8_4bit(const emlx::QmmArgs& a, const emlx::Int8Activations& 
     __builtin_memcpy(xo + c * 16, xa.q + c * 32 + 16, 16);
   }
   const __m512i mask = _mm512_set1_epi8(0x0F);
-  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int n = n0; n < n1; n += 4) {
     const int rows = n1 - n < 4 ? n1 - n : 4;
     emlx::prefetch_params(a, n, 4);
-    // As the float32 form reads them: a row off a cache-line boundary as
-    // aligned lines, each 64 bytes from two of them (see qmm_avx512.cpp).
-    const uint32_t* w[4];
-    const uint32_t* wline[4];
-    __m512i pick[4];
-    bool offset[4];
+    RowLines w[4];
     long params[4];
     for (int j = 0; j < 4; ++j) {
       const long row = n + (j < rows ? j : rows - 1);
-      w[j] = a.w + row * (row_bytes / 4);
-      const int off = (int)(((uintptr_t)w[j] & 63) / 4);
-      wline[j] = w[j] - off;
-      offset[j] = off != 0;
-      pick[j] = _mm512_add_epi32(iota, _mm512_set1_epi32(off));
+      w[j] = row_lines(a.w + row * (row_bytes / 4));
       params[j] = row * groups;
     }
     params_by_group(a.scales, params, groups, a.bf16_params, sw);
@@ -227,11 +211,9 @@ static void gemv_int8_4bit(const emlx::QmmArgs& a, const emlx::Int8Activations& 
       const __m512i e = _mm512_load_si512((const void*)(xe + b * 64));
       const __m512i o = _mm512_load_si512((const void*)(xo + b * 64));
       __m512i d[4];
-      for (int j = 0; j < 4; ++j) emlx::prefetch_weights(w[j] + b * 16);
+      for (int j = 0; j < 4; ++j) emlx::prefetch_weights(w[j].row + b * 16);
       for (int j = 0; j < 4; ++j) {
-        const __m512i v = offset[j] ? _mm512_permutex2var_epi32(_mm512_load_si512(wline[j] + b * 16), pick[j],
-                                                                _mm512_load_si512(wline[j] + b * 16 + 16))
-                                    : _mm512_load_si512(w[j] + b * 16);
+        const __m512i v = row_load(w[j], b);
         const __m512i lo = _mm512_and_si512(v, mask);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
         d[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, e), hi, o);
@@ -265,17 +247,12 @@ static void gemv_int8_4bit(const emlx::QmmArgs& a, const emlx::Int8Activations& 
   free(sw);
 }
 
-static void gemv_int8_any(const emlx::QmmArgs& a, const emlx::Int8Activations& xa, int n0,
-                          int n1) {
-  gemv_int8_4bit(a, xa, n0, n1);
-}
-
 }  // namespace int8_avx512
 
 Int8Kernels avx512_int8_kernels() {
   // The AVX2 quantizer: 32 elements are one AVX2 step already.
   return Int8Kernels{quantize_activations_avx2, int8_avx512::gemm_int8_any, NB,
-                     int8_avx512::gemv_int8_any};
+                     int8_avx512::gemv_int8_4bit};
 }
 
 }  // namespace emlx
