@@ -41,6 +41,9 @@ pub struct CudaKernel {
     body: String,
     /// Per input: whether the body reads `name_shape`, `name_strides`.
     reads: Vec<(bool, bool)>,
+    /// `__launch_bounds__`: at most these threads a block, and registers
+    /// for at least these blocks a multiprocessor.
+    bounds: Option<(i32, i32)>,
     /// Compiled variants by their signature and constants.
     compiled: Mutex<HashMap<Vec<i32>, Arc<Compiled>>>,
 }
@@ -179,8 +182,16 @@ impl CudaKernel {
             outputs: outputs.iter().map(|s| s.to_string()).collect(),
             body: body.into(),
             reads,
+            bounds: None,
             compiled: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// Compiled for blocks of at most `threads` threads, with registers left
+    /// for `blocks` of them on a multiprocessor.
+    pub fn bounded(mut self, threads: i32, blocks: i32) -> Self {
+        self.bounds = Some((threads, blocks));
+        self
     }
 
     /// The whole kernel for these inputs, output dtypes and constants.
@@ -228,8 +239,11 @@ impl CudaKernel {
                 Template::Bool(b) => writeln!(constants, "  constexpr bool {name} = {b};"),
             };
         }
+        let bounds = self.bounds.map_or(String::new(), |(t, b)| {
+            format!("__launch_bounds__({t}, {b}) ")
+        });
         Ok(format!(
-            "{PRELUDE}\nextern \"C\" __global__ void {}(\n    {}) {{\n{constants}{locals}{}\n}}\n",
+            "{PRELUDE}\nextern \"C\" __global__ void {bounds}{}(\n    {}) {{\n{constants}{locals}{}\n}}\n",
             self.name,
             params.join(",\n    "),
             self.body

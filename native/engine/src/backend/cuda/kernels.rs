@@ -10,44 +10,32 @@ use emlx_axon_kernels::QuantWeight;
 use crate::backend::cuda::kernel::{CudaKernel, Template};
 use crate::error::{Error, Result};
 
-/// A warp's trip to memory for the keys and values `j0..j0 + U` (clamped
-/// to `last`), all loads before any use: `load`, and the registers of a
-/// warp's first trip, `kf0` and `vf0`, which a kernel may fill early
-/// (`FIRST_LOADED`) so that the trip overlaps work before the loop.
-const ATTEND_LOAD: &str = include_str!("cu/attend_load.cu");
-
-/// The keys `first..=last` into each warp's online softmax (float32): its
-/// running max `m`, sum `l` and weighted values `acc` (the lane's `E` of
-/// them), the query `qv` prescaled; `KEY(j)` and `VALUE(j)` point at the
-/// lane's part of key and value `j`. A warp takes `U` keys at a time
-/// ([`ATTEND_LOAD`]), so that a trip to memory serves `U` keys (one key at
-/// a time, a short context's attention was bound by the chain of trips),
-/// and the warps take turns by `U` keys.
-const ATTEND_KEYS: &str = include_str!("cu/attend_keys.cu");
-
-/// The warps' softmaxes combined into the block's output row: `out` laid
-/// out `[rows, heads, D]` with one block per (head, row).
-const ATTEND_COMBINE: &str = include_str!("cu/attend_combine.cu");
-
 /// A layer's attention for one query per row from the q/k/v product: q and
-/// k RMSNorm (Qwen3), RoPE from a float32 table of positions, the new key and value
-/// written into the cache at the row's position, and attention over the
-/// row's keys `starts..=position` (online softmax in float32, the block's
-/// warps taking turns by a few keys, then combined). One block per
-/// (query head, row), of at least `2 * D` threads: the query and the new
-/// key are normalized and rotated at once, while each warp's first trip
-/// for keys is already under way. Every block of a key head computes that
-/// head's new key itself and reads it from shared memory, so no block waits
-/// for another's cache write; the first query head of each group writes
-/// it. The cache buffers are inputs that the kernel writes in place:
-/// nothing else reads them within the step's layer, and the next layer's
-/// caches are other buffers.
+/// k RMSNorm (Qwen3), RoPE from a float32 table of positions, the new key
+/// and value written into the cache at the row's position, and attention
+/// over the row's keys `starts..=position` in float32 (online softmax). One
+/// block per (key head, row, split) takes `TILE` of the key head's query
+/// heads, so that a key read once serves them all: each key is held by
+/// `D / 8` lanes of 8 values (one 16-byte load of a 2-byte type), a warp
+/// takes several keys at once and each of its lanes a few keys a trip, all
+/// loads of a trip issued before any use. While a warp's first trip is
+/// under way the prologue normalizes and rotates the queries and the new
+/// key. Every block of a key head computes that head's new key itself and
+/// reads it from shared memory, so no block waits for another's cache
+/// write; the first block of each group writes it. The cache buffers are
+/// inputs that the kernel writes in place: nothing else reads them within
+/// the step's layer, and the next layer's caches are other buffers.
 const QKV_ATTEND_HEAD: &str = include_str!("cu/qkv_attend_head.cu");
 
-/// After [`ATTEND_LOAD`]: the warp's first trip issued, then the prologue,
-/// every read of it issued at once (in a chain of trips to memory they cost
-/// most of the time), threads `0..D` on the query and `D..2D` on the key.
-const QKV_ATTEND_PROLOGUE: &str = include_str!("cu/qkv_attend_prologue.cu");
+/// The keys `first..=last` into each stream's online softmax: its running
+/// max `m`, sum `l` and weighted values `acc` per query head, each key's
+/// lanes summing their parts of its scores.
+const ATTEND_KEYS: &str = include_str!("cu/attend_keys.cu");
+
+/// The streams' softmaxes combined into the block's rows of `out`
+/// (`[rows, heads, D]`), or into its split's partial sums, which the last
+/// split of a row and head group to finish combines.
+const ATTEND_COMBINE: &str = include_str!("cu/attend_combine.cu");
 
 /// A prompt's q/k norms (Qwen3), RoPE and cache write for all its tokens,
 /// one block of `D` threads per (query or key head, token, row) of the
@@ -107,6 +95,25 @@ const ZEROS: &str = include_str!("cu/zeros.cu");
 /// (a power of two), and the fewest keys a split takes.
 const ATTEND_SPLITS: i32 = 32;
 const ATTEND_MIN_KEYS: i32 = 128;
+
+/// Whether [`Kernels::qkv_attend`] takes heads of `hd` values in `cache`
+/// `[rows, kv_heads, capacity, hd]`: lanes of 8 values a key, whole warps
+/// of them, a head no wider than a block, and every key's values
+/// contiguous from a 16-byte boundary.
+pub(crate) fn attends(hd: i32, cache: &Array) -> bool {
+    let strides = cache.strides();
+    matches!(hd, 32 | 64 | 128 | 256)
+        && strides.len() == 4
+        && strides[3] == 1
+        && strides[..3].iter().all(|s| s % 8 == 0)
+}
+
+/// Query heads a block of [`Kernels::qkv_attend`] takes: the most of a key
+/// head's `gqa` that divide it, up to 4 (their queries and sums stay in
+/// registers).
+fn query_tile(gqa: i32) -> i32 {
+    (1..=4.min(gqa)).rev().find(|t| gqa % t == 0).unwrap_or(1)
+}
 
 /// Int32 counts [`Kernels::qkv_attend`] takes, at least: MLX keeps arrays
 /// of a few bytes in memory the host and device share, and these take
@@ -375,15 +382,11 @@ impl Kernels {
                     "counts",
                 ],
                 &["out", "part"],
-                &[
-                    QKV_ATTEND_HEAD,
-                    ATTEND_LOAD,
-                    QKV_ATTEND_PROLOGUE,
-                    ATTEND_KEYS,
-                    ATTEND_COMBINE,
-                ]
-                .concat(),
-            )?,
+                &[QKV_ATTEND_HEAD, ATTEND_KEYS, ATTEND_COMBINE].concat(),
+            )?
+            // Two blocks a multiprocessor: with four query heads a block
+            // the compiler would take a few registers more than that leaves.
+            .bounded(BLOCK, 2),
             add_norm: CudaKernel::new(
                 "emlx_axon_add_norm",
                 &["h", "r", "w"],
@@ -481,19 +484,26 @@ impl Kernels {
         if p.counts.size() < (rows * h.heads) as usize {
             return Err(Error::invalid("the attention kernel's counts are too few"));
         }
-        // Threads for the query and the key at once.
-        let threads = BLOCK.max(2 * hd);
+        if !attends(hd, h.keys) || !attends(hd, h.values) {
+            return Err(Error::invalid(format!(
+                "the attention kernel takes heads of 32, 64, 128 or 256 values in \
+                 caches of whole 16-byte rows, not {hd}"
+            )));
+        }
+        let tile = query_tile(h.heads / h.kv_heads);
+        let blocks = h.heads / tile;
         let sms = crate::backend::cuda::kernel::multiprocessors().unwrap_or(1);
         // No more than a full cache would use: a short generation's grid
         // has no blocks that would only find no keys of theirs and exit.
         // A power of two: few variants to compile as batches change size.
         let capacity = h.keys.dim(2);
         let most = capacity / ATTEND_MIN_KEYS;
-        let fill = (2 * sms / h.heads).clamp(1, ATTEND_SPLITS).min(most.max(1));
+        let fill = (2 * sms / blocks).clamp(1, ATTEND_SPLITS).min(most.max(1));
         let splits = 1 << (31 - fill.leading_zeros());
         let mut templates = h.templates();
         templates.extend([
-            ("BLOCK", Template::Int(threads)),
+            ("BLOCK", Template::Int(BLOCK)),
+            ("TILE", Template::Int(tile)),
             ("SPLITS", Template::Int(splits)),
             ("MIN_KEYS", Template::Int(ATTEND_MIN_KEYS)),
         ]);
@@ -505,8 +515,8 @@ impl Kernels {
                 (&[rows, 1, h.heads * hd], h.qkv.dtype()),
                 (&[rows, h.heads, splits, hd + 2], Dtype::Float32),
             ],
-            (h.heads * threads, rows, splits),
-            (threads, 1, 1),
+            (blocks * BLOCK, rows, splits),
+            (BLOCK, 1, 1),
             &templates,
         )?;
         Ok(out.remove(0))

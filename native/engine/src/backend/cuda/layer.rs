@@ -275,10 +275,10 @@ pub(crate) fn forward<C: KvStore>(
     // Our kernels run on GPU streams only (MLX refuses them elsewhere).
     let takes = !crate::runtime::device::on_cpu_stream()
         && kernels::takes_dtype(dtype)
-        && hd % 32 == 0
-        // Heads of at most 128: the attention kernel's blocks have 2 * hd
-        // threads, each holding a trip's keys through the prologue.
-        && (32..=128).contains(&hd)
+        && {
+            let (keys, values) = cache.buffers(0);
+            kernels::attends(hd, keys) && kernels::attends(hd, values)
+        }
         && c.num_heads % c.num_kv_heads == 0
         && rows.positions.len() == n as usize
         && rows.starts.len() == n as usize
@@ -710,10 +710,14 @@ fn check_gemv(k: &Kernels, dtype: Dtype) -> Result<()> {
 }
 
 /// Random inputs for a check of the q/k kernels: a q/k/v product `[rows,
-/// L, (4 + 2 * 2) * 64]`, norm weights, tables of `capacity` positions and
-/// a cache `[cache_rows, 2, capacity, 64]`, with a copy of the cache in
-/// buffers of its own (the kernels overwrite it).
+/// L, (heads + 2 * kv_heads) * head_dim]` (4 and 2 heads of 64 unless
+/// [`HeadsCase::shaped`]), norm weights, tables of `capacity` positions and
+/// a cache `[cache_rows, kv_heads, capacity, head_dim]`, with a copy of the
+/// cache in buffers of its own (the kernels overwrite it).
 pub(super) struct HeadsCase {
+    pub(super) heads: i32,
+    pub(super) kv_heads: i32,
+    pub(super) head_dim: i32,
     pub(super) qkv: Array,
     pub(super) q_norm: Array,
     pub(super) k_norm: Array,
@@ -740,7 +744,20 @@ impl HeadsCase {
         seed: u64,
         dtype: Dtype,
     ) -> Result<Self> {
-        let (nq, nkv, hd) = (Self::HEADS, Self::KV_HEADS, Self::HEAD_DIM);
+        let heads = [Self::HEADS, Self::KV_HEADS, Self::HEAD_DIM];
+        Self::shaped(heads, rows, l, cache_rows, cap, seed, dtype)
+    }
+
+    /// [`HeadsCase::new`] with `[heads, kv_heads, head_dim]`.
+    pub(super) fn shaped(
+        [nq, nkv, hd]: [i32; 3],
+        rows: i32,
+        l: i32,
+        cache_rows: i32,
+        cap: i32,
+        seed: u64,
+        dtype: Dtype,
+    ) -> Result<Self> {
         let shape = [cache_rows, nkv, cap, hd];
         let (keys, values) = (
             normal(&shape, seed + 5, dtype)?,
@@ -750,6 +767,9 @@ impl HeadsCase {
         let (keys_before, values_before) = (keys.add(&zero)?, values.add(&zero)?);
         mlx_rs::transforms::eval([&keys, &values, &keys_before, &values_before])?;
         Ok(HeadsCase {
+            heads: nq,
+            kv_heads: nkv,
+            head_dim: hd,
             qkv: normal(&[rows, l, (nq + 2 * nkv) * hd], seed, dtype)?,
             q_norm: normal(&[hd], seed + 1, dtype)?,
             k_norm: normal(&[hd], seed + 2, dtype)?,
@@ -772,8 +792,8 @@ impl HeadsCase {
             traditional: false,
             keys: &self.keys,
             values: &self.values,
-            heads: Self::HEADS,
-            kv_heads: Self::KV_HEADS,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
         }
     }
 }
@@ -788,15 +808,19 @@ fn normal(shape: &[i32], seed: u64, dtype: Dtype) -> Result<Array> {
 /// scheduler's slots have), the second attending from key 3 and long
 /// enough for its keys to be split over blocks: the output against MLX's
 /// norm, rotation and attention over the same keys, and the cache against
-/// the old one with the new keys and values put in.
+/// the old one with the new keys and values put in. With 2, 4 and 6 query
+/// heads a key head, of 64 and 128 values: blocks of 2 and 4 query heads,
+/// and of 3 (two blocks a key head).
 fn check_qkv_attend(k: &Kernels, dtype: Dtype) -> Result<()> {
-    let (rows, nq, nkv, hd) = (
-        2,
-        HeadsCase::HEADS,
-        HeadsCase::KV_HEADS,
-        HeadsCase::HEAD_DIM,
-    );
-    let case = HeadsCase::new(rows, 1, rows + 1, 400, 5, dtype)?;
+    for heads in [[4, 2, 64], [8, 2, 128], [12, 2, 128]] {
+        check_qkv_attend_heads(k, dtype, heads)?;
+    }
+    Ok(())
+}
+
+fn check_qkv_attend_heads(k: &Kernels, dtype: Dtype, heads: [i32; 3]) -> Result<()> {
+    let case = HeadsCase::shaped(heads, 2, 1, 3, 400, 5, dtype)?;
+    let (rows, nq, nkv, hd) = (2, case.heads, case.kv_heads, case.head_dim);
     let (qkv, cos, sin, eps) = (&case.qkv, &case.cos, &case.sin, case.eps);
     let (qw, kw) = (&case.q_norm, &case.k_norm);
     let (keys, values) = (&case.keys, &case.values);

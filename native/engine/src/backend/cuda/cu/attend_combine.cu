@@ -1,26 +1,35 @@
 
-  __shared__ float sm[WARPS];
-  __shared__ float sl[WARPS];
-  __shared__ float so[WARPS][D];
-  if (lane == 0) {
-    sm[w] = m;
-    sl[w] = l;
+  __shared__ float sm[TILE][STREAMS];
+  __shared__ float sl[TILE][STREAMS];
+  __shared__ float so[TILE][STREAMS][D];
+  {
+    const int s = w * KW + lane / G;
+#pragma unroll
+    for (int h = 0; h < TILE; h++) {
+      if (li == 0) {
+        sm[h][s] = m[h];
+        sl[h][s] = l[h];
+      }
+#pragma unroll
+      for (int e = 0; e < E; e++) so[h][s][li * E + e] = acc[h][e];
+    }
   }
-  for (int e = 0; e < E; e++) so[w][lane * E + e] = acc[e];
   __syncthreads();
-  const size_t at = (size_t)row * gridDim.x + head;
-  // This block's (max, sum, D unnormalized outputs), split by split.
-  float* sums = part + (at * SPLITS + split) * (D + 2);
-  if (threadIdx.x < D) {
-    const int d = threadIdx.x;
+  const size_t at0 = (size_t)row * NQ + qh0;
+  for (int x = t; x < TILE * D; x += BLOCK) {
+    const int h = x / D;
+    const int d = x % D;
+    const size_t at = at0 + h;
+    // This block's (max, sum, D unnormalized outputs), split by split.
+    float* sums = part + (at * SPLITS + split) * (D + 2);
     float big = neg_inf;
-    for (int i = 0; i < WARPS; i++) big = fmaxf(big, sm[i]);
+    for (int i = 0; i < STREAMS; i++) big = fmaxf(big, sm[h][i]);
     float total = 0.f;
     float o = 0.f;
-    for (int i = 0; i < WARPS; i++) {
-      const float f = sm[i] == neg_inf ? 0.f : expf(sm[i] - big);
-      total += sl[i] * f;
-      o += so[i][d] * f;
+    for (int i = 0; i < STREAMS; i++) {
+      const float f = sm[h][i] == neg_inf ? 0.f : expf(sm[h][i] - big);
+      total += sl[h][i] * f;
+      o += so[h][i][d] * f;
     }
     if (splits == 1) {
       out[at * D + d] = static_cast<T>(o / total);
@@ -40,8 +49,9 @@
   __threadfence();
   __syncthreads();
   __shared__ bool combines;
-  if (threadIdx.x == 0) {
-    int* count = const_cast<int*>(counts) + at;
+  const size_t counted = (size_t)row * gridDim.x + blockIdx.x;
+  if (t == 0) {
+    int* count = const_cast<int*>(counts) + counted;
     combines = atomicAdd(count, 1) == splits - 1;
   }
   __syncthreads();
@@ -54,8 +64,10 @@
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
     return v;
   };
-  if (threadIdx.x < D) {
-    const int d = threadIdx.x;
+  for (int x = t; x < TILE * D; x += BLOCK) {
+    const int h = x / D;
+    const int d = x % D;
+    const size_t at = at0 + h;
     const float* all = part + at * SPLITS * (D + 2);
     float big = neg_inf;
     for (int i = 0; i < splits; i++) big = fmaxf(big, read(all + i * (D + 2)));
@@ -69,4 +81,4 @@
     }
     out[at * D + d] = static_cast<T>(o / total);
   }
-  if (threadIdx.x == 0) const_cast<int*>(counts)[at] = 0;
+  if (t == 0) const_cast<int*>(counts)[counted] = 0;
