@@ -14,15 +14,15 @@ use crate::error::{Error, Result};
 /// k RMSNorm (Qwen3), RoPE from a float32 table of positions, the new key
 /// and value written into the cache at the row's position, and attention
 /// over the row's keys `starts..=position` in float32 (online softmax). One
-/// block per (key head, row, split) takes `TILE` of the key head's query
-/// heads, so that a key read once serves them all: each key is held by
+/// block per (`TILE` query heads of a key head, row, split), so that a key
+/// read once serves them all: each key is held by
 /// `D / 8` lanes of 8 values (one 16-byte load of a 2-byte type), a warp
 /// takes several keys at once and each of its lanes a few keys a trip, all
 /// loads of a trip issued before any use. While a warp's first trip is
 /// under way the prologue normalizes and rotates the queries and the new
 /// key. Every block of a key head computes that head's new key itself and
 /// reads it from shared memory, so no block waits for another's cache
-/// write; the first block of each group writes it. The cache buffers are
+/// write; split 0's block of the key head's first tile writes it. The cache buffers are
 /// inputs that the kernel writes in place: nothing else reads them within
 /// the step's layer, and the next layer's caches are other buffers.
 const QKV_ATTEND_HEAD: &str = include_str!("cu/qkv_attend_head.cu");
@@ -97,12 +97,13 @@ const ATTEND_SPLITS: i32 = 32;
 const ATTEND_MIN_KEYS: i32 = 128;
 
 /// Whether [`Kernels::qkv_attend`] takes heads of `hd` values in `cache`
-/// `[rows, kv_heads, capacity, hd]`: lanes of 8 values a key, whole warps
-/// of them, a head no wider than a block, and every key's values
-/// contiguous from a 16-byte boundary.
+/// `[rows, kv_heads, capacity, hd]`: heads of 32, 64 or 128 values (the
+/// first-use check's; lanes of 8 values a key, whole warps of them) and
+/// every key's values contiguous, 16-byte aligned in a buffer of its own
+/// (the kernel reads the base pointer as MLX allocates it).
 pub(crate) fn attends(hd: i32, cache: &Array) -> bool {
     let strides = cache.strides();
-    matches!(hd, 32 | 64 | 128 | 256)
+    matches!(hd, 32 | 64 | 128)
         && strides.len() == 4
         && strides[3] == 1
         && strides[..3].iter().all(|s| s % 8 == 0)
@@ -474,7 +475,7 @@ impl Kernels {
 
     /// Attention's output `[rows, 1, heads * head_dim]`; the new keys and
     /// values go into the cache. A row's keys are split over enough blocks
-    /// for one row's heads to fill the GPU about twice (flash-decoding), so
+    /// for one row's blocks to fill the GPU about twice (flash-decoding), so
     /// that the time of a long row's attention falls with the
     /// multiprocessors it runs on. The count does not depend on the batch:
     /// a row's attention sums the same in a batch as alone.
@@ -486,7 +487,7 @@ impl Kernels {
         }
         if !attends(hd, h.keys) || !attends(hd, h.values) {
             return Err(Error::invalid(format!(
-                "the attention kernel takes heads of 32, 64, 128 or 256 values in \
+                "the attention kernel takes heads of 32, 64 or 128 values in \
                  caches of whole 16-byte rows, not {hd}"
             )));
         }

@@ -808,11 +808,12 @@ fn normal(shape: &[i32], seed: u64, dtype: Dtype) -> Result<Array> {
 /// scheduler's slots have), the second attending from key 3 and long
 /// enough for its keys to be split over blocks: the output against MLX's
 /// norm, rotation and attention over the same keys, and the cache against
-/// the old one with the new keys and values put in. With 2, 4 and 6 query
-/// heads a key head, of 64 and 128 values: blocks of 2 and 4 query heads,
-/// and of 3 (two blocks a key head).
+/// the old one with the new keys and values put in. With 2, 4, 6 and 7
+/// query heads a key head and heads of 32, 128 and 64 values: blocks of 2
+/// and 4 query heads (Qwen3's), of 3 (two blocks a key head) and of 1
+/// (seven blocks; Qwen2.5-0.5B's heads).
 fn check_qkv_attend(k: &Kernels, dtype: Dtype) -> Result<()> {
-    for heads in [[4, 2, 64], [8, 2, 128], [12, 2, 128]] {
+    for heads in [[4, 2, 32], [8, 2, 128], [12, 2, 128], [14, 2, 64]] {
         check_qkv_attend_heads(k, dtype, heads)?;
     }
     Ok(())
