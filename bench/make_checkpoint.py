@@ -1,7 +1,10 @@
 """Write random-weight Qwen3 checkpoints for the benchmarks, in the exact
 layout mlx-lm writes for a 4-bit model (as mlx-community/Qwen3-0.6B-4bit):
-the 0.6B shape, and the 4B, 8B and 32B shapes (`bench/run --shape`), whose
-configurations are Qwen's own with the 0.6B's other fields.
+the 0.6B shape, and the 4B, 8B, 32B and 30B-A3B shapes (`bench/run
+--shape`), whose configurations are Qwen's own with the 0.6B's other fields.
+The 30B-A3B's routed experts are stacked per layer as mlx-lm's qwen3_moe
+stacks them (`mlp.switch_mlp.{gate,up,down}_proj`, `[experts, out, in]`),
+and its routers are 8-bit, as mlx-lm quantizes them.
 
 Usage:
     .venv/bin/python bench/make_checkpoint.py [--out .cache/bench] [--force]
@@ -92,7 +95,17 @@ SHAPES = {
     "32b": {"hidden_size": 5120, "intermediate_size": 25600, "num_hidden_layers": 64,
             "num_attention_heads": 64, "num_key_value_heads": 8, "max_window_layers": 64,
             "tie_word_embeddings": False},
+    "30b-a3b": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+                "num_attention_heads": 32, "num_key_value_heads": 4, "max_window_layers": 48,
+                "tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                "moe_intermediate_size": 768, "norm_topk_prob": True, "num_experts": 128,
+                "num_experts_per_tok": 8, "output_router_logits": False,
+                "router_aux_loss_coef": 0.001},
 }
+
+# mlx-lm's qwen3_moe quantizes each router (`mlp.gate`) to 8 bits.
+ROUTER_QUANT = {"group_size": 64, "bits": 8}
 
 CHECKPOINTS = {
     "qwen3-0.6b-4bit-g64": {"bits": 4, "group_size": 64, "shape": "0.6b"},
@@ -100,6 +113,7 @@ CHECKPOINTS = {
     "qwen3-4b-4bit-g64": {"bits": 4, "group_size": 64, "shape": "4b"},
     "qwen3-8b-4bit-g64": {"bits": 4, "group_size": 64, "shape": "8b"},
     "qwen3-32b-4bit-g64": {"bits": 4, "group_size": 64, "shape": "32b"},
+    "qwen3-30b-a3b-4bit-g64": {"bits": 4, "group_size": 64, "shape": "30b-a3b"},
 }
 
 # Embedding rows dequantize to about +-EMBED_RANGE: with the tied output
@@ -139,23 +153,35 @@ class Writer:
         mx = self.mx
         return mx.array(to_bf16_bits(x)).view(mx.bfloat16)
 
-    def quantized(self, prefix, rows, cols, half_range):
-        """`prefix`.weight (uint32 [rows, cols*bits/32]), .scales, .biases."""
-        bits, g = self.bits, self.group_size
+    def quantized(self, prefix, rows, cols, half_range, experts=None, quant=None):
+        """`prefix`.weight (uint32 [rows, cols*bits/32], or [experts, rows,
+        ...] stacked), .scales, .biases; `quant` overrides the bits and
+        group size."""
+        bits, g = (quant["bits"], quant["group_size"]) if quant else (self.bits, self.group_size)
+        lead = (experts,) if experts else ()
         levels = (1 << bits) - 1
-        packed = self.rng.integers(0, 1 << 32, size=(rows, cols * bits // 32), dtype=np.uint32)
+        packed = self.rng.integers(0, 1 << 32, size=lead + (rows, cols * bits // 32), dtype=np.uint32)
         # Per-group spread around the target range, so groups differ.
-        spread = half_range * self.rng.uniform(0.75, 1.25, size=(rows, cols // g)).astype(np.float32)
+        spread = half_range * self.rng.uniform(0.75, 1.25, size=lead + (rows, cols // g)).astype(np.float32)
         scales = 2.0 * spread / levels
         biases = -spread
         self.tensors[f"{prefix}.weight"] = self.mx.array(packed)
         self.tensors[f"{prefix}.scales"] = self.bf16(scales)
         self.tensors[f"{prefix}.biases"] = self.bf16(biases)
-        self.parameters += rows * cols
+        self.parameters += (experts or 1) * rows * cols
 
     def norm(self, name, dim):
         self.tensors[name] = self.bf16(self.rng.uniform(0.9, 1.1, size=dim).astype(np.float32))
         self.parameters += dim
+
+
+def sparse_layers(config):
+    """The layers with routed experts, as mlx-lm's qwen3_moe picks them."""
+    if config.get("model_type") != "qwen3_moe":
+        return []
+    step = config["decoder_sparse_step"]
+    return [i for i in range(config["num_hidden_layers"])
+            if i not in config["mlp_only_layers"] and (i + 1) % step == 0]
 
 
 def build_weights(config, bits, group_size, rng):
@@ -164,6 +190,7 @@ def build_weights(config, bits, group_size, rng):
     d, hd, inter = c["hidden_size"], c["head_dim"], c["intermediate_size"]
     q_out = c["num_attention_heads"] * hd
     kv_out = c["num_key_value_heads"] * hd
+    sparse = sparse_layers(c)
     w.quantized("model.embed_tokens", c["vocab_size"], d, EMBED_RANGE)
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}"
@@ -172,11 +199,16 @@ def build_weights(config, bits, group_size, rng):
             ("self_attn.k_proj", kv_out, d),
             ("self_attn.v_proj", kv_out, d),
             ("self_attn.o_proj", d, q_out),
-            ("mlp.gate_proj", inter, d),
-            ("mlp.up_proj", inter, d),
-            ("mlp.down_proj", d, inter),
         ):
             w.quantized(f"{p}.{name}", rows, cols, 1.0 / math.sqrt(cols))
+        if i in sparse:
+            experts, mi = c["num_experts"], c["moe_intermediate_size"]
+            w.quantized(f"{p}.mlp.gate", experts, d, 1.0 / math.sqrt(d), quant=ROUTER_QUANT)
+            for name, rows, cols in (("gate_proj", mi, d), ("up_proj", mi, d), ("down_proj", d, mi)):
+                w.quantized(f"{p}.mlp.switch_mlp.{name}", rows, cols, 1.0 / math.sqrt(cols), experts=experts)
+        else:
+            for name, rows, cols in (("gate_proj", inter, d), ("up_proj", inter, d), ("down_proj", d, inter)):
+                w.quantized(f"{p}.mlp.{name}", rows, cols, 1.0 / math.sqrt(cols))
         w.norm(f"{p}.self_attn.q_norm.weight", hd)
         w.norm(f"{p}.self_attn.k_norm.weight", hd)
         w.norm(f"{p}.input_layernorm.weight", d)
@@ -211,6 +243,8 @@ def write_checkpoint(folder, bits, group_size, shape, seed):
     # As mlx_lm.utils.quantize_model records it; save_config copies it into
     # quantization_config.
     config["quantization"] = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    for i in sparse_layers(config):
+        config["quantization"][f"model.layers.{i}.mlp.gate"] = dict(ROUTER_QUANT)
     save_config(config, config_path=folder / "config.json")
     (folder / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -226,6 +260,9 @@ def check_logits(folder):
     import mlx.core as mx
     from mlx_lm.utils import load_model
 
+    import mlx_compat
+
+    mlx_compat.patch()
     model, config = load_model(folder)
     model.set_dtype(mx.float32)
     ids = mx.array([[785, 3974, 13876, 38835, 34208, 916, 279, 15678, 5562, 13]])

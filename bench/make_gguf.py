@@ -7,8 +7,10 @@ Usage:
 
 Every MLX weight is dequantized to float32 with MLX itself (so the GGUF holds
 the model the engine and mlx-lm run, up to Q4_0's own rounding) and
-quantized to Q4_0 by the `gguf` package; norms are stored as float32. The
-tokenizer (needed for llama.cpp to load; the benchmark feeds token ids) is
+quantized to Q4_0 by the `gguf` package; norms are stored as float32. A
+Qwen3-MoE checkpoint (`qwen3_moe`) becomes llama.cpp's `qwen3moe`: each
+layer's stacked experts `[experts, out, in]` Q4_0 and its router float32.
+The tokenizer (needed for llama.cpp to load; the benchmark feeds token ids) is
 the checkpoint's own tokenizer.json in llama.cpp's BPE form. The file is
 skipped when it is newer than the checkpoint.
 """
@@ -33,10 +35,19 @@ LAYER_NAMES = {
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
     "post_attention_layernorm": "ffn_norm",
+}
+DENSE_MLP_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
+# A Qwen3-MoE layer's experts, stacked as mlx-lm's qwen3_moe stacks them.
+EXPERT_NAMES = {
+    "mlp.switch_mlp.gate_proj": "ffn_gate_exps",
+    "mlp.switch_mlp.up_proj": "ffn_up_exps",
+    "mlp.switch_mlp.down_proj": "ffn_down_exps",
+}
+ARCHES = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
 
 
 def load_weights(folder):
@@ -47,8 +58,10 @@ def load_weights(folder):
 
 
 def dense(weights, prefix, quant):
-    """`<prefix>.weight` as float32 numpy, dequantized when packed."""
+    """`<prefix>.weight` as float32 numpy, dequantized when packed (with the
+    checkpoint's quantization for `prefix`: its own entry, else the default)."""
     w = weights[f"{prefix}.weight"]
+    quant = quant.get(prefix) if isinstance(quant.get(prefix), dict) else quant
     if f"{prefix}.scales" in weights:
         w = mx.dequantize(
             w,
@@ -94,13 +107,14 @@ def main():
         return
     started = time.perf_counter()
     config = json.loads((folder / "config.json").read_text())
-    if config.get("model_type") != "qwen3":
-        raise SystemExit(f"make_gguf: only qwen3 checkpoints, not {config.get('model_type')}")
+    arch = ARCHES.get(config.get("model_type"))
+    if arch is None:
+        raise SystemExit(f"make_gguf: only qwen3 and qwen3_moe checkpoints, not {config.get('model_type')}")
     quant = config.get("quantization") or {}
     weights = load_weights(folder)
     q4_0 = gguf.GGMLQuantizationType.Q4_0
     tmp = out.with_suffix(".gguf.partial")
-    writer = gguf.GGUFWriter(str(tmp), "qwen3")
+    writer = gguf.GGUFWriter(str(tmp), arch)
     writer.add_name(folder.name)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -113,6 +127,10 @@ def main():
     writer.add_value_length(head_dim)
     writer.add_rope_freq_base(float(config["rope_theta"]))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if arch == "qwen3moe":
+        writer.add_expert_count(config["num_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
     add_tokenizer(writer, folder, config["vocab_size"])
 
@@ -127,12 +145,17 @@ def main():
     if not config.get("tie_word_embeddings", False):
         matrix("output.weight", "lm_head")
     for i in range(config["num_hidden_layers"]):
-        for hf, name in LAYER_NAMES.items():
-            prefix = f"model.layers.{i}.{hf}"
+        p = f"model.layers.{i}"
+        # As mlx-lm's qwen3_moe: a layer has experts where they were written.
+        sparse = f"{p}.mlp.gate.weight" in weights
+        mlp = EXPERT_NAMES if sparse else DENSE_MLP_NAMES
+        for hf, name in {**LAYER_NAMES, **mlp}.items():
             if name.endswith("norm"):
-                vector(f"blk.{i}.{name}.weight", prefix)
+                vector(f"blk.{i}.{name}.weight", f"{p}.{hf}")
             else:
-                matrix(f"blk.{i}.{name}.weight", prefix)
+                matrix(f"blk.{i}.{name}.weight", f"{p}.{hf}")
+        if sparse:
+            vector(f"blk.{i}.ffn_gate_inp.weight", f"{p}.mlp.gate")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

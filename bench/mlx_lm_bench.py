@@ -44,6 +44,11 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model, load_tokenizer
 
+import mlx_compat
+
+# Qwen3-MoE's quantized experts under this MLX.
+mlx_compat.patch()
+
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 

@@ -502,7 +502,8 @@ H200_BANDWIDTH = 4.8e12
 def bytes_per_token(settings):
     """Bytes a batch-1 decode step reads at least: every weight the step
     uses (the checkpoint, less the embedding table where the output
-    projection is a matrix of its own: a step reads one row of it) and the
+    projection is a matrix of its own: a step reads one row of it; of a
+    Qwen3-MoE layer's routed experts, the ones a token takes) and the
     bfloat16 keys and values of the mean context over the decode."""
     try:
         config = json.loads((ROOT / settings["model_dir"] / "config.json").read_text())
@@ -513,6 +514,13 @@ def bytes_per_token(settings):
     d, vocab = config["hidden_size"], config["vocab_size"]
     if not config.get("tie_word_embeddings", True) and q:
         weights -= vocab * d * (q["bits"] / 8 + 4 / q["group_size"])
+    experts = config.get("num_experts") or 0
+    if config.get("model_type") == "qwen3_moe" and experts and q:
+        step = config.get("decoder_sparse_step") or 1
+        sparse = sum(1 for i in range(config["num_hidden_layers"])
+                     if i not in (config.get("mlp_only_layers") or []) and (i + 1) % step == 0)
+        stacked = sparse * 3 * experts * config["moe_intermediate_size"] * d * (q["bits"] / 8 + 4 / q["group_size"])
+        weights -= stacked * (1 - config["num_experts_per_tok"] / experts)
     head_dim = config.get("head_dim") or d // config["num_attention_heads"]
     context = settings.get("decode_len", 0) + settings.get("tokens", 0) / 2
     kv = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * context * 2
