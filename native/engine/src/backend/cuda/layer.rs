@@ -710,10 +710,10 @@ fn check_gemv(k: &Kernels, dtype: Dtype) -> Result<()> {
 }
 
 /// Random inputs for a check of the q/k kernels: a q/k/v product `[rows,
-/// L, (heads + 2 * kv_heads) * head_dim]` (4 and 2 heads of 64 unless
-/// [`HeadsCase::shaped`]), norm weights, tables of `capacity` positions and
-/// a cache `[cache_rows, kv_heads, capacity, head_dim]`, with a copy of the
-/// cache in buffers of its own (the kernels overwrite it).
+/// L, (heads + 2 * kv_heads) * head_dim]`, norm weights, tables of
+/// `capacity` positions and a cache `[cache_rows, kv_heads, capacity,
+/// head_dim]`, with a copy of the cache in buffers of its own (the kernels
+/// overwrite it).
 pub(super) struct HeadsCase {
     pub(super) heads: i32,
     pub(super) kv_heads: i32,
@@ -735,21 +735,8 @@ impl HeadsCase {
     pub(super) const KV_HEADS: i32 = 2;
     pub(super) const HEAD_DIM: i32 = 64;
 
-    /// Drawn from seeds `seed..seed + 7`.
+    /// `[heads, kv_heads, head_dim]` heads, drawn from seeds `seed..seed + 7`.
     pub(super) fn new(
-        rows: i32,
-        l: i32,
-        cache_rows: i32,
-        cap: i32,
-        seed: u64,
-        dtype: Dtype,
-    ) -> Result<Self> {
-        let heads = [Self::HEADS, Self::KV_HEADS, Self::HEAD_DIM];
-        Self::shaped(heads, rows, l, cache_rows, cap, seed, dtype)
-    }
-
-    /// [`HeadsCase::new`] with `[heads, kv_heads, head_dim]`.
-    pub(super) fn shaped(
         [nq, nkv, hd]: [i32; 3],
         rows: i32,
         l: i32,
@@ -820,7 +807,7 @@ fn check_qkv_attend(k: &Kernels, dtype: Dtype) -> Result<()> {
 }
 
 fn check_qkv_attend_heads(k: &Kernels, dtype: Dtype, heads: [i32; 3]) -> Result<()> {
-    let case = HeadsCase::shaped(heads, 2, 1, 3, 400, 5, dtype)?;
+    let case = HeadsCase::new(heads, 2, 1, 3, 400, 5, dtype)?;
     let (rows, nq, nkv, hd) = (2, case.heads, case.kv_heads, case.head_dim);
     let (qkv, cos, sin, eps) = (&case.qkv, &case.cos, &case.sin, case.eps);
     let (qw, kw) = (&case.q_norm, &case.k_norm);

@@ -198,7 +198,7 @@ fn check(k: &Kernels, dtype: Dtype) -> Result<()> {
 
     let (nq, nkv, hd) = (HeadsCase::HEADS, HeadsCase::KV_HEADS, HeadsCase::HEAD_DIM);
     let (rows, l, offset) = (2, 5, 3);
-    let case = HeadsCase::new(rows, l, rows, 16, 31, dtype)?;
+    let case = HeadsCase::new([nq, nkv, hd], rows, l, rows, 16, 31, dtype)?;
     let (qkv, cos, sin, eps) = (&case.qkv, &case.cos, &case.sin, case.eps);
     let (qw, kw) = (&case.q_norm, &case.k_norm);
     let (keys, values) = (&case.keys, &case.values);
