@@ -124,6 +124,95 @@ class AffineQuantizedLinear : public KernelPrimitive {
   int bits_;
 };
 
+// Routed experts: x [T, R, K] f32, w [E, N, K * bits / 32], scales and
+// biases [E, N, K / group], ids [T, C] (int32 or uint32) -> [T, C, N] f32,
+// row (t, c) being x[t, R == 1 ? 0 : c] through expert ids[t, c]'s weight.
+// The rows of each expert go through it as one product, so a weight is
+// read once for all the tokens that chose it.
+class GatheredQuantizedLinear : public KernelPrimitive {
+ public:
+  GatheredQuantizedLinear(mx::Stream stream, int group, int bits)
+      : KernelPrimitive(stream, "gathered affine-quantized linear"), group_(group), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const int T = inputs[4].shape(0), C = inputs[4].shape(1);
+    const int R = inputs[0].shape(1), K = inputs[0].shape(2);
+    const int E = inputs[1].shape(0), N = inputs[1].shape(1);
+    const bool bf16 = inputs[2].dtype() == mx::bfloat16;
+    const int bits = bits_, group = group_;
+    dispatch(inputs, out, [=](const Inputs& in, float* y) {
+      const float* x = floats(in[0]);
+      const uint32_t* ids = static_cast<const uint32_t*>(in[4]);
+      // Each expert's rows, in row order (a counting sort).
+      std::vector<int> start(E + 1, 0), order((size_t)T * C);
+      for (long r = 0; r < (long)T * C; ++r)
+        if (ids[r] < (uint32_t)E) ++start[ids[r] + 1];
+      for (int e = 0; e < E; ++e) start[e + 1] += start[e];
+      std::vector<int> fill(start.begin(), start.end() - 1);
+      for (long r = 0; r < (long)T * C; ++r) {
+        if (ids[r] < (uint32_t)E) {
+          order[fill[ids[r]]++] = (int)r;
+        } else {
+          // The router cannot pick these; a bad id gives zeros, not a read
+          // out of the weights.
+          std::memset(y + r * N, 0, sizeof(float) * N);
+        }
+      }
+      const long wrow = (long)K * bits / 32, prow = K / group;
+      const size_t psize = bf16 ? 2 : 4;
+      std::vector<float> xs, ys;
+      for (int e = 0; e < E; ++e) {
+        const int n = start[e + 1] - start[e];
+        if (n == 0) continue;
+        const int* rows = order.data() + start[e];
+        auto row_of = [&](int r) { return x + ((long)(r / C) * R + (R == 1 ? 0 : r % C)) * K; };
+        QmmArgs a;
+        a.bf16_params = bf16;
+        a.M = n;
+        a.N = N;
+        a.K = K;
+        a.bits = bits;
+        a.group = group;
+        a.w = static_cast<const uint32_t*>(in[1]) + (long)e * N * wrow;
+        a.scales = static_cast<const uint8_t*>(in[2]) + (size_t)e * N * prow * psize;
+        a.biases = static_cast<const uint8_t*>(in[3]) + (size_t)e * N * prow * psize;
+        if (n == 1) {
+          a.x = row_of(rows[0]);
+          a.y = y + (long)rows[0] * N;
+        } else {
+          xs.resize((size_t)n * K);
+          ys.resize((size_t)n * N);
+          for (int i = 0; i < n; ++i) std::memcpy(xs.data() + (size_t)i * K, row_of(rows[i]), sizeof(float) * K);
+          a.x = xs.data();
+          a.y = ys.data();
+        }
+        if (int8_for(a))
+          qmm_int8(a, selected_isa(), 0);
+        else
+          qmm(a, selected_isa(), 0);
+        if (n > 1)
+          for (int i = 0; i < n; ++i)
+            std::memcpy(y + (long)rows[i] * N, ys.data() + (size_t)i * N, sizeof(float) * N);
+      }
+    });
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {{inputs[4].shape(0), inputs[4].shape(1), inputs[1].shape(1)}};
+  }
+
+  const char* name() const override { return "GatheredQuantizedLinear"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const GatheredQuantizedLinear&>(other);
+    return group_ == o.group_ && bits_ == o.bits_;
+  }
+
+ private:
+  int group_;
+  int bits_;
+};
+
 // Softmax over the last axis of a float32 array, causal over its rows when
 // `L` > 0 (see softmax.h). MLX's CPU softmax runs on one thread with a
 // scalar exp; a prompt's attention weights are most of its elementwise work.
@@ -384,6 +473,45 @@ int emlx_kernels_quantized_linear(emlx_mlx_array* out, emlx_mlx_array x, emlx_ml
         shape.back() = (int)N;
         auto primitive = std::make_shared<emlx::AffineQuantizedLinear>(s, group, bits);
         return mx::array(std::move(shape), mx::float32, primitive, {X, Wq, S, B});
+      });
+}
+
+// Builds GatheredQuantizedLinear (see the class) into *out. Returns 1 when
+// built, 0 when the case is not ours (GPU stream, dtypes, bit width, group
+// size or shapes outside what the kernels take: the caller then uses MLX's
+// gather_qmm), -1 on an error (message in err).
+int emlx_kernels_gathered_quantized_linear(emlx_mlx_array* out, emlx_mlx_array x, emlx_mlx_array w,
+                                           emlx_mlx_array scales, emlx_mlx_array biases,
+                                           emlx_mlx_array ids, int group, int bits,
+                                           emlx_mlx_stream stream, char* err, size_t err_len) {
+  const bool set = x.ctx && w.ctx && scales.ctx && biases.ctx && ids.ctx;
+  return emlx::build_node(
+      "gathered affine-quantized linear", out, set, stream, err, err_len,
+      [&](const mx::Stream& s) -> std::optional<mx::array> {
+        const auto& X = emlx::array_of(x);
+        const auto& Wq = emlx::array_of(w);
+        const auto& S = emlx::array_of(scales);
+        const auto& B = emlx::array_of(biases);
+        const auto& I = emlx::array_of(ids);
+        if (bits != 4 && bits != 8) return {};
+        if (group != 32 && group != 64 && group != 128) return {};
+        if (X.dtype() != mx::float32 || Wq.dtype() != mx::uint32 ||
+            (S.dtype() != mx::float32 && S.dtype() != mx::bfloat16) || B.dtype() != S.dtype() ||
+            (I.dtype() != mx::uint32 && I.dtype() != mx::int32))
+          return {};
+        if (X.ndim() != 3 || Wq.ndim() != 3 || S.ndim() != 3 || B.ndim() != 3 || I.ndim() != 2) return {};
+        const long T = I.shape(0), C = I.shape(1), R = X.shape(1), K = X.shape(2);
+        const long E = Wq.shape(0), N = Wq.shape(1);
+        if (T <= 0 || C <= 0 || K <= 0 || N <= 0 || E <= 0 || K % group != 0) return {};
+        if (X.shape(0) != T || (R != 1 && R != C)) return {};
+        if (Wq.shape(2) != K * bits / 32 || S.shape(0) != E || S.shape(1) != N ||
+            S.shape(2) != K / group || B.shape() != S.shape())
+          return {};
+        if (T * C > (1L << 30) || K > (1L << 30) || N > (1L << 30) || E * N > (1L << 30)) return {};
+        // Negative int32 ids read as large unsigned ones: zeros, as above.
+        const auto I32 = I.dtype() == mx::uint32 ? I : mx::view(I, mx::uint32, s);
+        auto primitive = std::make_shared<emlx::GatheredQuantizedLinear>(s, group, bits);
+        return mx::array({(int)T, (int)C, (int)N}, mx::float32, primitive, {X, Wq, S, B, I32});
       });
 }
 

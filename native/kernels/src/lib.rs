@@ -62,6 +62,20 @@ extern "C" {
         err_len: usize,
     ) -> c_int;
     #[allow(clippy::too_many_arguments)]
+    fn emlx_kernels_gathered_quantized_linear(
+        out: *mut Handle,
+        x: Handle,
+        w: Handle,
+        scales: Handle,
+        biases: Handle,
+        ids: Handle,
+        group: c_int,
+        bits: c_int,
+        stream: Handle,
+        err: *mut c_char,
+        err_len: usize,
+    ) -> c_int;
+    #[allow(clippy::too_many_arguments)]
     fn emlx_kernels_qmm(
         x: *const f32,
         w: *const u32,
@@ -399,6 +413,46 @@ pub fn quantized_linear(
                 handle(w),
                 handle(scales),
                 handle(biases),
+                group_size,
+                bits,
+                stream,
+                err,
+                n,
+            )
+        }
+    })
+}
+
+/// Routed experts' products as a lazy MLX array computed by our kernels:
+/// `x` `[T, R, K]` float32, the stacked weight `w` `[E, N, K * bits / 32]`
+/// with `scales` and `biases` `[E, N, K / group_size]`, and `ids` `[T, C]`
+/// (int32 or uint32) give `[T, C, N]`, row `(t, c)` being `x[t, 0]` (when
+/// `R` is 1) or `x[t, c]` through expert `ids[t, c]`'s weight. Each
+/// expert's rows go through it as one product. `Ok(None)` when the case is
+/// not ours (a GPU stream, other dtypes, shapes, bit widths or group sizes):
+/// the caller then uses MLX's `gather_qmm`.
+pub fn gathered_quantized_linear(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: &Array,
+    ids: &Array,
+    group_size: i32,
+    bits: i32,
+) -> Result<Option<Array>, KernelError> {
+    if !supports(bits, group_size) {
+        return Ok(None);
+    }
+    node(|out, stream, err, n| {
+        // SAFETY: see `node`.
+        unsafe {
+            emlx_kernels_gathered_quantized_linear(
+                out,
+                handle(x),
+                handle(w),
+                handle(scales),
+                handle(biases),
+                handle(ids),
                 group_size,
                 bits,
                 stream,

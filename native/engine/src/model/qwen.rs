@@ -101,9 +101,9 @@ pub struct Model {
 // so sharing them between threads (each running its own stream) is sound.
 unsafe impl Sync for Model {}
 
-/// Why a MoE model's layers run MLX's ops.
-const MOE_DECLINED: &str =
-    "layers: routed experts (MoE) run MLX's ops; the fused layer kernels take dense MLPs only";
+/// Why a MoE model's layers are not fused.
+const MOE_DECLINED: &str = "layers: routed experts (MoE) run as separate nodes (on a CPU stream \
+     our gathered products, elsewhere MLX's); the fused layer kernels take dense MLPs only";
 
 /// A layer's gate and up projections, read stacked.
 fn gate_up_join() -> Join {
@@ -384,8 +384,8 @@ impl Model {
             }
             _ => None,
         };
-        // Routed experts run MLX's ops on every device: the backends' fused
-        // layers take dense MLPs only.
+        // Routed experts run as separate nodes on every device: the
+        // backends' fused layers take dense MLPs only.
         let sparse = self.has_experts();
         if sparse && !cpu_ops && cuda::layer::wanted() {
             declined(MOE_DECLINED);

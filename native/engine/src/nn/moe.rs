@@ -7,7 +7,9 @@
 //! mlx-lm saves them (`mlp.switch_mlp.{gate,up,down}_proj`), or stacked at
 //! load from the Hugging Face layout (`mlp.experts.{e}.{proj}`, read joined
 //! by [`expert_joins`]). The backends' fused layers assume a dense MLP and
-//! decline these blocks: they run MLX's ops on every device.
+//! decline these blocks: they run as graph nodes, the experts' products
+//! through our kernels' gathered product on a CPU stream (MLX's CPU
+//! `gather_qmm` runs one thread) and MLX's elsewhere.
 
 use mlx_rs::ops::indexing::{take_along_axis, IndexOp};
 use mlx_rs::ops::{
@@ -169,6 +171,33 @@ impl Weight {
     }
 }
 
+impl Weight {
+    /// Our kernels' gathered product, where they take it (quantized experts
+    /// on a CPU stream, float32 rows): `x` `[T, 1 or C, in]` through the
+    /// experts `ids` `[T, C]` names, `[T, C, out]`.
+    fn gathered(&self, x: &Array, ids: &Array) -> Result<Option<Array>> {
+        let Weight::Quantized {
+            w,
+            scales,
+            biases,
+            spec,
+        } = self
+        else {
+            return Ok(None);
+        };
+        emlx_axon_kernels::gathered_quantized_linear(
+            x,
+            w,
+            scales,
+            biases,
+            ids,
+            spec.group_size,
+            spec.bits,
+        )
+        .map_err(|e| Error::Mlx(e.to_string()))
+    }
+}
+
 /// A layer's routed experts with their router.
 pub(crate) struct SparseMoe {
     router: Linear,
@@ -239,6 +268,9 @@ impl SparseMoe {
     /// Each token's rows through its experts `picked` (`[B, L, k]`):
     /// `[B, L, k, hidden]`.
     fn experts(&self, x: &Array, picked: &Array) -> Result<Array> {
+        if let Some(y) = self.experts_by_kernels(x, picked)? {
+            return Ok(y);
+        }
         // [B, L, 1, 1, hidden]: one row per token, batched over tokens.
         let x = expand_dims_axes(x, &[-2, -3])?;
         let k = picked.dim(-1);
@@ -260,6 +292,26 @@ impl SparseMoe {
         let idx = flat.take_axis(&order, 0)?;
         let out = mlp(&rows, &idx, true)?.take_axis(&inverse, 0)?;
         Ok(squeeze_axes(&unflatten(&out, 0, picked.shape())?, &[-2])?)
+    }
+
+    /// [`SparseMoe::experts`] through our kernels' gathered products,
+    /// where they take all three projections (on a CPU stream; MLX's CPU
+    /// `gather_qmm` runs one thread). `None` otherwise.
+    fn experts_by_kernels(&self, x: &Array, picked: &Array) -> Result<Option<Array>> {
+        let (b, l, k, d) = (x.dim(0), x.dim(1), picked.dim(-1), x.dim(-1));
+        let rows = x.reshape(&[b * l, 1, d])?;
+        let ids = picked.reshape(&[b * l, k])?;
+        let (Some(gate), Some(up)) = (
+            self.gate.gathered(&rows, &ids)?,
+            self.up.gathered(&rows, &ids)?,
+        ) else {
+            return Ok(None);
+        };
+        let act = gate.multiply(sigmoid(&gate)?)?.multiply(&up)?;
+        let Some(y) = self.down.gathered(&act, &ids)? else {
+            return Ok(None);
+        };
+        Ok(Some(y.reshape(&[b, l, k, d])?))
     }
 
     pub(crate) fn arrays(&self) -> Vec<&Array> {
