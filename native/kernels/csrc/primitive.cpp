@@ -160,10 +160,12 @@ class GatheredQuantizedLinear : public KernelPrimitive {
       }
       const long wrow = (long)K * bits / 32, prow = K / group;
       const size_t psize = bf16 ? 2 : 4;
-      std::vector<float> xs, ys;
-      for (int e = 0; e < E; ++e) {
+      std::vector<int> used;
+      for (int e = 0; e < E; ++e)
+        if (start[e + 1] > start[e]) used.push_back(e);
+      // Expert e's rows through its weight, on `threads` threads.
+      auto product = [&](int e, int threads) {
         const int n = start[e + 1] - start[e];
-        if (n == 0) continue;
         const int* rows = order.data() + start[e];
         auto row_of = [&](int r) { return x + ((long)(r / C) * R + (R == 1 ? 0 : r % C)) * K; };
         QmmArgs a;
@@ -176,6 +178,7 @@ class GatheredQuantizedLinear : public KernelPrimitive {
         a.w = static_cast<const uint32_t*>(in[1]) + (long)e * N * wrow;
         a.scales = static_cast<const uint8_t*>(in[2]) + (size_t)e * N * prow * psize;
         a.biases = static_cast<const uint8_t*>(in[3]) + (size_t)e * N * prow * psize;
+        std::vector<float> xs, ys;
         if (n == 1) {
           a.x = row_of(rows[0]);
           a.y = y + (long)rows[0] * N;
@@ -187,12 +190,22 @@ class GatheredQuantizedLinear : public KernelPrimitive {
           a.y = ys.data();
         }
         if (int8_for(a))
-          qmm_int8(a, selected_isa(), 0);
+          qmm_int8(a, selected_isa(), threads);
         else
-          qmm(a, selected_isa(), 0);
+          qmm(a, selected_isa(), threads);
         if (n > 1)
           for (int i = 0; i < n; ++i)
             std::memcpy(y + (long)rows[i] * N, ys.data() + (size_t)i * N, sizeof(float) * N);
+      };
+      // With at least an expert a thread, each thread takes whole experts
+      // (a token's few small products, each split over the threads, spent
+      // their time starting and joining); with fewer, each expert's product
+      // is split over the threads.
+      Pool& pool = Pool::shared();
+      if ((int)used.size() >= pool.size() && pool.size() > 1) {
+        pool.run((int)used.size(), [&](int i) { product(used[i], 1); });
+      } else {
+        for (int e : used) product(e, 0);
       }
     });
   }
