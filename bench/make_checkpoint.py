@@ -1,7 +1,8 @@
 """Write random-weight Qwen3 checkpoints for the benchmarks, in the exact
 layout mlx-lm writes for a 4-bit model (as mlx-community/Qwen3-0.6B-4bit):
 the 0.6B shape, and the 4B, 8B, 32B and 30B-A3B shapes (`bench/run
---shape`), whose configurations are Qwen's own with the 0.6B's other fields.
+--shape`), whose configurations are Qwen's own with the 0.6B's other fields,
+and the 30B-A3B's first 8 layers (`30b-a3b-8l`).
 The 30B-A3B's routed experts are stacked per layer as mlx-lm's qwen3_moe
 stacks them (`mlp.switch_mlp.{gate,up,down}_proj`, `[experts, out, in]`),
 and its routers are 8-bit, as mlx-lm quantizes them.
@@ -103,6 +104,9 @@ SHAPES = {
                 "num_experts_per_tok": 8, "output_router_logits": False,
                 "router_aux_loss_coef": 0.001},
 }
+# The 30B-A3B's first 8 layers: its layer shapes at a size a small machine
+# holds next to llama.cpp's GGUF of it (3 GB).
+SHAPES["30b-a3b-8l"] = dict(SHAPES["30b-a3b"], num_hidden_layers=8, max_window_layers=8)
 
 # mlx-lm's qwen3_moe quantizes each router (`mlp.gate`) to 8 bits.
 ROUTER_QUANT = {"group_size": 64, "bits": 8}
@@ -114,6 +118,7 @@ CHECKPOINTS = {
     "qwen3-8b-4bit-g64": {"bits": 4, "group_size": 64, "shape": "8b"},
     "qwen3-32b-4bit-g64": {"bits": 4, "group_size": 64, "shape": "32b"},
     "qwen3-30b-a3b-4bit-g64": {"bits": 4, "group_size": 64, "shape": "30b-a3b"},
+    "qwen3-30b-a3b-8l-4bit-g64": {"bits": 4, "group_size": 64, "shape": "30b-a3b-8l"},
 }
 
 # Embedding rows dequantize to about +-EMBED_RANGE: with the tied output
