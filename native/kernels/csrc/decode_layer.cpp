@@ -37,11 +37,8 @@ namespace emlx {
 namespace {
 
 void product(const QuantWeight& p, const float* x, float* y, int M, int N, int K, Isa isa) {
-  QmmArgs args{x, p.w, p.scales, p.biases, y, M, N, K, p.bits, p.group, p.bf16_params};
-  if (int8_for(args))
-    qmm_int8(args, isa, 0);
-  else
-    qmm(args, isa, 0);
+  qmm_selected(QmmArgs{x, p.w, p.scales, p.biases, y, M, N, K, p.bits, p.group, p.bf16_params}, isa,
+               0);
 }
 
 // Attention below this many multiply-adds stays on the calling thread.

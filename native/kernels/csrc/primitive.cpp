@@ -99,10 +99,7 @@ class AffineQuantizedLinear : public KernelPrimitive {
       args.scales = in[2];
       args.biases = in[3];
       args.y = y;
-      if (int8_for(args))
-        qmm_int8(args, selected_isa(), 0);
-      else
-        qmm(args, selected_isa(), 0);
+      qmm_selected(args, selected_isa(), 0);
     });
   }
 
@@ -189,10 +186,7 @@ class GatheredQuantizedLinear : public KernelPrimitive {
           a.x = xs.data();
           a.y = ys.data();
         }
-        if (int8_for(a))
-          qmm_int8(a, selected_isa(), threads);
-        else
-          qmm(a, selected_isa(), threads);
+        qmm_selected(a, selected_isa(), threads);
         if (n > 1)
           for (int i = 0; i < n; ++i)
             std::memcpy(y + (long)rows[i] * N, ys.data() + (size_t)i * N, sizeof(float) * N);
@@ -449,6 +443,26 @@ std::vector<uint8_t> packed(const mx::array& a) {
   return out;
 }
 
+// Whether our products take x (float32, last axis K) through the
+// affine-quantized weight (Wq, S, B) of `rank` axes: uint32 words
+// [..., N, K * bits / 32] and float32 or bfloat16 scales and biases
+// [..., N, K / group], the leading axes (stacked experts) alike.
+static bool takes_product(const mx::array& X, const mx::array& Wq, const mx::array& S,
+                          const mx::array& B, int group, int bits, int rank) {
+  if (bits != 4 && bits != 8) return false;
+  if (group != 32 && group != 64 && group != 128) return false;
+  if (X.dtype() != mx::float32 || Wq.dtype() != mx::uint32 ||
+      (S.dtype() != mx::float32 && S.dtype() != mx::bfloat16) || B.dtype() != S.dtype())
+    return false;
+  if (X.ndim() < 1 || Wq.ndim() != rank || S.ndim() != rank || B.shape() != S.shape()) return false;
+  const long K = X.shape(-1), N = Wq.shape(-2);
+  if (K <= 0 || N <= 0 || X.size() == 0 || K % group != 0) return false;
+  if (Wq.shape(-1) != K * bits / 32 || S.shape(-2) != N || S.shape(-1) != K / group) return false;
+  for (int i = 0; i < rank - 2; ++i)
+    if (S.shape(i) != Wq.shape(i)) return false;
+  return K <= (1L << 30) && N <= (1L << 30);
+}
+
 }  // namespace emlx
 
 extern "C" {
@@ -469,19 +483,10 @@ int emlx_kernels_quantized_linear(emlx_mlx_array* out, emlx_mlx_array x, emlx_ml
         const auto& Wq = emlx::array_of(w);
         const auto& S = emlx::array_of(scales);
         const auto& B = emlx::array_of(biases);
-        if (bits != 4 && bits != 8) return {};
-        if (group != 32 && group != 64 && group != 128) return {};
-        if (X.dtype() != mx::float32 || Wq.dtype() != mx::uint32 ||
-            (S.dtype() != mx::float32 && S.dtype() != mx::bfloat16) || B.dtype() != S.dtype())
-          return {};
-        if (X.ndim() < 1 || Wq.ndim() != 2 || S.ndim() != 2 || B.ndim() != 2) return {};
+        if (!emlx::takes_product(X, Wq, S, B, group, bits, 2)) return {};
         const long K = X.shape(-1);
         const long N = Wq.shape(0);
-        if (K <= 0 || N <= 0 || X.size() == 0 || K % group != 0) return {};
-        if (Wq.shape(1) != K * bits / 32 || S.shape(0) != N || S.shape(1) != K / group ||
-            B.shape() != S.shape())
-          return {};
-        if (X.size() / K > (1L << 30) || K > (1L << 30) || N > (1L << 30)) return {};
+        if (X.size() / K > (1L << 30)) return {};
         mx::Shape shape = X.shape();
         shape.back() = (int)N;
         auto primitive = std::make_shared<emlx::AffineQuantizedLinear>(s, group, bits);
@@ -506,21 +511,13 @@ int emlx_kernels_gathered_quantized_linear(emlx_mlx_array* out, emlx_mlx_array x
         const auto& S = emlx::array_of(scales);
         const auto& B = emlx::array_of(biases);
         const auto& I = emlx::array_of(ids);
-        if (bits != 4 && bits != 8) return {};
-        if (group != 32 && group != 64 && group != 128) return {};
-        if (X.dtype() != mx::float32 || Wq.dtype() != mx::uint32 ||
-            (S.dtype() != mx::float32 && S.dtype() != mx::bfloat16) || B.dtype() != S.dtype() ||
-            (I.dtype() != mx::uint32 && I.dtype() != mx::int32))
+        if (!emlx::takes_product(X, Wq, S, B, group, bits, 3)) return {};
+        if (X.ndim() != 3 || I.ndim() != 2 || (I.dtype() != mx::uint32 && I.dtype() != mx::int32))
           return {};
-        if (X.ndim() != 3 || Wq.ndim() != 3 || S.ndim() != 3 || B.ndim() != 3 || I.ndim() != 2) return {};
-        const long T = I.shape(0), C = I.shape(1), R = X.shape(1), K = X.shape(2);
+        const long T = I.shape(0), C = I.shape(1), R = X.shape(1);
         const long E = Wq.shape(0), N = Wq.shape(1);
-        if (T <= 0 || C <= 0 || K <= 0 || N <= 0 || E <= 0 || K % group != 0) return {};
-        if (X.shape(0) != T || (R != 1 && R != C)) return {};
-        if (Wq.shape(2) != K * bits / 32 || S.shape(0) != E || S.shape(1) != N ||
-            S.shape(2) != K / group || B.shape() != S.shape())
-          return {};
-        if (T * C > (1L << 30) || K > (1L << 30) || N > (1L << 30) || E * N > (1L << 30)) return {};
+        if (T <= 0 || C <= 0 || E <= 0 || X.shape(0) != T || (R != 1 && R != C)) return {};
+        if (T * C > (1L << 30) || E * N > (1L << 30)) return {};
         // Negative int32 ids read as large unsigned ones: zeros, as above.
         const auto I32 = I.dtype() == mx::uint32 ? I : mx::view(I, mx::uint32, s);
         auto primitive = std::make_shared<emlx::GatheredQuantizedLinear>(s, group, bits);

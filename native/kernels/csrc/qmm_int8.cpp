@@ -217,6 +217,13 @@ bool int8_takes(const QmmArgs& a) {
 
 bool int8_for(const QmmArgs& a) { return selected_activations() == kActivationsInt8 && int8_takes(a); }
 
+void qmm_selected(const QmmArgs& a, Isa isa, int max_threads) {
+  if (int8_for(a))
+    qmm_int8(a, isa, max_threads);
+  else
+    qmm(a, isa, max_threads);
+}
+
 void qmm_int8(const QmmArgs& a, Isa isa, int max_threads) {
   const Int8Kernels k = int8_kernels_for(isa);
   const int blocks = a.K / kXBlock;

@@ -92,6 +92,10 @@ bool int8_takes(const QmmArgs& a);
 // Whether a product runs with int8 activations: selected, and int8_takes.
 bool int8_for(const QmmArgs& a);
 
+// The product with the activations selected for it (int8_for): qmm_int8 or
+// qmm, on at most `max_threads` of the pool's threads (0 for all).
+void qmm_selected(const QmmArgs& a, Isa isa, int max_threads);
+
 // Whole product on `isa` with int8 activations, split over the shared pool's
 // threads (at most `max_threads`, 0 for all). The AVX-512 variant uses VNNI;
 // on an AVX-512 CPU without it, the AVX2 int8 kernels run.
