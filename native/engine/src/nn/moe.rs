@@ -169,9 +169,7 @@ impl Weight {
             }
         })
     }
-}
 
-impl Weight {
     /// Our kernels' gathered product, where they take it (quantized experts
     /// on a CPU stream, float32 rows): `x` `[T, 1 or C, in]` through the
     /// experts `ids` `[T, C]` names, `[T, C, out]`.
