@@ -181,12 +181,13 @@ class Writer:
 
 
 def sparse_layers(config):
-    """The layers with routed experts, as mlx-lm's qwen3_moe picks them."""
-    if config.get("model_type") != "qwen3_moe":
+    """The layers with routed experts, as mlx-lm's qwen3_moe picks them
+    (also for bench/report.py, from any checkpoint's config.json)."""
+    if config.get("model_type") != "qwen3_moe" or not config.get("num_experts"):
         return []
-    step = config["decoder_sparse_step"]
-    return [i for i in range(config["num_hidden_layers"])
-            if i not in config["mlp_only_layers"] and (i + 1) % step == 0]
+    step = config.get("decoder_sparse_step") or 1
+    dense = config.get("mlp_only_layers") or []
+    return [i for i in range(config["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0]
 
 
 def build_weights(config, bits, group_size, rng):

@@ -20,6 +20,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from make_checkpoint import sparse_layers
+
 ROOT = Path(__file__).resolve().parent.parent
 
 PEER_ORDER = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-kv16", "rust-kv8", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "rust-int8-kv16", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream",
@@ -514,11 +516,9 @@ def bytes_per_token(settings):
     d, vocab = config["hidden_size"], config["vocab_size"]
     if not config.get("tie_word_embeddings", True) and q:
         weights -= vocab * d * (q["bits"] / 8 + 4 / q["group_size"])
-    experts = config.get("num_experts") or 0
-    if config.get("model_type") == "qwen3_moe" and experts and q:
-        step = config.get("decoder_sparse_step") or 1
-        sparse = sum(1 for i in range(config["num_hidden_layers"])
-                     if i not in (config.get("mlp_only_layers") or []) and (i + 1) % step == 0)
+    sparse = len(sparse_layers(config))
+    if sparse and q:
+        experts = config["num_experts"]
         stacked = sparse * 3 * experts * config["moe_intermediate_size"] * d * (q["bits"] / 8 + 4 / q["group_size"])
         weights -= stacked * (1 - config["num_experts_per_tok"] / experts)
     head_dim = config.get("head_dim") or d // config["num_attention_heads"]
