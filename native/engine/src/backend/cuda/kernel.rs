@@ -41,9 +41,8 @@ pub struct CudaKernel {
     body: String,
     /// Per input: whether the body reads `name_shape`, `name_strides`.
     reads: Vec<(bool, bool)>,
-    /// `__launch_bounds__`: at most these threads a block, and registers
-    /// for at least these blocks a multiprocessor.
-    bounds: Option<(i32, i32)>,
+    /// `__launch_bounds__` of its variants, if any.
+    bounds: Option<Bounds>,
     /// Compiled variants by their signature and constants.
     compiled: Mutex<HashMap<Vec<i32>, Arc<Compiled>>>,
 }
@@ -163,6 +162,17 @@ fn c_type(d: Dtype) -> Result<&'static str> {
     })
 }
 
+/// A kernel's `__launch_bounds__`.
+#[derive(Clone, Copy, Debug)]
+enum Bounds {
+    /// Blocks of at most this many threads, registers left for this many
+    /// blocks a multiprocessor.
+    Blocks(i32, i32),
+    /// Blocks of the variant's `BLOCK` threads, registers left for this
+    /// many threads a multiprocessor.
+    Threads(i32),
+}
+
 impl CudaKernel {
     /// `name` is the kernel's symbol and names its cached binaries.
     pub fn new(name: &str, inputs: &[&str], outputs: &[&str], body: &str) -> Result<Self> {
@@ -190,7 +200,14 @@ impl CudaKernel {
     /// Compiled for blocks of at most `threads` threads, with registers left
     /// for `blocks` of them on a multiprocessor.
     pub fn bounded(mut self, threads: i32, blocks: i32) -> Self {
-        self.bounds = Some((threads, blocks));
+        self.bounds = Some(Bounds::Blocks(threads, blocks));
+        self
+    }
+
+    /// Compiled for blocks of the variant's `BLOCK` threads (a constant),
+    /// with registers left for `threads` threads a multiprocessor.
+    pub fn bounded_per_multiprocessor(mut self, threads: i32) -> Self {
+        self.bounds = Some(Bounds::Threads(threads));
         self
     }
 
@@ -239,9 +256,25 @@ impl CudaKernel {
                 Template::Bool(b) => writeln!(constants, "  constexpr bool {name} = {b};"),
             };
         }
-        let bounds = self.bounds.map_or(String::new(), |(t, b)| {
-            format!("__launch_bounds__({t}, {b}) ")
-        });
+        let block = templates
+            .iter()
+            .find_map(|(name, value)| match (name, value) {
+                (&"BLOCK", Template::Int(b)) => Some(*b),
+                _ => None,
+            });
+        let bounds = match (self.bounds, block) {
+            (Some(Bounds::Blocks(t, b)), _) => format!("__launch_bounds__({t}, {b}) "),
+            (Some(Bounds::Threads(n)), Some(t)) => {
+                format!("__launch_bounds__({t}, {}) ", (n / t).max(1))
+            }
+            (Some(Bounds::Threads(_)), None) => {
+                return Err(Error::invalid(format!(
+                    "{} takes a BLOCK constant",
+                    self.name
+                )))
+            }
+            (None, _) => String::new(),
+        };
         Ok(format!(
             "{PRELUDE}\nextern \"C\" __global__ void {bounds}{}(\n    {}) {{\n{constants}{locals}{}\n}}\n",
             self.name,
@@ -806,6 +839,25 @@ mod tests {
         assert!(source.contains("constexpr int N = 7;"));
         assert!(source.contains("const long long b_strides[1] = {b_strides0};"));
         assert!(!source.contains("x_shape") && !source.contains("#include"));
+    }
+
+    /// Bounds by threads a multiprocessor take the block size from the
+    /// variant's `BLOCK`, and a kernel without one is refused.
+    #[test]
+    fn bounds_per_multiprocessor_read_the_block_constant() {
+        let k = CudaKernel::new("emlx_test", &["x"], &["out"], "out[0] = x[0];")
+            .unwrap()
+            .bounded_per_multiprocessor(768);
+        let x = zeros(&[4], Dtype::Float32);
+        let out: [(&[i32], Dtype); 1] = [(&[1], Dtype::Float32)];
+        for (block, blocks) in [(128, 6), (32, 24), (384, 2), (1024, 1)] {
+            let source = k
+                .source(&[&x], &out, &[("BLOCK", Template::Int(block))])
+                .unwrap();
+            let bounds = format!("__launch_bounds__({block}, {blocks}) emlx_test(");
+            assert!(source.contains(&bounds), "{block}: {source}");
+        }
+        assert!(k.source(&[&x], &out, &[("N", Template::Int(1))]).is_err());
     }
 
     /// A variant's key tells apart every input type and rank, output type,

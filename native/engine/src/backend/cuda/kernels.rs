@@ -137,7 +137,7 @@ const SAMPLE: &str = include_str!("cu/sample.cu");
 /// prologues below has put the tile's inputs into shared memory. Each warp
 /// takes `R` outputs, each from `PER_OUT` weight rows (two for SwiGLU: the
 /// gate row and the up row `OUTS` further on), fetched before the
-/// prologue (`GEMV_START`) so that their trips to memory overlap its
+/// prologue (`GEMV_TILE_FETCH`) so that their trips to memory overlap its
 /// (with `LOOP`, further outputs a grid apart, see [`loops`]); rows
 /// wider than a lane's four chunks are taken two chunks a lane at a time,
 /// the next two in flight while these are used, so that registers stay
@@ -155,10 +155,31 @@ const GEMV_BODY: &str = include_str!("cu/gemv_body.cu");
 /// What every prologue starts with (after naming its first input's rows
 /// `ROWS`): the block's place and its input tile, in the compute dtype
 /// (what MLX's ops would store), each lane chunk's `CH` inputs followed by
-/// 16 bytes of padding; then the warp's weight rows fetched into
-/// registers. Sizes that need not be constants are read from the shapes,
-/// so that fewer variants are compiled.
+/// 16 bytes of padding. Sizes that need not be constants are read from the
+/// shapes, so that fewer variants are compiled.
 const GEMV_START: &str = include_str!("cu/gemv_start.cu");
+
+/// [`GEMV_BODY`]'s first weight rows, fetched into registers before the
+/// prologue so that their trips to memory overlap its.
+const GEMV_TILE_FETCH: &str = include_str!("cu/gemv_tile_fetch.cu");
+
+/// The product of a 4-bit weight with one input row in a 2-byte dtype,
+/// split along the row: each thread of a block takes one 16-byte chunk (32
+/// values) of every weight row the block takes, so that the thread's 32
+/// inputs stay in registers for all of them instead of being read from
+/// shared memory per row. The inputs become 16-bit integers of a
+/// power-of-two step per chunk (exact for every input within 2^7 of the
+/// chunk's largest; the rest are below the sums' float32 rounding), and
+/// each word's values meet them through `dp4a` (four products and their
+/// sum an instruction) as two bytes, with integer sums: a few instructions
+/// a word where converting the values to floats takes three a value, which
+/// made the tile body compute-bound at batch 1. Blocks loop over the
+/// outputs in one wave, four weight rows a trip, the next trip's rows in
+/// flight.
+const GEMV_SPLIT: &str = include_str!("cu/gemv_split.cu");
+
+/// [`GEMV_SPLIT`]'s first trip, fetched before the prologue.
+const GEMV_SPLIT_FETCH: &str = include_str!("cu/gemv_split_fetch.cu");
 
 /// Plain input `x` `[ROWS, 1, K]`, contiguous. The prologues' loops have
 /// constant trip counts and are unrolled, so that all their reads are in
@@ -236,9 +257,9 @@ pub(crate) struct Kernels {
     add_norm: CudaKernel,
     swiglu: CudaKernel,
     qk_rope_write: CudaKernel,
-    /// By input (plain, add + norm) and output (product, SwiGLU of its
-    /// halves): `products[input][output]`.
-    products: [[CudaKernel; 2]; 2],
+    /// By body ([`Body`]), input (plain, add + norm) and output (product,
+    /// SwiGLU of its halves): `products[body][input][output]`.
+    products: [[[CudaKernel; 2]; 2]; 2],
     argmax: CudaKernel,
     sample: CudaKernel,
     embed_norm: CudaKernel,
@@ -408,10 +429,7 @@ impl Kernels {
                 &["q"],
                 QK_ROPE_WRITE,
             )?,
-            products: [
-                [product_kernel(false, 1)?, product_kernel(false, 2)?],
-                [product_kernel(true, 1)?, product_kernel(true, 2)?],
-            ],
+            products: [products(Body::Tile)?, products(Body::Split)?],
             argmax: CudaKernel::new("emlx_axon_argmax", &["x"], &["out"], ARGMAX)?,
             sample: CudaKernel::new(
                 "emlx_axon_sample",
@@ -634,8 +652,7 @@ impl Kernels {
         };
         let outs = wt.w.dim(0) / per_out;
         let (bt, xt) = tile(rows, k_dim, wt.bits, dtype);
-        let looping = loops(wt.w.dim(0), k_dim);
-        let r = if looping { 1 } else { outputs_per_warp(outs) };
+        let body = Body::of(bt, wt.bits, dtype, wt.w.dim(0), k_dim);
         let mut templates = vec![
             ("T", Template::Dtype(dtype)),
             ("K", Template::Int(k_dim)),
@@ -643,10 +660,23 @@ impl Kernels {
             ("GS", Template::Int(wt.group_size)),
             ("BT", Template::Int(bt)),
             ("XT", Template::Dtype(xt)),
-            ("R", Template::Int(r)),
-            ("BLOCK", Template::Int(BLOCK)),
-            ("LOOP", Template::Bool(looping)),
         ];
+        // Threads a block, outputs a block takes at a time, and whether the
+        // blocks loop over the outputs in one wave.
+        let (threads, per_block, looping) = match body {
+            Body::Split => {
+                let chunks = k_dim * wt.bits / 128;
+                ((chunks + 31) / 32 * 32, 4 / per_out, true)
+            }
+            Body::Tile => {
+                let looping = loops(wt.w.dim(0), k_dim);
+                let r = if looping { 1 } else { outputs_per_warp(outs) };
+                templates.push(("R", Template::Int(r)));
+                templates.push(("LOOP", Template::Bool(looping)));
+                (BLOCK, BLOCK / 32 * r, looping)
+            }
+        };
+        templates.push(("BLOCK", Template::Int(threads)));
         let params = [wt.w, wt.scales, wt.biases];
         let out = [rows, 1, outs];
         let sum_shape = [rows, 1, k_dim];
@@ -658,21 +688,24 @@ impl Kernels {
                 (vec![*h, *r, *weight], outputs, true)
             }
         };
-        let kernel = &self.products[add_norm as usize][per_out as usize - 1];
+        let kernel = &self.products[body as usize][add_norm as usize][per_out as usize - 1];
         let inputs = [&inputs[..], &params].concat();
         let tiles = (rows + bt - 1) / bt;
-        let mut blocks = (outs + 8 * r - 1) / (8 * r);
+        let mut blocks = (outs + per_block - 1) / per_block;
         if looping {
-            // One wave: as many blocks as the device holds at once.
-            let per_sm = kernel.resident_blocks(&inputs, &outputs, &templates, BLOCK)?;
+            // One wave: as many blocks as the device holds at once, each
+            // taking the same number of trips.
+            let per_sm = kernel.resident_blocks(&inputs, &outputs, &templates, threads)?;
             if let (Some(sms), Some(per_sm)) =
                 (crate::backend::cuda::kernel::multiprocessors(), per_sm)
             {
-                blocks = blocks.min((sms * per_sm / tiles).max(1));
+                let wave = (sms * per_sm / tiles).max(1);
+                let trips = (blocks + wave - 1) / wave;
+                blocks = (blocks + trips - 1) / trips;
             }
         }
-        let grid = (blocks * BLOCK, tiles, 1);
-        kernel.apply(&inputs, &outputs, grid, (BLOCK, 1, 1), &templates)
+        let grid = (blocks * threads, tiles, 1);
+        kernel.apply(&inputs, &outputs, grid, (threads, 1, 1), &templates)
     }
 }
 
@@ -702,9 +735,46 @@ fn loops(rows: i32, k_dim: i32) -> bool {
 
 const LOOP_VALUES: i64 = 1 << 23;
 
-/// The product kernel for an input (plain, or add + norm) and an output
-/// (each of `per_out` weight rows: 1 a product, 2 SwiGLU of gate and up).
-fn product_kernel(add_norm: bool, per_out: i32) -> Result<CudaKernel> {
+/// A product's body: [`GEMV_BODY`] (tiles of input rows) or
+/// [`GEMV_SPLIT`] (one row, 4-bit weights, 2-byte inputs, a product that
+/// loops: there it is the faster, being compute-light where the tile body
+/// is compute-bound; on smaller products the tile body is).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Body {
+    Tile,
+    Split,
+}
+
+impl Body {
+    /// The body for a tile of `bt` rows, `bits`-bit weights, `dtype` inputs
+    /// and a weight of `rows` rows of `k_dim` values.
+    pub(crate) fn of(bt: i32, bits: i32, dtype: Dtype, rows: i32, k_dim: i32) -> Body {
+        if bt == 1 && bits == 4 && dtype != Dtype::Float32 && loops(rows, k_dim) {
+            Body::Split
+        } else {
+            Body::Tile
+        }
+    }
+}
+
+/// A body's product kernels, `[input][output]` as [`Kernels`] holds them.
+fn products(body: Body) -> Result<[[CudaKernel; 2]; 2]> {
+    Ok([
+        [
+            product_kernel(body, false, 1)?,
+            product_kernel(body, false, 2)?,
+        ],
+        [
+            product_kernel(body, true, 1)?,
+            product_kernel(body, true, 2)?,
+        ],
+    ])
+}
+
+/// The product kernel of a body for an input (plain, or add + norm) and an
+/// output (each of `per_out` weight rows: 1 a product, 2 SwiGLU of gate and
+/// up).
+fn product_kernel(body: Body, add_norm: bool, per_out: i32) -> Result<CudaKernel> {
     let (stem, inputs, outputs, prologue): (_, &[&str], &[&str], _) = if add_norm {
         let inputs = &["h", "r", "nw", "wq", "scales", "biases"];
         (
@@ -722,8 +792,12 @@ fn product_kernel(add_norm: bool, per_out: i32) -> Result<CudaKernel> {
         )
     };
     let output = if per_out == 1 { "" } else { "_swiglu" };
-    CudaKernel::new(
-        &format!("{stem}{output}"),
+    let (suffix, fetch, main) = match body {
+        Body::Tile => ("", GEMV_TILE_FETCH, GEMV_BODY),
+        Body::Split => ("_split", GEMV_SPLIT_FETCH, GEMV_SPLIT),
+    };
+    let kernel = CudaKernel::new(
+        &format!("{stem}{output}{suffix}"),
         inputs,
         outputs,
         &[
@@ -731,12 +805,22 @@ fn product_kernel(add_norm: bool, per_out: i32) -> Result<CudaKernel> {
             &format!("constexpr int PER_OUT = {per_out};"),
             SWIGLU_OF,
             GEMV_START,
+            fetch,
             prologue,
-            GEMV_BODY,
+            main,
         ]
         .concat(),
-    )
+    )?;
+    Ok(match body {
+        Body::Tile => kernel,
+        // Registers for 24 warps a multiprocessor: a weight row's bytes in
+        // flight per thread are few, so the split body needs many threads.
+        Body::Split => kernel.bounded_per_multiprocessor(SPLIT_THREADS),
+    })
 }
+
+/// Threads a multiprocessor that [`GEMV_SPLIT`]'s registers leave room for.
+const SPLIT_THREADS: i32 = 768;
 
 /// A two-output kernel's outputs in order (`apply` returns as many as asked).
 pub(crate) fn pair(mut outputs: Vec<Array>) -> (Array, Array) {
@@ -798,16 +882,6 @@ mod tests {
 
     #[test]
     fn wide_products_and_heads_loop() {
-        // Weight rows and inputs of q/k/v, o, gate/up and down.
-        let layers = |d: i32, heads: i32, kv: i32, inter: i32| {
-            let hd = 128;
-            [
-                ((heads + 2 * kv) * hd, d),
-                (d, heads * hd),
-                (2 * inter, d),
-                (d, inter),
-            ]
-        };
         assert!(layers(1024, 16, 8, 3072).iter().all(|&(n, k)| !loops(n, k)));
         for (d, heads, kv, inter) in [
             (2560, 32, 8, 9728),
@@ -819,5 +893,36 @@ mod tests {
                 .all(|&(n, k)| loops(n, k)));
         }
         assert!(loops(151_936, 1024));
+    }
+
+    /// Weight rows and inputs of q/k/v, o, gate/up and down of a Qwen3
+    /// shape.
+    fn layers(d: i32, heads: i32, kv: i32, inter: i32) -> [(i32, i32); 4] {
+        let hd = 128;
+        [
+            ((heads + 2 * kv) * hd, d),
+            (d, heads * hd),
+            (2 * inter, d),
+            (d, inter),
+        ]
+    }
+
+    /// One row of a wide 4-bit product in a 2-byte dtype is split along
+    /// the row; tiles of rows, 8-bit weights, float32 and the 0.6B's small
+    /// layer products take the tile body.
+    #[test]
+    fn split_body_takes_one_row_of_wide_4_bit_products() {
+        let bf16 = Dtype::Bfloat16;
+        for (n, k) in layers(4096, 32, 8, 12288) {
+            assert_eq!(Body::of(1, 4, bf16, n, k), Body::Split, "{n} x {k}");
+            assert_eq!(Body::of(1, 4, Dtype::Float16, n, k), Body::Split);
+            assert_eq!(Body::of(1, 8, bf16, n, k), Body::Tile);
+            assert_eq!(Body::of(1, 4, Dtype::Float32, n, k), Body::Tile);
+            assert_eq!(Body::of(2, 4, bf16, n, k), Body::Tile);
+        }
+        for (n, k) in layers(1024, 16, 8, 3072) {
+            assert_eq!(Body::of(1, 4, bf16, n, k), Body::Tile, "{n} x {k}");
+        }
+        assert_eq!(Body::of(1, 4, bf16, 151_936, 1024), Body::Split);
     }
 }

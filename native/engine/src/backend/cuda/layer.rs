@@ -645,8 +645,9 @@ fn check_gemv(k: &Kernels, dtype: Dtype) -> Result<()> {
     // an output head's (four a warp), the last block part full; inputs
     // read 16 bytes at a time (rows of 256) and a value at a time (320);
     // rows of 4,608 (4- and 8-bit) taken in windows, the last one part
-    // full.
-    let cases: [(i32, i32, i32, i32, &[i32]); 7] = [
+    // full; products split along the row (one input row, a wide 4-bit
+    // weight) with threads past the row's end and a last trip part full.
+    let cases: [(i32, i32, i32, i32, &[i32]); 8] = [
         (72, 256, 4, 64, &[1, 6, 9]),
         (72, 256, 8, 32, &[1, 6, 9]),
         (72, 320, 4, 64, &[1, 6, 9]),
@@ -654,6 +655,7 @@ fn check_gemv(k: &Kernels, dtype: Dtype) -> Result<()> {
         (72, 2304, 8, 32, &[1]),
         (8200, 256, 4, 64, &[1]),
         (32776, 256, 4, 64, &[1, 6]),
+        (2058, 4608, 4, 64, &[1]),
     ];
     for (n, kd, bits, gs, rows_list) in cases {
         let (w, scales, biases) =
