@@ -507,6 +507,11 @@ impl Bench {
         fields.insert("prefill_path".into(), json!(t.prefill_path));
         fields.insert("fallbacks".into(), json!(t.fallbacks));
         fields.insert("step_replay".into(), json!(t.step_replay));
+        // A failed kernel check or a replay turned off, said once a process.
+        fields.insert(
+            "notices".into(),
+            json!(emlx_axon_engine::backend::notices()),
+        );
         fields.insert(
             "gpu_layer_kernels".into(),
             json!(emlx_axon_engine::backend::cuda::layer::checked()),

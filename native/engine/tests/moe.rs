@@ -34,7 +34,13 @@ fn check(name: &str, suffix: &str, options: &LoadOptions) {
         worst < 1e-4,
         "{name}{suffix}: logits differ from mlx-lm by {worst}"
     );
-    assert_eq!((prefill, decode), (Path::Mlx, Path::Mlx), "{name}");
+    // On a CUDA GPU one-token steps take the layer kernels (the experts'
+    // own where they are quantized); prompts run MLX's ops everywhere.
+    let step = match emlx_axon_engine::backend::cuda::layer::checked() {
+        Some(true) if emlx_axon_engine::runtime::device::gpu_available() => Path::CudaLayers,
+        _ => Path::Mlx,
+    };
+    assert_eq!((prefill, decode), (Path::Mlx, step), "{name}");
     let (ours, ..) = forced_logits(&model, &reference.ids, reference.ids.len());
     let worst = worst_error(&ours, &reference);
     assert!(worst < 1e-4, "{name}{suffix}: one pass: {worst}");
@@ -79,7 +85,12 @@ fn per_expert_tensors_are_stacked_at_load() {
     check("qwen3-moe-hf", "", &f32());
 }
 
-fn generation_ids(model: std::sync::Arc<Model>, prompt: &[u32], n: usize) -> Vec<u32> {
+fn generation_ids(
+    model: std::sync::Arc<Model>,
+    prompt: &[u32],
+    n: usize,
+    quantized: bool,
+) -> Vec<u32> {
     let mut generation = Generation::start(
         model,
         None,
@@ -91,13 +102,27 @@ fn generation_ids(model: std::sync::Arc<Model>, prompt: &[u32], n: usize) -> Vec
     while !generation.is_done() {
         generation.next(4).unwrap();
     }
-    let stats = generation.stats();
-    assert_eq!(stats.paths.main(Work::Decode), Some(Path::Mlx));
-    assert!(
-        stats.paths.fallbacks.iter().any(|r| r.contains("MoE")),
-        "{:?}",
-        stats.paths.fallbacks
-    );
+    let paths = generation.stats().paths;
+    if !emlx_axon_engine::runtime::device::gpu_available() {
+        assert_eq!(paths.main(Work::Decode), Some(Path::Mlx));
+        assert!(
+            paths.fallbacks.iter().any(|r| r.contains("MoE")),
+            "{paths:?}"
+        );
+    } else if emlx_axon_engine::backend::cuda::layer::checked() == Some(true) {
+        // A CUDA step's layers take the experts, through the expert
+        // kernels where the experts are quantized.
+        assert_eq!(
+            paths.main(Work::Decode),
+            Some(Path::CudaLayers),
+            "{paths:?}"
+        );
+        let in_mlx = paths
+            .fallbacks
+            .iter()
+            .any(|r| r.starts_with("cuda_layers: routed experts"));
+        assert_eq!(in_mlx, !quantized, "{paths:?}");
+    }
     generation.generated().remove(0)
 }
 
@@ -137,7 +162,8 @@ fn generation_and_scheduler_give_mlx_lms_greedy_ids() {
         let expected = reference.greedy.clone().unwrap();
         let prompt = &reference.ids[..12];
         let model = load_f32(name);
-        let generated = generation_ids(model.clone(), prompt, expected.len());
+        let quantized = name.ends_with("4bit");
+        let generated = generation_ids(model.clone(), prompt, expected.len(), quantized);
         let other = reference.ids[20..27].to_vec();
         let scheduled = scheduler_ids(
             model.clone(),
@@ -147,7 +173,7 @@ fn generation_and_scheduler_give_mlx_lms_greedy_ids() {
         assert_eq!(scheduled[0], generated, "{name}: scheduler vs generation");
         assert_eq!(
             scheduled[1],
-            generation_ids(model, &other, expected.len()),
+            generation_ids(model, &other, expected.len(), quantized),
             "{name}: second row"
         );
         if !emlx_axon_engine::runtime::device::gpu_available() {

@@ -102,8 +102,11 @@ pub struct Model {
 unsafe impl Sync for Model {}
 
 /// Why a MoE model's layers are not fused.
-const MOE_DECLINED: &str = "layers: routed experts (MoE) run as separate nodes (on a CPU stream \
-     our gathered products, elsewhere MLX's); the fused layer kernels take dense MLPs only";
+const MOE_DECLINED: &str = "cpu_layers: routed experts (MoE) run as separate nodes (their \
+     products through our gathered products); the CPU layer nodes take dense MLPs only";
+
+const MOE_PROMPT_DECLINED: &str = "cuda_prompt: routed experts (MoE) run MLX's ops in prompts; \
+     the prompt kernels take dense MLPs only";
 
 /// A layer's gate and up projections, read stacked.
 fn gate_up_join() -> Join {
@@ -384,11 +387,11 @@ impl Model {
             }
             _ => None,
         };
-        // Routed experts run as separate nodes on every device: the
-        // backends' fused layers take dense MLPs only.
+        // Routed experts: the CPU layer nodes and the CUDA prompt kernels
+        // take dense MLPs only (the CUDA step's layers take experts).
         let sparse = self.has_experts();
-        if sparse && !cpu_ops && cuda::layer::wanted() {
-            declined(MOE_DECLINED);
+        if sparse && !cpu_ops && ids.dim(1) > 1 && cuda::layer::wanted() {
+            declined(MOE_PROMPT_DECLINED);
         }
         // A quantized cache or a rotating window has no dense buffers for
         // the CUDA layers; the CPU layer nodes read a quantized cache's
@@ -402,7 +405,7 @@ impl Model {
         if let Some(why) = no_buffers.filter(|_| unread) {
             declined(&format!("layers: {why}"));
         }
-        if let (Some(rows), false, false, None) = (&step_rows, cpu_ops, sparse, no_buffers) {
+        if let (Some(rows), false, None) = (&step_rows, cpu_ops, no_buffers) {
             let stack = cuda::layer::Stack {
                 embed: self.embed.quantized(),
                 blocks: &self.blocks,

@@ -17,7 +17,7 @@ pub(crate) struct Mlp {
 /// A block's feed-forward part.
 pub(crate) enum Ffn {
     Dense(Mlp),
-    /// Routed experts: the backends' fused layers do not take these.
+    /// Routed experts.
     Sparse(SparseMoe),
 }
 
@@ -27,6 +27,14 @@ impl Ffn {
         match self {
             Ffn::Dense(mlp) => Some(mlp),
             Ffn::Sparse(_) => None,
+        }
+    }
+
+    /// The routed experts, `None` for a dense MLP.
+    pub(crate) fn sparse(&self) -> Option<&SparseMoe> {
+        match self {
+            Ffn::Dense(_) => None,
+            Ffn::Sparse(moe) => Some(moe),
         }
     }
 

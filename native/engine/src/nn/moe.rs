@@ -6,10 +6,11 @@
 //! Experts are stored stacked, `[experts, out, in]` per projection: as
 //! mlx-lm saves them (`mlp.switch_mlp.{gate,up,down}_proj`), or stacked at
 //! load from the Hugging Face layout (`mlp.experts.{e}.{proj}`, read joined
-//! by [`expert_joins`]). The backends' fused layers assume a dense MLP and
-//! decline these blocks: they run as graph nodes, the experts' products
-//! through our kernels' gathered product on a CPU stream (MLX's CPU
-//! `gather_qmm` runs one thread) and MLX's elsewhere.
+//! by [`expert_joins`]). The CPU layer nodes take dense MLPs only: there
+//! these blocks run as graph nodes, the experts' products through our
+//! kernels' gathered product (MLX's CPU `gather_qmm` runs one thread). A
+//! CUDA step's layers read them through kernels of their own
+//! ([`ExpertWeights`]); prompts there run MLX's ops.
 
 use mlx_rs::ops::indexing::{take_along_axis, IndexOp};
 use mlx_rs::ops::{
@@ -23,6 +24,7 @@ use crate::checkpoint::config::{MoeConfig, QuantSpec};
 use crate::checkpoint::weights::{Join, Weights};
 use crate::error::{Error, Result};
 use crate::nn::layers::{dequantized_on_gpu, Linear, LoadPlan, Weight, Workers};
+use emlx_axon_kernels::QuantWeight;
 
 /// Tokens times experts from which the tokens are sorted by expert before
 /// the gathered products, so that each expert's rows are read in one run
@@ -206,6 +208,17 @@ pub(crate) struct SparseMoe {
     norm_topk_prob: bool,
 }
 
+/// A layer's quantized router and experts, as the CUDA step's kernels read
+/// them (`[experts, out, in]` stacks).
+pub(crate) struct ExpertWeights<'a> {
+    pub router: QuantWeight<'a>,
+    pub gate: QuantWeight<'a>,
+    pub up: QuantWeight<'a>,
+    pub down: QuantWeight<'a>,
+    pub top_k: i32,
+    pub norm_topk_prob: bool,
+}
+
 /// The router's quantization when the model is quantized at load: 8 bits in
 /// groups of 64, as mlx-lm's qwen3_moe predicate converts it.
 pub fn router_at_load(at_load: Option<QuantSpec>) -> Option<QuantSpec> {
@@ -318,6 +331,22 @@ impl SparseMoe {
             all.extend(w.arrays());
         }
         all
+    }
+
+    /// The router and experts when all are quantized (the router without
+    /// a bias).
+    pub(crate) fn quantized(&self) -> Option<ExpertWeights<'_>> {
+        let (router, None) = self.router.quantized()? else {
+            return None;
+        };
+        Some(ExpertWeights {
+            router,
+            gate: self.gate.quantized()?,
+            up: self.up.quantized()?,
+            down: self.down.quantized()?,
+            top_k: self.top_k,
+            norm_topk_prob: self.norm_topk_prob,
+        })
     }
 
     pub(crate) fn is_quantized(&self) -> bool {

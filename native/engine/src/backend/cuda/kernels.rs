@@ -181,7 +181,31 @@ const GEMV_SPLIT: &str = include_str!("cu/gemv_split.cu");
 /// [`GEMV_SPLIT`]'s first trip, fetched before the prologue.
 const GEMV_SPLIT_FETCH: &str = include_str!("cu/gemv_split_fetch.cu");
 
-/// Plain input `x` `[ROWS, 1, K]`, contiguous. The prologues' loops have
+/// [`GEMV_BODY`]'s weight rows of an output: the weight's row, and for
+/// SwiGLU the up row `OUTS` further on.
+const GEMV_WEIGHTS: &str = include_str!("cu/gemv_weights.cu");
+
+/// [`GEMV_BODY`]'s weight rows for a routed expert's product: each tile is
+/// one (row, choice) pair of `experts` `[rows, choices]` and reads the
+/// weights of its expert from a stack `[experts, OUTS, K]` (gate's, and up's
+/// from [`GEMV_EXPERTS_UP`] for SwiGLU).
+const GEMV_EXPERTS: &str = include_str!("cu/gemv_experts.cu");
+const GEMV_EXPERTS_UP: &str = include_str!("cu/gemv_experts_up.cu");
+
+/// A router's choices for one token a block, as mlx-lm's `qwen3_moe`
+/// makes them: the softmax of the logits `[rows, E]` in float32 rounded
+/// to the compute dtype, the `TOPK` largest (`ids`, largest first, ties to
+/// the lower expert) and their probabilities (`scores`), with `NORM`
+/// divided by their sum rounded as MLX's `sum` rounds it.
+const MOE_ROUTE: &str = include_str!("cu/moe_route.cu");
+
+/// The routed experts' outputs `ys` `[rows * TOPK, 1, D]` weighted by
+/// their `scores` and summed, each product rounded to the compute dtype
+/// as MLX's `multiply` rounds it and the sum taken in float32.
+const MOE_COMBINE: &str = include_str!("cu/moe_combine.cu");
+
+/// Plain input `x` `[ROWS / X_EVERY, 1, K]`, contiguous: a routed expert's
+/// product reads its token's row for each of its choices. The prologues' loops have
 /// constant trip counts and are unrolled, so that all their reads are in
 /// flight at once.
 const GEMV_PLAIN: &str = include_str!("cu/gemv_plain.cu");
@@ -260,6 +284,10 @@ pub(crate) struct Kernels {
     /// By body ([`Body`]), input (plain, add + norm) and output (product,
     /// SwiGLU of its halves): `products[body][input][output]`.
     products: [[[CudaKernel; 2]; 2]; 2],
+    /// Routed experts' products by output (product, SwiGLU of gate and up).
+    experts: [CudaKernel; 2],
+    route: CudaKernel,
+    combine: CudaKernel,
     argmax: CudaKernel,
     sample: CudaKernel,
     embed_norm: CudaKernel,
@@ -318,6 +346,16 @@ pub(crate) enum GemvOutput {
     /// `silu(gate) * up` of the product's halves (a stacked gate/up weight),
     /// half as wide.
     Swiglu,
+}
+
+impl GemvOutput {
+    /// Weight rows an output reads.
+    fn per_out(self) -> i32 {
+        match self {
+            GemvOutput::Product => 1,
+            GemvOutput::Swiglu => 2,
+        }
+    }
 }
 
 /// A layer's q/k/v product and what the q/k kernels rotate it with and
@@ -430,6 +468,22 @@ impl Kernels {
                 QK_ROPE_WRITE,
             )?,
             products: [products(Body::Tile)?, products(Body::Split)?],
+            experts: [
+                product_kernel(Body::Tile, Tile::Experts, 1)?,
+                product_kernel(Body::Tile, Tile::Experts, 2)?,
+            ],
+            route: CudaKernel::new(
+                "emlx_axon_moe_route",
+                &["logits"],
+                &["ids", "scores"],
+                MOE_ROUTE,
+            )?,
+            combine: CudaKernel::new(
+                "emlx_axon_moe_combine",
+                &["ys", "scores"],
+                &["out"],
+                MOE_COMBINE,
+            )?,
             argmax: CudaKernel::new("emlx_axon_argmax", &["x"], &["out"], ARGMAX)?,
             sample: CudaKernel::new(
                 "emlx_axon_sample",
@@ -646,37 +700,11 @@ impl Kernels {
             GemvInput::AddNorm { h, .. } => *h,
         };
         let (rows, k_dim, dtype) = (first.dim(0), first.dim(-1), first.dtype());
-        let per_out = match output {
-            GemvOutput::Product => 1,
-            GemvOutput::Swiglu => 2,
-        };
+        let per_out = output.per_out();
         let outs = wt.w.dim(0) / per_out;
         let (bt, xt) = tile(rows, k_dim, wt.bits, dtype);
         let body = Body::of(bt, wt.bits, dtype, wt.w.dim(0), k_dim);
-        let mut templates = vec![
-            ("T", Template::Dtype(dtype)),
-            ("K", Template::Int(k_dim)),
-            ("BITS", Template::Int(wt.bits)),
-            ("GS", Template::Int(wt.group_size)),
-            ("BT", Template::Int(bt)),
-            ("XT", Template::Dtype(xt)),
-        ];
-        // Threads a block, outputs a block takes at a time, and whether the
-        // blocks loop over the outputs in one wave.
-        let (threads, per_block, looping) = match body {
-            Body::Split => {
-                let chunks = k_dim * wt.bits / 128;
-                ((chunks + 31) / 32 * 32, 4 / per_out, true)
-            }
-            Body::Tile => {
-                let looping = loops(wt.w.dim(0), k_dim);
-                let r = if looping { 1 } else { outputs_per_warp(outs) };
-                templates.push(("R", Template::Int(r)));
-                templates.push(("LOOP", Template::Bool(looping)));
-                (BLOCK, BLOCK / 32 * r, looping)
-            }
-        };
-        templates.push(("BLOCK", Template::Int(threads)));
+        let mut templates = product_templates(dtype, k_dim, wt, bt, xt);
         let params = [wt.w, wt.scales, wt.biases];
         let out = [rows, 1, outs];
         let sum_shape = [rows, 1, k_dim];
@@ -690,22 +718,173 @@ impl Kernels {
         };
         let kernel = &self.products[body as usize][add_norm as usize][per_out as usize - 1];
         let inputs = [&inputs[..], &params].concat();
-        let tiles = (rows + bt - 1) / bt;
-        let mut blocks = (outs + per_block - 1) / per_block;
+        let launch = Launch {
+            body,
+            bits: wt.bits,
+            weight_rows: wt.w.dim(0),
+            k_dim,
+            outs,
+            per_out,
+            tiles: (rows + bt - 1) / bt,
+        };
+        launch.run(kernel, &inputs, &outputs, templates)
+    }
+
+    /// Routed experts' products: each row of `x` (`[rows, 1, K]`, or
+    /// `[rows * choices, 1, K]`, a row per choice) through the expert
+    /// `ids` (`[rows, choices]` int32) names for it, of the stacked
+    /// `gate` (`[experts, N, K]` logical), or with `up` SwiGLU of the two;
+    /// `[rows * choices, 1, N]`.
+    pub(crate) fn experts(
+        &self,
+        x: &Array,
+        ids: &Array,
+        gate: &QuantWeight,
+        up: Option<&QuantWeight>,
+    ) -> Result<Array> {
+        let (k_dim, dtype) = (x.dim(-1), x.dtype());
+        let pairs = ids.dim(0) * ids.dim(1);
+        let outs = gate.w.dim(1);
+        let per_out = if up.is_some() { 2 } else { 1 };
+        let (_, xt) = tile(1, k_dim, gate.bits, dtype);
+        let templates = product_templates(dtype, k_dim, gate, 1, xt);
+        let mut inputs = vec![x, ids, gate.w, gate.scales, gate.biases];
+        if let Some(up) = up {
+            inputs.extend([up.w, up.scales, up.biases]);
+        }
+        let launch = Launch {
+            body: Body::Tile,
+            bits: gate.bits,
+            weight_rows: outs * per_out,
+            k_dim,
+            outs,
+            per_out,
+            tiles: pairs,
+        };
+        let kernel = &self.experts[per_out as usize - 1];
+        let mut out = launch.run(kernel, &inputs, &[(&[pairs, 1, outs], dtype)], templates)?;
+        Ok(out.remove(0))
+    }
+
+    /// Each row's `top_k` experts (`[rows, top_k]` int32, largest first) and
+    /// their weights (`[rows, top_k]` in the logits' dtype, divided by
+    /// their sum with `norm`) from the router's logits `[rows, 1, E]`.
+    pub(crate) fn route(&self, logits: &Array, top_k: i32, norm: bool) -> Result<(Array, Array)> {
+        let (e, dtype) = (logits.dim(-1), logits.dtype());
+        let rows = (logits.size() / e.max(1) as usize) as i32;
+        let shape = [rows, top_k];
+        let out = self.route.apply(
+            &[logits],
+            &[(&shape, Dtype::Int32), (&shape, dtype)],
+            (ROUTE_BLOCK, rows, 1),
+            (ROUTE_BLOCK, 1, 1),
+            &[
+                ("T", Template::Dtype(dtype)),
+                ("E", Template::Int(e)),
+                ("TOPK", Template::Int(top_k)),
+                ("NORM", Template::Bool(norm)),
+                ("BLOCK", Template::Int(ROUTE_BLOCK)),
+            ],
+        )?;
+        Ok(pair(out))
+    }
+
+    /// The experts' outputs `ys` (`[rows * top_k, 1, D]`) weighted by
+    /// `scores` (`[rows, top_k]`) and summed: `[rows, 1, D]`.
+    pub(crate) fn combine(&self, ys: &Array, scores: &Array) -> Result<Array> {
+        let (rows, top_k, d) = (scores.dim(0), scores.dim(1), ys.dim(-1));
+        let mut out = self.combine.apply(
+            &[ys, scores],
+            &[(&[rows, 1, d], ys.dtype())],
+            ((d + BLOCK - 1) / BLOCK * BLOCK, rows, 1),
+            (BLOCK, 1, 1),
+            &[
+                ("T", Template::Dtype(ys.dtype())),
+                ("D", Template::Int(d)),
+                ("TOPK", Template::Int(top_k)),
+            ],
+        )?;
+        Ok(out.remove(0))
+    }
+}
+
+/// The router kernel's threads: one block a token, a value a thread for
+/// routers of up to 128 experts.
+const ROUTE_BLOCK: i32 = 128;
+
+/// Every product kernel's constants but the launch's.
+fn product_templates(
+    dtype: Dtype,
+    k_dim: i32,
+    wt: &QuantWeight,
+    bt: i32,
+    xt: Dtype,
+) -> Vec<(&'static str, Template)> {
+    vec![
+        ("T", Template::Dtype(dtype)),
+        ("K", Template::Int(k_dim)),
+        ("BITS", Template::Int(wt.bits)),
+        ("GS", Template::Int(wt.group_size)),
+        ("BT", Template::Int(bt)),
+        ("XT", Template::Dtype(xt)),
+    ]
+}
+
+/// A product's launch: its body, the weight's bits and rows (both halves
+/// for SwiGLU) of `k_dim` values, the outputs, and the input tiles.
+struct Launch {
+    body: Body,
+    bits: i32,
+    weight_rows: i32,
+    k_dim: i32,
+    outs: i32,
+    per_out: i32,
+    tiles: i32,
+}
+
+impl Launch {
+    fn run(
+        &self,
+        kernel: &CudaKernel,
+        inputs: &[&Array],
+        outputs: &[(&[i32], Dtype)],
+        mut templates: Vec<(&'static str, Template)>,
+    ) -> Result<Vec<Array>> {
+        // Threads a block, outputs a block takes at a time, and whether the
+        // blocks loop over the outputs in one wave.
+        let (threads, per_block, looping) = match self.body {
+            Body::Split => {
+                let chunks = self.k_dim * self.bits / 128;
+                ((chunks + 31) / 32 * 32, 4 / self.per_out, true)
+            }
+            Body::Tile => {
+                let looping = loops(self.weight_rows, self.k_dim);
+                let r = if looping {
+                    1
+                } else {
+                    outputs_per_warp(self.outs)
+                };
+                templates.push(("R", Template::Int(r)));
+                templates.push(("LOOP", Template::Bool(looping)));
+                (BLOCK, BLOCK / 32 * r, looping)
+            }
+        };
+        templates.push(("BLOCK", Template::Int(threads)));
+        let mut blocks = (self.outs + per_block - 1) / per_block;
         if looping {
             // One wave: as many blocks as the device holds at once, each
             // taking the same number of trips.
-            let per_sm = kernel.resident_blocks(&inputs, &outputs, &templates, threads)?;
+            let per_sm = kernel.resident_blocks(inputs, outputs, &templates, threads)?;
             if let (Some(sms), Some(per_sm)) =
                 (crate::backend::cuda::kernel::multiprocessors(), per_sm)
             {
-                let wave = (sms * per_sm / tiles).max(1);
+                let wave = (sms * per_sm / self.tiles).max(1);
                 let trips = (blocks + wave - 1) / wave;
                 blocks = (blocks + trips - 1) / trips;
             }
         }
-        let grid = (blocks * threads, tiles, 1);
-        kernel.apply(&inputs, &outputs, grid, (threads, 1, 1), &templates)
+        let grid = (blocks * threads, self.tiles, 1);
+        kernel.apply(inputs, outputs, grid, (threads, 1, 1), &templates)
     }
 }
 
@@ -761,37 +940,81 @@ impl Body {
 fn products(body: Body) -> Result<[[CudaKernel; 2]; 2]> {
     Ok([
         [
-            product_kernel(body, false, 1)?,
-            product_kernel(body, false, 2)?,
+            product_kernel(body, Tile::Plain, 1)?,
+            product_kernel(body, Tile::Plain, 2)?,
         ],
         [
-            product_kernel(body, true, 1)?,
-            product_kernel(body, true, 2)?,
+            product_kernel(body, Tile::AddNorm, 1)?,
+            product_kernel(body, Tile::AddNorm, 2)?,
         ],
     ])
 }
 
-/// The product kernel of a body for an input (plain, or add + norm) and an
-/// output (each of `per_out` weight rows: 1 a product, 2 SwiGLU of gate and
-/// up).
-fn product_kernel(body: Body, add_norm: bool, per_out: i32) -> Result<CudaKernel> {
-    let (stem, inputs, outputs, prologue): (_, &[&str], &[&str], _) = if add_norm {
-        let inputs = &["h", "r", "nw", "wq", "scales", "biases"];
-        (
+/// What a product's input tile is made from.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Tile {
+    /// Its rows of `x`.
+    Plain,
+    /// The residual add and RMSNorm of its rows of `h` and `r`.
+    AddNorm,
+    /// Its (row, choice) pair's row of `x`, through the pair's expert.
+    Experts,
+}
+
+/// The product kernel of a body for an input tile and an output (each of
+/// `per_out` weight rows: 1 a product, 2 SwiGLU of gate and up).
+fn product_kernel(body: Body, input: Tile, per_out: i32) -> Result<CudaKernel> {
+    let plain: &[&str] = &["x", "wq", "scales", "biases"];
+    let (stem, inputs, outputs, prologue): (_, &[&str], &[&str], _) = match input {
+        Tile::Plain => ("emlx_axon_gemv", plain, &["y"], GEMV_PLAIN),
+        Tile::AddNorm => (
             "emlx_axon_gemv_add_norm",
-            inputs,
+            &["h", "r", "nw", "wq", "scales", "biases"],
             &["sum", "y"],
             GEMV_ADD_NORM,
-        )
-    } else {
-        (
-            "emlx_axon_gemv",
-            &["x", "wq", "scales", "biases"],
+        ),
+        Tile::Experts if per_out == 1 => (
+            "emlx_axon_gemv_experts",
+            &["x", "experts", "wq", "scales", "biases"],
             &["y"],
             GEMV_PLAIN,
-        )
+        ),
+        Tile::Experts => (
+            "emlx_axon_gemv_experts",
+            &[
+                "x",
+                "experts",
+                "wq",
+                "scales",
+                "biases",
+                "up_wq",
+                "up_scales",
+                "up_biases",
+            ],
+            &["y"],
+            GEMV_PLAIN,
+        ),
+    };
+    // The rows (tiles of one row for experts) and outputs, and how many
+    // tile rows share an input row.
+    let shapes = match input {
+        Tile::Experts => "const int ROWS = experts_shape[0] * experts_shape[1];\n\
+                          const int OUTS = wq_shape[1];\n\
+                          const int X_EVERY = x_shape[0] == ROWS ? 1 : experts_shape[1];\n"
+            .to_string(),
+        _ => format!(
+            "const int ROWS = {}_shape[0];\nconst int OUTS = wq_shape[0] / PER_OUT;\n\
+             constexpr int X_EVERY = 1;\n",
+            inputs[0]
+        ),
     };
     let output = if per_out == 1 { "" } else { "_swiglu" };
+    let weights = match (body, input) {
+        (Body::Split, _) => String::new(),
+        (Body::Tile, Tile::Experts) if per_out == 2 => [GEMV_EXPERTS, GEMV_EXPERTS_UP].concat(),
+        (Body::Tile, Tile::Experts) => GEMV_EXPERTS.to_string(),
+        (Body::Tile, _) => GEMV_WEIGHTS.to_string(),
+    };
     let (suffix, fetch, main) = match body {
         Body::Tile => ("", GEMV_TILE_FETCH, GEMV_BODY),
         Body::Split => ("_split", GEMV_SPLIT_FETCH, GEMV_SPLIT),
@@ -801,10 +1024,11 @@ fn product_kernel(body: Body, add_norm: bool, per_out: i32) -> Result<CudaKernel
         inputs,
         outputs,
         &[
-            &format!("const int ROWS = {}_shape[0];", inputs[0]),
-            &format!("constexpr int PER_OUT = {per_out};"),
+            &format!("constexpr int PER_OUT = {per_out};\n"),
+            &shapes,
             SWIGLU_OF,
             GEMV_START,
+            &weights,
             fetch,
             prologue,
             main,

@@ -24,6 +24,15 @@
 //! nodes (0.27 ms to build, 0.6 ms for MLX to queue them as one graph): the
 //! device waits on the host.
 //!
+//! A Qwen3-MoE layer's routed experts take kernels of their own after the
+//! residual add + norm: the router's product, each token's top-k experts
+//! and their weights (`Kernels::route`), the chosen experts' gate/up and
+//! down products, each (token, choice) pair a tile that reads its expert's
+//! rows of the stacked weights (`Kernels::experts`), and the weighted sum
+//! (`Kernels::combine`): nine nodes a layer, all ours, so that such a
+//! step is replayed too. They are checked on their own at first use, where
+//! a model has experts; prompts keep MLX's ops for the experts.
+//!
 //! On by default on CUDA (`EMLX_AXON_GPU_LAYER=0` keeps MLX's ops). The
 //! kernels are compiled once per machine and kept on disk
 //! ([`crate::backend::cuda::kernel`]); each is checked against MLX's ops on first
@@ -50,6 +59,7 @@ use crate::error::{Error, Result};
 use crate::kv::cache::{KvStore, StepRows};
 use crate::nn::block::Block;
 use crate::nn::layers::RmsNorm;
+use crate::nn::moe::ExpertWeights;
 use crate::nn::rope::PositionTable;
 use emlx_axon_kernels::QuantWeight;
 
@@ -78,6 +88,10 @@ static CHECKED: Lazy<Mutex<Vec<(Dtype, bool)>>> = Lazy::new(|| Mutex::new(Vec::n
 /// The embedding kernel's, likewise: checked on its own, so that where it
 /// fails the layers' kernels still run (on MLX's embeddings).
 static EMBED_CHECKED: Lazy<Mutex<Vec<(Dtype, bool)>>> = Lazy::new(|| Mutex::new(Vec::new()));
+
+/// The expert kernels' check results, by dtype: checked on their own, where
+/// a model has routed experts.
+static EXPERTS_CHECKED: Lazy<Mutex<Vec<(Dtype, bool)>>> = Lazy::new(|| Mutex::new(Vec::new()));
 
 /// The sampling kernel's check results, by logits dtype: checked on its
 /// own, so that where it fails greedy steps still take the kernels.
@@ -285,8 +299,9 @@ pub(crate) fn forward<C: KvStore>(
         && !blocks.is_empty()
         && cache.buffers(0).0.dtype() == dtype
         && blocks.iter().all(|b| {
-            // Routed experts run MLX's ops: these kernels take dense MLPs.
-            b.mlp.dense().is_some_and(|m| {
+            // Routed experts run MLX's ops where the expert kernels do not
+            // take them.
+            b.mlp.dense().is_none_or(|m| {
                 m.gate_up.is_stacked() && matches!(m.gate_up.sizes(), [g, u] if g == u)
             })
         });
@@ -357,7 +372,14 @@ pub(crate) fn forward<C: KvStore>(
             counts: &counts,
         })
     };
-    if let Some(weights) = GEMV.then(|| products(blocks, dtype)).flatten() {
+    // The expert kernels are checked where a model has experts.
+    let sparse = blocks.iter().any(|b| b.mlp.sparse().is_some());
+    let experts = || !sparse || experts_checked(k, dtype);
+    let weights = GEMV.then(|| products(blocks, dtype, experts)).flatten();
+    if sparse && weights.is_none() {
+        crate::backend::declined(EXPERTS_DECLINED);
+    }
+    if let Some(weights) = weights {
         let stack = Stack {
             head: stack.head.filter(|w| unpacks(w, dtype)),
             ..stack
@@ -369,29 +391,60 @@ pub(crate) fn forward<C: KvStore>(
     let mut h = h;
     for (i, block) in blocks.iter().enumerate() {
         let attn = &block.attn;
-        let mlp = block.mlp.dense().ok_or_else(|| {
-            crate::error::Error::Mlx("the layer kernels were given routed experts".into())
-        })?;
         let qkv = attn.qkv.forward(&x, &[])?;
         let a = attend(&qkv, block, i)?;
         let o = attn.o.forward(&a, &[])?;
         let post = &block.post_norm;
         let (h1, x1) = k.add_norm(&h, &o, post.weight(), post.eps())?;
-        let act = k.swiglu(&mlp.gate_up.forward(&x1, &[])?)?;
-        let d = mlp.down.forward(&act, &[])?;
+        let d = match block.mlp.dense() {
+            Some(mlp) => {
+                let act = k.swiglu(&mlp.gate_up.forward(&x1, &[])?)?;
+                mlp.down.forward(&act, &[])?
+            }
+            None => block.mlp.forward(&x1, &[])?,
+        };
         let next = blocks.get(i + 1).map_or(final_norm, |b| &b.input_norm);
         (h, x) = k.add_norm(&h1, &d, next.weight(), next.eps())?;
     }
     Ok(Some(Output::Normed(x)))
 }
 
+const EXPERTS_DECLINED: &str = "cuda_layers: routed experts (MoE) run MLX's ops in the step; \
+     the expert kernels take quantized routers and experts of the product kernels' layouts, \
+     once their check passed (see the notices)";
+
 /// A layer's quantized weights as our product kernels take them.
 struct Products<'a> {
     qkv: QuantWeight<'a>,
     qkv_bias: Option<&'a Array>,
     o: QuantWeight<'a>,
-    gate_up: QuantWeight<'a>,
-    down: QuantWeight<'a>,
+    mlp: MlpProducts<'a>,
+}
+
+enum MlpProducts<'a> {
+    Dense {
+        gate_up: QuantWeight<'a>,
+        down: QuantWeight<'a>,
+    },
+    Experts(ExpertWeights<'a>),
+}
+
+/// The most experts a token takes that the router kernel takes.
+const MOST_CHOICES: i32 = 32;
+
+/// Whether the expert kernels take these experts for inputs in `dtype`:
+/// stacks of one layout the product kernels unpack, and at most
+/// [`MOST_CHOICES`] experts a token.
+fn takes_experts(e: &ExpertWeights, dtype: Dtype) -> bool {
+    let stacked = [&e.gate, &e.up, &e.down].into_iter().all(|w| {
+        w.w.ndim() == 3
+            && kernels::gemv_takes(w.bits, w.group_size, w.w.dim(2) * 32 / w.bits, dtype)
+    });
+    let experts = e.gate.w.dim(0);
+    stacked
+        && unpacks(&e.router, dtype)
+        && e.router.w.dim(0) == experts
+        && (1..=MOST_CHOICES.min(experts)).contains(&e.top_k)
 }
 
 /// Whether the product kernels unpack this weight's layout, for inputs
@@ -401,8 +454,13 @@ fn unpacks(w: &QuantWeight, dtype: Dtype) -> bool {
 }
 
 /// Every layer's products, when all are quantized in a layout the kernels
-/// unpack (and only q/k/v have a bias).
-fn products(blocks: &[Block], dtype: Dtype) -> Option<Vec<Products<'_>>> {
+/// unpack (and only q/k/v have a bias), and routed experts where
+/// `experts()` (their kernels' check) passes.
+fn products(
+    blocks: &[Block],
+    dtype: Dtype,
+    experts: impl Fn() -> bool,
+) -> Option<Vec<Products<'_>>> {
     blocks
         .iter()
         .map(|b| {
@@ -410,22 +468,30 @@ fn products(blocks: &[Block], dtype: Dtype) -> Option<Vec<Products<'_>>> {
             let (o, None) = b.attn.o.quantized()? else {
                 return None;
             };
-            let mlp = b.mlp.dense()?;
-            let (gate_up, None) = mlp.gate_up.stacked_quantized()? else {
-                return None;
+            let mlp = match (b.mlp.dense(), b.mlp.sparse()) {
+                (Some(mlp), _) => {
+                    let (gate_up, None) = mlp.gate_up.stacked_quantized()? else {
+                        return None;
+                    };
+                    let (down, None) = mlp.down.quantized()? else {
+                        return None;
+                    };
+                    if !(unpacks(&gate_up, dtype) && unpacks(&down, dtype)) {
+                        return None;
+                    }
+                    MlpProducts::Dense { gate_up, down }
+                }
+                (None, Some(moe)) => {
+                    let e = moe.quantized()?;
+                    (takes_experts(&e, dtype) && experts()).then_some(MlpProducts::Experts(e))?
+                }
+                (None, None) => return None,
             };
-            let (down, None) = mlp.down.quantized()? else {
-                return None;
-            };
-            let all = [&qkv, &o, &gate_up, &down]
-                .into_iter()
-                .all(|w| unpacks(w, dtype));
-            all.then_some(Products {
+            (unpacks(&qkv, dtype) && unpacks(&o, dtype)).then_some(Products {
                 qkv,
                 qkv_bias,
                 o,
-                gate_up,
-                down,
+                mlp,
             })
         })
         .collect()
@@ -467,8 +533,20 @@ fn with_our_products(
             weight: post.weight(),
             eps: post.eps(),
         };
-        let (h1, act) = pair(k.gemv(&norm_o, GemvOutput::Swiglu, &w.gate_up)?);
-        let d = one(k.gemv(&GemvInput::Plain(&act), product, &w.down)?);
+        let (h1, d) = match &w.mlp {
+            MlpProducts::Dense { gate_up, down } => {
+                let (h1, act) = pair(k.gemv(&norm_o, GemvOutput::Swiglu, gate_up)?);
+                (h1, one(k.gemv(&GemvInput::Plain(&act), product, down)?))
+            }
+            MlpProducts::Experts(e) => {
+                let (h1, x1) = k.add_norm(&h, &o, post.weight(), post.eps())?;
+                let logits = one(k.gemv(&GemvInput::Plain(&x1), product, &e.router)?);
+                let (ids, scores) = k.route(&logits, e.top_k, e.norm_topk_prob)?;
+                let act = k.experts(&x1, &ids, &e.gate, Some(&e.up))?;
+                let ys = k.experts(&act, &ids, &e.down, None)?;
+                (h1, k.combine(&ys, &scores)?)
+            }
+        };
         match (blocks.get(i + 1), weights.get(i + 1)) {
             (Some(next), Some(nw)) => {
                 let norm_d = GemvInput::AddNorm {
@@ -619,6 +697,114 @@ fn check_embed(k: &Kernels, dtype: Dtype) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Whether the expert kernels passed their check in `dtype` (run on first
+/// ask).
+fn experts_checked(k: &Kernels, dtype: Dtype) -> bool {
+    passes(&EXPERTS_CHECKED, dtype, || check_experts(k, dtype))
+}
+
+/// The router, expert product and combine kernels against MLX's ops as
+/// [`crate::nn::moe::SparseMoe`] computes them (precise softmax, the top
+/// choices, each expert's product, a weighted sum): 3 tokens, 4 of 10
+/// experts each, with and without normalized weights, on logits whose top
+/// choices are clear (in bfloat16 too); products of rows read 16 bytes at
+/// a time (256) and a value at a time (320).
+fn check_experts(k: &Kernels, dtype: Dtype) -> Result<()> {
+    let (rows, experts, choices, d, inner, gs, bits) = (3, 10, 4, 256, 320, 64, 4);
+    let values: Vec<f32> = (0..rows * experts)
+        .map(|i| ((i % experts) * 7 + (i / experts) * 3) % experts)
+        .map(|v| v as f32 * 0.5 - 2.0)
+        .collect();
+    let logits = Array::from_slice(&values, &[rows, 1, experts]).as_dtype(dtype)?;
+    // Each row's experts, largest logit first.
+    let want_ids: Vec<i32> = (0..rows as usize)
+        .flat_map(|r| {
+            let row = &values[r * experts as usize..(r + 1) * experts as usize];
+            let mut order: Vec<i32> = (0..experts).collect();
+            order.sort_by(|a, b| row[*b as usize].total_cmp(&row[*a as usize]));
+            order.truncate(choices as usize);
+            order
+        })
+        .collect();
+    let want_ids = Array::from_slice(&want_ids, &[rows, choices]);
+    let probs = mlx_rs::ops::softmax_axis(&logits.reshape(&[rows, experts])?, -1, true)?;
+    let mut ids_scores = None;
+    for norm in [false, true] {
+        let (ids, scores) = k.route(&logits, choices, norm)?;
+        within("router kernel's choices", &ids, &want_ids, 0.0)?;
+        let mut want = mlx_rs::ops::indexing::take_along_axis(&probs, &want_ids, -1)?;
+        if norm {
+            want = want.divide(want.sum_axis(-1, true)?)?;
+        }
+        close("router weights", dtype, &scores, &want)?;
+        ids_scores = Some((ids, scores));
+    }
+    let (ids, scores) = ids_scores.expect("routed");
+    // Each pair's row: pair p is row p / choices's.
+    let floor_rows = Array::from_slice(
+        &(0..rows * choices)
+            .map(|p| p / choices)
+            .collect::<Vec<i32>>(),
+        &[rows * choices],
+    );
+    let stack = |out: i32, inp: i32, seed: u64| -> Result<(Array, Array, Array)> {
+        let w = normal(&[experts, out, inp], seed, Dtype::Float32)?;
+        let (w, scales, biases) = mlx_rs::ops::quantize(&w, gs, bits)?;
+        Ok((w, scales.as_dtype(dtype)?, biases.as_dtype(dtype)?))
+    };
+    fn quant((w, scales, biases): &(Array, Array, Array), bits: i32, gs: i32) -> QuantWeight<'_> {
+        QuantWeight {
+            w,
+            scales,
+            biases,
+            bits,
+            group_size: gs,
+        }
+    }
+    let (gate, up, down) = (
+        stack(inner, d, 31)?,
+        stack(inner, d, 32)?,
+        stack(d, inner, 33)?,
+    );
+    // Each (row, choice) pair's row of `x` (`[rows or rows * choices, 1,
+    // in]`) through its expert's dequantized weight (as MLX's quantized
+    // products sum the same weight values), `[rows * choices, 1, out]`.
+    let flat = ids.reshape(&[rows * choices])?;
+    let gathered = |x: &Array, (w, scales, biases): &(Array, Array, Array)| -> Result<Array> {
+        let dense = mlx_rs::ops::dequantize(w, scales, biases, gs, bits)?.take_axis(&flat, 0)?;
+        let x = match x.dim(0) {
+            n if n == rows => x.take_axis(&floor_rows, 0)?,
+            _ => x.clone(),
+        };
+        Ok(x.matmul(&mlx_rs::ops::swap_axes(&dense, -1, -2)?)?)
+    };
+    let bound = if dtype == Dtype::Float32 { 1e-4 } else { 2e-2 };
+    let x = normal(&[rows, 1, d], 34, dtype)?;
+    let (g, u) = (gathered(&x, &gate)?, gathered(&x, &up)?);
+    let act = g.multiply(mlx_rs::ops::sigmoid(&g)?)?.multiply(&u)?;
+    let got = k.experts(
+        &x,
+        &ids,
+        &quant(&gate, bits, gs),
+        Some(&quant(&up, bits, gs)),
+    )?;
+    close_relative("experts' SwiGLU product", &got, &act, bound)?;
+    let ys = gathered(&act, &down)?;
+    let got = k.experts(&act, &ids, &quant(&down, bits, gs), None)?;
+    close_relative("experts' product", &got, &ys, bound)?;
+    let weighted = ys
+        .reshape(&[rows, choices, d])?
+        .multiply(mlx_rs::ops::expand_dims_axes(&scores, &[-1])?)?;
+    let want = weighted.sum_axis(-2, false)?.as_dtype(dtype)?;
+    // Relative: the sums are in the thousands, where a bfloat16 step is 32.
+    close_relative(
+        "experts' weighted sum",
+        &k.combine(&ys, &scores)?.reshape(&[rows, d])?,
+        &want,
+        bound,
+    )
 }
 
 /// `max |got - want| / max |want|`, within `bound`.

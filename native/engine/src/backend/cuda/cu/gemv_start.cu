@@ -1,5 +1,4 @@
 
-  const int OUTS = wq_shape[0] / PER_OUT;
   constexpr int WARPS = BLOCK / 32;
   constexpr int PER_WORD = 32 / BITS;
   constexpr int CH = 4 * PER_WORD;
