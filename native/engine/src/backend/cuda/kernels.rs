@@ -181,14 +181,15 @@ const GEMV_SPLIT: &str = include_str!("cu/gemv_split.cu");
 /// [`GEMV_SPLIT`]'s first trip, fetched before the prologue.
 const GEMV_SPLIT_FETCH: &str = include_str!("cu/gemv_split_fetch.cu");
 
-/// [`GEMV_BODY`]'s weight rows of an output: the weight's row, and for
-/// SwiGLU the up row `OUTS` further on.
+/// Where [`GEMV_TILE_FETCH`] finds an output's weight rows (`ROW_OF`,
+/// `W_ROWS`, `S_ROWS`, `B_ROWS` of the output and its part): the weight's
+/// row, and for SwiGLU the up row `OUTS` further on.
 const GEMV_WEIGHTS: &str = include_str!("cu/gemv_weights.cu");
 
-/// [`GEMV_BODY`]'s weight rows for a routed expert's product: each tile is
-/// one (row, choice) pair of `experts` `[rows, choices]` and reads the
-/// weights of its expert from a stack `[experts, OUTS, K]` (gate's, and up's
-/// from [`GEMV_EXPERTS_UP`] for SwiGLU).
+/// The same for a routed expert's product: each tile is one (row, choice)
+/// pair of `experts` `[rows, choices]` and reads the rows of its expert in
+/// a stack `[experts, OUTS, K]` (gate's, and up's from [`GEMV_EXPERTS_UP`]
+/// for SwiGLU).
 const GEMV_EXPERTS: &str = include_str!("cu/gemv_experts.cu");
 const GEMV_EXPERTS_UP: &str = include_str!("cu/gemv_experts_up.cu");
 

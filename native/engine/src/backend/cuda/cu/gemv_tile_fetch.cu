@@ -18,16 +18,16 @@
     for (int rr = 0; rr < R; rr++) {
 #pragma unroll
       for (int p = 0; p < PER_OUT; p++) {
-        const int n = base + rr;
-        const uint4* wr = reinterpret_cast<const uint4*>(wrow[p] + (size_t)n * WORDS);
+        const int n = ROW_OF(base + rr, p);
+        const uint4* wr = reinterpret_cast<const uint4*>(W_ROWS(p) + (size_t)n * WORDS);
 #pragma unroll
         for (int it = 0; it < WIN; it++) {
           const int i = (win * WIN + it) * 32 + lane;
           if (base + rr < OUTS && i < CHUNKS) {
             rs[rr][p].words[it] = wr[i];
             const size_t g = (size_t)n * GROUPS + i * CH / GS;
-            rs[rr][p].sc[it] = static_cast<float>(srow[p][g]) * (float)(1 << BITS);
-            rs[rr][p].bi[it] = static_cast<float>(brow[p][g]);
+            rs[rr][p].sc[it] = static_cast<float>(S_ROWS(p)[g]) * (float)(1 << BITS);
+            rs[rr][p].bi[it] = static_cast<float>(B_ROWS(p)[g]);
           }
         }
       }

@@ -1,12 +1,7 @@
 
-  // Output n's weight rows: row n of the weight, and for SwiGLU its up row
-  // n + OUTS.
-  decltype(wq) wrow[PER_OUT];
-  decltype(scales) srow[PER_OUT];
-  decltype(biases) brow[PER_OUT];
-#pragma unroll
-  for (int p = 0; p < PER_OUT; p++) {
-    wrow[p] = wq + (size_t)p * OUTS * WORDS;
-    srow[p] = scales + (size_t)p * OUTS * GROUPS;
-    brow[p] = biases + (size_t)p * OUTS * GROUPS;
-  }
+  // Part p of output n's weight rows is row ROW_OF(n, p) from W_ROWS(p) on:
+  // row n, and for SwiGLU the up row n + OUTS.
+#define ROW_OF(n, p) ((n) + (p) * OUTS)
+#define W_ROWS(p) wq
+#define S_ROWS(p) scales
+#define B_ROWS(p) biases
