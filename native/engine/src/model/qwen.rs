@@ -568,6 +568,24 @@ mod tests {
             .join(name)
     }
 
+    /// The CUDA step's products take a quantized Qwen3-MoE checkpoint's
+    /// layers, its experts through the expert kernels (mlx-lm's layout:
+    /// stacked experts, an 8-bit router, a dense layer among them), and not
+    /// an unquantized one's.
+    #[test]
+    fn cuda_step_products_take_quantized_experts() {
+        use crate::backend::cuda::layer::takes_experts_of;
+        let options = LoadOptions {
+            dtype: Some(Dtype::Float32),
+            ..LoadOptions::default()
+        };
+        let quantized = Model::load(&fixture("qwen3-moe-4bit"), &options).unwrap();
+        assert!(takes_experts_of(&quantized.blocks, Dtype::Float32));
+        assert!(takes_experts_of(&quantized.blocks, Dtype::Bfloat16));
+        let dense = Model::load(&fixture("qwen3-moe"), &options).unwrap();
+        assert!(!takes_experts_of(&dense.blocks, Dtype::Float32));
+    }
+
     /// Logits of a 5-token prompt and three decode steps after it.
     fn logits(model: &Model, cpu_ops: bool) -> Vec<Vec<f32>> {
         let mut cache = KvCache::new(&model.kv_shape(), 1, 16).unwrap();

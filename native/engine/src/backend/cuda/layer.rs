@@ -447,6 +447,15 @@ fn takes_experts(e: &ExpertWeights, dtype: Dtype) -> bool {
         && (1..=MOST_CHOICES.min(experts)).contains(&e.top_k)
 }
 
+/// Whether our product kernels take every layer of `blocks` in `dtype`
+/// and some layer's routed experts through the expert kernels (their
+/// check aside): the shapes' side of [`products`], which runs no kernel.
+#[cfg(test)]
+pub(crate) fn takes_experts_of(blocks: &[Block], dtype: Dtype) -> bool {
+    products(blocks, dtype, || true)
+        .is_some_and(|w| w.iter().any(|p| matches!(p.mlp, MlpProducts::Experts(_))))
+}
+
 /// Whether the product kernels unpack this weight's layout, for inputs
 /// in `dtype`.
 fn unpacks(w: &QuantWeight, dtype: Dtype) -> bool {
