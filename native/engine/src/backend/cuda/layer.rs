@@ -436,10 +436,9 @@ const MOST_CHOICES: i32 = 32;
 /// stacks of one layout the product kernels unpack, and at most
 /// [`MOST_CHOICES`] experts a token.
 fn takes_experts(e: &ExpertWeights, dtype: Dtype) -> bool {
-    let stacked = [&e.gate, &e.up, &e.down].into_iter().all(|w| {
-        w.w.ndim() == 3
-            && kernels::gemv_takes(w.bits, w.group_size, w.w.dim(2) * 32 / w.bits, dtype)
-    });
+    let stacked = [&e.gate, &e.up, &e.down]
+        .into_iter()
+        .all(|w| w.w.ndim() == 3 && unpacks(w, dtype));
     let experts = e.gate.w.dim(0);
     stacked
         && unpacks(&e.router, dtype)
@@ -456,10 +455,10 @@ pub(crate) fn takes_experts_of(blocks: &[Block], dtype: Dtype) -> bool {
         .is_some_and(|w| w.iter().any(|p| matches!(p.mlp, MlpProducts::Experts(_))))
 }
 
-/// Whether the product kernels unpack this weight's layout, for inputs
-/// in `dtype`.
+/// Whether the product kernels unpack this weight's layout (rows, or a stack of
+/// them), for inputs in `dtype`.
 fn unpacks(w: &QuantWeight, dtype: Dtype) -> bool {
-    kernels::gemv_takes(w.bits, w.group_size, w.w.dim(1) * 32 / w.bits, dtype)
+    kernels::gemv_takes(w.bits, w.group_size, w.w.dim(-1) * 32 / w.bits, dtype)
 }
 
 /// Every layer's products, when all are quantized in a layout the kernels
@@ -655,7 +654,12 @@ pub(super) fn check_rows(
 fn swiglu_of_halves(y: &Array) -> Result<Array> {
     let half = y.dim(-1) / 2;
     let (g, u) = (y.index((.., .., ..half)), y.index((.., .., half..)));
-    Ok(g.multiply(mlx_rs::ops::sigmoid(&g)?)?.multiply(&u)?)
+    swiglu_of(&g, &u)
+}
+
+/// `silu(g) * u` as MLX's ops compute it.
+fn swiglu_of(g: &Array, u: &Array) -> Result<Array> {
+    Ok(g.multiply(mlx_rs::ops::sigmoid(g)?)?.multiply(u)?)
 }
 
 /// The embedding kernel against MLX's `take`, `dequantize` and `rms_norm`
@@ -792,7 +796,7 @@ fn check_experts(k: &Kernels, dtype: Dtype) -> Result<()> {
     let bound = if dtype == Dtype::Float32 { 1e-4 } else { 2e-2 };
     let x = normal(&[rows, 1, d], 34, dtype)?;
     let (g, u) = (gathered(&x, &gate)?, gathered(&x, &up)?);
-    let act = g.multiply(mlx_rs::ops::sigmoid(&g)?)?.multiply(&u)?;
+    let act = swiglu_of(&g, &u)?;
     let got = k.experts(
         &x,
         &ids,
