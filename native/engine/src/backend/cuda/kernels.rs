@@ -195,9 +195,11 @@ const GEMV_EXPERTS_UP: &str = include_str!("cu/gemv_experts_up.cu");
 
 /// A router's choices for one token a block, as mlx-lm's `qwen3_moe`
 /// makes them: the softmax of the logits `[rows, E]` in float32 rounded
-/// to the compute dtype, the `TOPK` largest (`ids`, largest first, ties to
-/// the lower expert) and their probabilities (`scores`), with `NORM`
-/// divided by their sum rounded as MLX's `sum` rounds it.
+/// to the compute dtype, the `TOPK` largest (`ids`) and their probabilities
+/// (`scores`), with `NORM` divided by their sum rounded as MLX's `sum`
+/// rounds it. The choices are those of `argpartition` on a GPU, the last
+/// `TOPK` of MLX's stable ascending sort: in ascending order, ties to the
+/// higher expert.
 const MOE_ROUTE: &str = include_str!("cu/moe_route.cu");
 
 /// The routed experts' outputs `ys` `[rows * TOPK, 1, D]` weighted by
@@ -767,7 +769,7 @@ impl Kernels {
         Ok(out.remove(0))
     }
 
-    /// Each row's `top_k` experts (`[rows, top_k]` int32, largest first) and
+    /// Each row's `top_k` experts (`[rows, top_k]` int32, smallest first) and
     /// their weights (`[rows, top_k]` in the logits' dtype, divided by
     /// their sum with `norm`) from the router's logits `[rows, 1, E]`.
     pub(crate) fn route(&self, logits: &Array, top_k: i32, norm: bool) -> Result<(Array, Array)> {

@@ -720,25 +720,29 @@ fn experts_checked(k: &Kernels, dtype: Dtype) -> bool {
 
 /// The router, expert product and combine kernels against MLX's ops as
 /// [`crate::nn::moe::SparseMoe`] computes them (precise softmax, the top
-/// choices, each expert's product, a weighted sum): 3 tokens, 4 of 10
+/// choices, each expert's product, a weighted sum): 4 tokens, 4 of 10
 /// experts each, with and without normalized weights, on logits whose top
-/// choices are clear (in bfloat16 too); products of rows read 16 bytes at
-/// a time (256) and a value at a time (320).
+/// choices are clear (in bfloat16 too) but for the last token's, five of
+/// which tie; products of rows read 16 bytes at a time (256) and a value at
+/// a time (320).
 fn check_experts(k: &Kernels, dtype: Dtype) -> Result<()> {
-    let (rows, experts, choices, d, inner, gs, bits) = (3, 10, 4, 256, 320, 64, 4);
+    let (rows, experts, choices, d, inner, gs, bits) = (4, 10, 4, 256, 320, 64, 4);
     let values: Vec<f32> = (0..rows * experts)
-        .map(|i| ((i % experts) * 7 + (i / experts) * 3) % experts)
-        .map(|v| v as f32 * 0.5 - 2.0)
+        .map(|i| match i / experts {
+            3 if i % experts < 5 => 1.0,
+            3 => -1.0,
+            _ => (((i % experts) * 7 + (i / experts) * 3) % experts) as f32 * 0.5 - 2.0,
+        })
         .collect();
     let logits = Array::from_slice(&values, &[rows, 1, experts]).as_dtype(dtype)?;
-    // Each row's experts, largest logit first.
+    // Each row's experts as `argpartition` picks them on a GPU: the last
+    // `choices` of a stable ascending sort (ties to the higher expert).
     let want_ids: Vec<i32> = (0..rows as usize)
         .flat_map(|r| {
             let row = &values[r * experts as usize..(r + 1) * experts as usize];
             let mut order: Vec<i32> = (0..experts).collect();
-            order.sort_by(|a, b| row[*b as usize].total_cmp(&row[*a as usize]));
-            order.truncate(choices as usize);
-            order
+            order.sort_by(|a, b| row[*a as usize].total_cmp(&row[*b as usize]));
+            order.split_off((experts - choices) as usize)
         })
         .collect();
     let want_ids = Array::from_slice(&want_ids, &[rows, choices]);

@@ -7,11 +7,12 @@
   __shared__ float sv[WARPS];
   __shared__ int si[WARPS];
   __shared__ float picked[TOPK];
-  // The block's largest (v, i) of each thread's, ties to the lower index;
-  // every thread gets it.
+  // The block's largest (v, i) of each thread's, ties to the higher index
+  // (where MLX's stable ascending sort leaves them last); every thread gets
+  // it.
   auto largest = [&](float v, int i, float& bv, int& bi) {
     auto take = [&](float ov, int oi) {
-      if (ov > v || (ov == v && oi < i)) {
+      if (ov > v || (ov == v && oi > i)) {
         v = ov;
         i = oi;
       }
@@ -50,18 +51,20 @@
   s = 0.f;
   for (int w = 0; w < WARPS; w++) s += sv[w];
   // The probabilities as MLX's softmax stores them; -1 marks the padding
-  // and the experts taken.
+  // and the experts taken, which no choice takes.
 #pragma unroll
   for (int k = 0; k < PER; k++) {
     v[k] = t + k * BLOCK < E ? static_cast<float>(static_cast<T>(v[k] / s)) : -1.f;
   }
+  // The j-th largest goes last but j, as the last TOPK of MLX's ascending
+  // sort hold them.
   for (int j = 0; j < TOPK; j++) {
     float bv = -1.f;
-    int bi = E;
+    int bi = -1;
 #pragma unroll
     for (int k = 0; k < PER; k++) {
       const int i = t + k * BLOCK;
-      if (v[k] > bv || (v[k] == bv && i < bi)) {
+      if (v[k] > bv || (v[k] == bv && v[k] >= 0.f && i > bi)) {
         bv = v[k];
         bi = i;
       }
@@ -72,8 +75,8 @@
       if (t + k * BLOCK == bi) v[k] = -1.f;
     }
     if (t == 0) {
-      ids[(size_t)row * TOPK + j] = bi;
-      picked[j] = bv;
+      ids[(size_t)row * TOPK + TOPK - 1 - j] = bi;
+      picked[TOPK - 1 - j] = bv;
     }
   }
   __syncthreads();
