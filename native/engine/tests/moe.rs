@@ -11,6 +11,7 @@ use std::fs;
 use common::forced::{forced_logits, reference, worst_error};
 use common::*;
 use emlx_axon_engine::backend::{Path, Work};
+use emlx_axon_engine::runtime::device::on_host;
 use emlx_axon_engine::{
     Dtype, Generation, LoadOptions, Model, QuantSpec, SamplerConfig, Scheduler, SchedulerConfig,
 };
@@ -25,8 +26,7 @@ fn f32() -> LoadOptions {
 }
 
 fn check(name: &str, suffix: &str, options: &LoadOptions) {
-    let model = Model::load(&fixture(name), options).unwrap_or_else(|e| panic!("{name}: {e}"));
-    check_model(name, suffix, &model);
+    check_model(name, suffix, &load(name, options));
 }
 
 fn check_model(name: &str, suffix: &str, model: &Model) {
@@ -72,16 +72,10 @@ fn experts_quantized_at_load_match_mlx_lm() {
         ..f32()
     };
     // mlx-lm quantized its reference on the CPU, and a GPU's quantization
-    // kernel rounds some values otherwise: on a GPU the weights are
-    // quantized on the CPU's stream, then run on the GPU.
-    if emlx_axon_engine::runtime::device::gpu_available() {
-        let model = mlx_rs::with_stream(&mlx_rs::Stream::cpu(), || {
-            Model::load(&fixture("qwen3-moe"), &options).unwrap()
-        });
-        check_model("qwen3-moe", "_q4g64", &model);
-    } else {
-        check("qwen3-moe", "_q4g64", &options);
-    }
+    // kernel rounds some values otherwise: the weights are quantized on the
+    // CPU's stream (then run on the default device).
+    let model = on_host(|| load("qwen3-moe", &options));
+    check_model("qwen3-moe", "_q4g64", &model);
     // Unquantized, the model is measurably elsewhere: the check sees it.
     let reference = reference("qwen3-moe", "_q4g64");
     let (ours, ..) = forced_logits(&load_f32("qwen3-moe"), &reference.ids, PROMPT);

@@ -40,7 +40,7 @@ fn qwen3_dense_quantized_at_load() {
     // GPU must pick as mlx-lm does, one quantized on the CPU (then run on
     // the GPU) must also give its logits.
     check_model("qwen3-bf16", "_q4g128", load("qwen3-bf16", &options), false);
-    let on_cpu = mlx_rs::with_stream(&mlx_rs::Stream::cpu(), || load("qwen3-bf16", &options));
+    let on_cpu = emlx_axon_engine::runtime::device::on_host(|| load("qwen3-bf16", &options));
     check_model("qwen3-bf16", "_q4g128", on_cpu, true);
 }
 

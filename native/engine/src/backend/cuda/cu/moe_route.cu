@@ -56,8 +56,8 @@
   for (int k = 0; k < PER; k++) {
     v[k] = t + k * BLOCK < E ? static_cast<float>(static_cast<T>(v[k] / s)) : -1.f;
   }
-  // The j-th largest goes last but j, as the last TOPK of MLX's ascending
-  // sort hold them.
+  // The j-th largest goes to place TOPK - 1 - j: the order of the last TOPK
+  // of MLX's ascending sort.
   for (int j = 0; j < TOPK; j++) {
     float bv = -1.f;
     int bi = -1;
