@@ -1,17 +1,20 @@
 //! Decode steps replayed as one CUDA graph give MLX's own tokens: greedy
 //! generations with the replay on and off, alone, batched and side by side
-//! on streams of their own. Where there is no CUDA GPU the replay must not
-//! be used at all.
+//! on streams of their own, sampled ones, and constrained ones (their masks
+//! written to the device each step). Where there is no CUDA GPU the replay
+//! must not be used at all.
 
 mod common;
 
 use std::sync::Arc;
 
+use common::tokenizer;
 use common::{gpu_kernels_on, load, options, reference};
 use emlx_axon_engine::backend::{Path, Paths, Work};
 use emlx_axon_engine::runtime::device::{DeviceKind, MlxStream};
 use emlx_axon_engine::{
-    GenerateOptions, Generation, LoadOptions, Model, SamplerConfig, SamplerKind,
+    ConstraintSpec, GenerateOptions, Generation, LoadOptions, Model, RowOptions, SamplerConfig,
+    SamplerKind, Stats,
 };
 
 const FIXTURE: &str = "qwen3-4bit-g64";
@@ -210,5 +213,92 @@ fn sampled_replays_repeat_by_seed() {
         );
     } else {
         eprintln!("the replay's part skipped: no sampled replays here");
+    }
+}
+
+/// A list of short strings: choices inside the strings, forced separators.
+const SCHEMA: &str = r#"{"type": "object", "properties": {"items": {"type": "array",
+  "items": {"type": "string", "minLength": 3, "maxLength": 12}, "minItems": 40}},
+  "required": ["items"], "additionalProperties": false}"#;
+
+/// A constrained generation's ids and statistics: every row under
+/// [`SCHEMA`], seeded apart.
+fn run_constrained(
+    model: &Arc<Model>,
+    prompts: &[Vec<u32>],
+    sampler: SamplerConfig,
+    step_replay: bool,
+    fast_forward: bool,
+) -> (Vec<Vec<u32>>, Stats) {
+    let opts = GenerateOptions {
+        step_replay,
+        fast_forward,
+        rows: (0..prompts.len())
+            .map(|i| RowOptions {
+                seed: Some(11 + i as u64),
+                constraint: Some(ConstraintSpec::JsonSchema(SCHEMA.into())),
+            })
+            .collect(),
+        ..options(64, sampler)
+    };
+    let tokenizer = tokenizer(FIXTURE);
+    let mut g = Generation::start(model.clone(), Some(tokenizer), None, prompts, opts).unwrap();
+    while !g.is_done() {
+        g.next(5).unwrap();
+    }
+    (g.generated(), g.stats())
+}
+
+#[test]
+fn constrained_steps_replay_with_the_tokens_of_mlx_steps() {
+    if !emlx_axon_engine::runtime::device::gpu_available() {
+        eprintln!("skipped: constrained steps are replayed only on a CUDA GPU");
+        return;
+    }
+    let model = load(FIXTURE, &LoadOptions::default());
+    let prompt = prompts().swap_remove(0);
+    for sampler in [SamplerConfig::default(), qwen3_sampling(5)] {
+        for rows in [vec![prompt.clone()], vec![prompt.clone(); 2]] {
+            let what = format!("{} rows, greedy {}", rows.len(), sampler.is_greedy());
+            // MLX's steps, each row's forced tokens one a step.
+            let (want, off) = run_constrained(&model, &rows, sampler.clone(), false, false);
+            assert_ne!(
+                off.paths.main(Work::Decode),
+                Some(Path::CudaReplay),
+                "{what}: {:?}",
+                off.paths
+            );
+            assert!(want.iter().all(|r| r.len() > 8), "{what}: {want:?}");
+            // Replayed, with fast-forward off and on: a single row takes its
+            // forced tokens one a step there (no run ahead), as its masks
+            // would force them.
+            for fast_forward in [false, true] {
+                let (got, on) = run_constrained(&model, &rows, sampler.clone(), true, fast_forward);
+                assert_eq!(got, want, "{what}, fast-forward {fast_forward}");
+                let replays = replays_here() && (sampler.is_greedy() || sampled_replays_here());
+                if !replays {
+                    eprintln!(
+                        "skipped the replay's part ({what}): {:?}",
+                        on.paths.fallbacks
+                    );
+                    continue;
+                }
+                assert_eq!(
+                    on.paths.main(Work::Decode),
+                    Some(Path::CudaReplay),
+                    "{what}: {:?}",
+                    on.paths
+                );
+                assert!(
+                    !on.paths.fallbacks.iter().any(|r| r.starts_with("masked")),
+                    "{what}: {:?}",
+                    on.paths
+                );
+                if fast_forward {
+                    assert!(on.forced_tokens.iter().all(|&f| f > 0), "{what}");
+                    assert_eq!(on.forward_passes, off.forward_passes, "{what}");
+                }
+            }
+        }
     }
 }

@@ -81,6 +81,7 @@ struct Driver {
   CUresult (*host_free)(void*);
   CUresult (*error_name)(CUresult, const char**);
   CUresult (*capture_mode)(int*);
+  CUresult (*copy_to_device)(CUdeviceptr, const void*, size_t, CUstream);
 
   // Whether every entry point is here (each set where found).
   bool load() {
@@ -110,7 +111,8 @@ struct Driver {
         bind(host_device_pointer, "cuMemHostGetDevicePointer_v2") &&
         bind(host_free, "cuMemFreeHost") &&
         bind(error_name, "cuGetErrorName") &&
-        bind(capture_mode, "cuThreadExchangeStreamCaptureMode");
+        bind(capture_mode, "cuThreadExchangeStreamCaptureMode") &&
+        bind(copy_to_device, "cuMemcpyHtoDAsync_v2");
   }
 };
 
@@ -138,8 +140,17 @@ struct Step {
   CUcontext context = nullptr;
   CUstream stream = nullptr;
   std::vector<Launch> launches;
-  CUgraph graph = nullptr;
-  CUgraphExec exec = nullptr;
+  // The launches before `split` (the head) and from it (the tail), each a
+  // graph where capture worked; `split` 0: one part, the whole step.
+  size_t split = 0;
+  CUgraph graphs[2] = {nullptr, nullptr};
+  CUgraphExec execs[2] = {nullptr, nullptr};
+  bool head_queued = false;
+  // Pinned memory the host's uploads are copied from, and the event of the
+  // last copy from it.
+  void* staging = nullptr;
+  size_t staging_bytes = 0;
+  CUevent staged = nullptr;
   std::vector<CUevent> events;
   unsigned* ring = nullptr;
   CUdeviceptr ring_device = 0;
@@ -186,11 +197,19 @@ struct Step {
       if (stream != nullptr) {
         cu.stream_sync(stream);
       }
-      if (exec != nullptr) {
-        cu.exec_destroy(exec);
+      for (int p = 0; p < 2; p++) {
+        if (execs[p] != nullptr) {
+          cu.exec_destroy(execs[p]);
+        }
+        if (graphs[p] != nullptr) {
+          cu.graph_destroy(graphs[p]);
+        }
       }
-      if (graph != nullptr) {
-        cu.graph_destroy(graph);
+      if (staged != nullptr) {
+        cu.event_destroy(staged);
+      }
+      if (staging != nullptr) {
+        cu.host_free(staging);
       }
       for (auto e : events) {
         cu.event_destroy(e);
@@ -394,8 +413,13 @@ extern "C" int emlx_cuda_step_add(
 
 namespace {
 
-bool launch_all(Step& step) {
-  for (auto& l : step.launches) {
+// The launches of part `p` (0 the head, 1 the tail; with no split, part 1
+// is the whole step).
+bool launch_part(Step& step, int p) {
+  size_t from = p == 0 ? 0 : step.split;
+  size_t to = p == 0 ? step.split : step.launches.size();
+  for (size_t i = from; i < to; i++) {
+    auto& l = step.launches[i];
     if (!step.ok(
             step.cu.launch(
                 l.function,
@@ -418,33 +442,48 @@ bool launch_all(Step& step) {
 
 } // namespace
 
-// Captures the launches as one CUDA graph. Nonzero, with `*error`, where
-// capture fails; the step then launches kernel by kernel.
-extern "C" int emlx_cuda_step_capture(void* handle, char** error) {
+// Captures the launches as CUDA graphs: one, or with `split` between 0 and
+// the number of launches, the head (the launches before it) and the tail.
+// Nonzero, with `*error`, where capture fails; the step then launches kernel
+// by kernel.
+extern "C" int emlx_cuda_step_capture(void* handle, size_t split, char** error) {
   auto* step = static_cast<Step*>(handle);
   return guarded(error, [&] {
+    step->split = split < step->launches.size() ? split : 0;
     bool captured = step->in_context([&] {
-      // 1: CU_STREAM_CAPTURE_MODE_THREAD_LOCAL, so that MLX's own threads'
-      // calls meanwhile neither fail nor break the capture.
-      if (!step->ok(
-              step->cu.begin_capture(step->stream, 1), "cuStreamBeginCapture")) {
-        return false;
-      }
-      bool launched = launch_all(*step);
-      CUgraph graph = nullptr;
-      CUresult ended = step->cu.end_capture(step->stream, &graph);
-      if (!launched || !step->ok(ended, "cuStreamEndCapture")) {
-        if (graph != nullptr) {
-          step->cu.graph_destroy(graph);
+      for (int p = step->split > 0 ? 0 : 1; p < 2; p++) {
+        // 1: CU_STREAM_CAPTURE_MODE_THREAD_LOCAL, so that MLX's own threads'
+        // calls meanwhile neither fail nor break the capture.
+        if (!step->ok(
+                step->cu.begin_capture(step->stream, 1),
+                "cuStreamBeginCapture")) {
+          return false;
         }
-        return false;
+        bool launched = launch_part(*step, p);
+        CUgraph graph = nullptr;
+        CUresult ended = step->cu.end_capture(step->stream, &graph);
+        if (!launched || !step->ok(ended, "cuStreamEndCapture")) {
+          if (graph != nullptr) {
+            step->cu.graph_destroy(graph);
+          }
+          return false;
+        }
+        step->graphs[p] = graph;
+        if (!step->ok(
+                step->cu.instantiate(&step->execs[p], graph, 0),
+                "cuGraphInstantiate")) {
+          return false;
+        }
       }
-      step->graph = graph;
-      return step->ok(
-          step->cu.instantiate(&step->exec, graph, 0), "cuGraphInstantiate");
+      return true;
     });
     if (!captured) {
-      step->exec = nullptr;
+      for (int p = 0; p < 2; p++) {
+        if (step->execs[p] != nullptr) {
+          step->in_context([&] { return step->cu.exec_destroy(step->execs[p]) == 0; });
+        }
+        step->execs[p] = nullptr;
+      }
       *error = copy_out(step->error);
       return 1;
     }
@@ -452,23 +491,94 @@ extern "C" int emlx_cuda_step_capture(void* handle, char** error) {
   });
 }
 
-// Queues one step (the graph, or each kernel where there is none) and marks
-// its slot's event.
+namespace {
+
+bool queue_part(Step& step, int p) {
+  return step.execs[p] != nullptr
+      ? step.ok(step.cu.graph_launch(step.execs[p], step.stream), "cuGraphLaunch")
+      : launch_part(step, p);
+}
+
+} // namespace
+
+// Queues the head of the next step (a step with a split), whose tail
+// `emlx_cuda_step_launch` queues.
+extern "C" int emlx_cuda_step_launch_head(void* handle, char** error) {
+  auto* step = static_cast<Step*>(handle);
+  return guarded(error, [&] {
+    if (step->split == 0 || step->head_queued) {
+      *error = copy_out("no head to queue: a step without a split, or queued");
+      return 1;
+    }
+    if (!step->in_context([&] { return queue_part(*step, 0); })) {
+      *error = copy_out(step->error);
+      return 1;
+    }
+    step->head_queued = true;
+    return 0;
+  });
+}
+
+// Copies `bytes` from the host's `data` to the device's `to` on the step's
+// stream, after what is queued there: through pinned memory, so the copy
+// does not wait for the stream, and `data` may be reused at once.
+extern "C" int emlx_cuda_step_upload(
+    void* handle,
+    unsigned long long to,
+    const void* data,
+    size_t bytes,
+    char** error) {
+  auto* step = static_cast<Step*>(handle);
+  return guarded(error, [&] {
+    bool copied = step->in_context([&] {
+      if (step->staged != nullptr &&
+          !step->ok(step->cu.event_sync(step->staged), "cuEventSynchronize")) {
+        return false;
+      }
+      if (step->staging_bytes < bytes) {
+        if (step->staging != nullptr) {
+          step->cu.host_free(step->staging);
+          step->staging = nullptr;
+          step->staging_bytes = 0;
+        }
+        if (!step->ok(step->cu.host_alloc(&step->staging, bytes, 0), "cuMemHostAlloc")) {
+          return false;
+        }
+        step->staging_bytes = bytes;
+      }
+      if (step->staged == nullptr &&
+          !step->ok(step->cu.event_create(&step->staged, 3), "cuEventCreate")) {
+        return false;
+      }
+      std::memcpy(step->staging, data, bytes);
+      return step->ok(
+                 step->cu.copy_to_device(to, step->staging, bytes, step->stream),
+                 "cuMemcpyHtoDAsync") &&
+          step->ok(step->cu.event_record(step->staged, step->stream), "cuEventRecord");
+    });
+    if (!copied) {
+      *error = copy_out(step->error);
+      return 1;
+    }
+    return 0;
+  });
+}
+
+// Queues one step (its graphs, or each kernel where there are none), or the
+// tail of one whose head is queued, and marks its slot's event.
 extern "C" int emlx_cuda_step_launch(void* handle, char** error) {
   auto* step = static_cast<Step*>(handle);
   return guarded(error, [&] {
     bool queued = step->in_context([&] {
-      bool launched = step->exec != nullptr
-          ? step->ok(
-                step->cu.graph_launch(step->exec, step->stream), "cuGraphLaunch")
-          : launch_all(*step);
-      return launched &&
+      bool head = step->split == 0 || step->head_queued || queue_part(*step, 0);
+      return head && queue_part(*step, 1) &&
           step->ok(
               step->cu.event_record(
                   step->events[step->launched % step->events.size()],
                   step->stream),
               "cuEventRecord");
     });
+    step->head_queued = false;
     if (!queued) {
       *error = copy_out(step->error);
       return 1;

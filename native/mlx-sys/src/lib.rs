@@ -121,6 +121,18 @@ extern "C" {
     ) -> ::std::os::raw::c_int;
     pub fn emlx_cuda_step_capture(
         step: *mut ::std::os::raw::c_void,
+        split: usize,
+        error: *mut *mut ::std::os::raw::c_char,
+    ) -> ::std::os::raw::c_int;
+    pub fn emlx_cuda_step_launch_head(
+        step: *mut ::std::os::raw::c_void,
+        error: *mut *mut ::std::os::raw::c_char,
+    ) -> ::std::os::raw::c_int;
+    pub fn emlx_cuda_step_upload(
+        step: *mut ::std::os::raw::c_void,
+        to: u64,
+        data: *const ::std::os::raw::c_void,
+        bytes: usize,
         error: *mut *mut ::std::os::raw::c_char,
     ) -> ::std::os::raw::c_int;
     pub fn emlx_cuda_step_launch(
@@ -230,7 +242,25 @@ mod no_cuda {
         *error = std::ptr::null_mut();
         1
     }
-    pub unsafe fn emlx_cuda_step_capture(_: *mut c_void, error: *mut *mut c_char) -> c_int {
+    pub unsafe fn emlx_cuda_step_capture(
+        _: *mut c_void,
+        _: usize,
+        error: *mut *mut c_char,
+    ) -> c_int {
+        *error = std::ptr::null_mut();
+        1
+    }
+    pub unsafe fn emlx_cuda_step_launch_head(_: *mut c_void, error: *mut *mut c_char) -> c_int {
+        *error = std::ptr::null_mut();
+        1
+    }
+    pub unsafe fn emlx_cuda_step_upload(
+        _: *mut c_void,
+        _: u64,
+        _: *const c_void,
+        _: usize,
+        error: *mut *mut c_char,
+    ) -> c_int {
         *error = std::ptr::null_mut();
         1
     }

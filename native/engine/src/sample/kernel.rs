@@ -87,7 +87,7 @@ pub fn sample_at(
         return Ok(None);
     };
     let positions = Array::from_slice(positions, &[rows as i32]);
-    let ids = k.draw(logits, &positions, &seeds(row_seeds), &params(c))?;
+    let ids = k.draw(logits, &positions, &seeds(row_seeds), &params(c), None)?;
     ids.eval()?;
     Ok(Some(
         ids.try_as_slice::<u32>()
@@ -140,6 +140,18 @@ pub(crate) fn check(k: &SampleKernel, dtype: Dtype) -> Result<()> {
         .try_as_slice::<f32>()
         .map_err(|e| Error::Mlx(format!("reading the sample check's logits: {e}")))?
         .to_vec();
+    let (allowed, bits) = crate::backend::cuda::layer::check_mask(rows as usize, vocab as usize);
+    let mask = Array::from_slice(&bits, &[rows, (vocab + 31) / 32]);
+    let masked_rows: Vec<f32> = host_rows
+        .chunks(vocab as usize)
+        .zip(allowed.chunks(vocab as usize))
+        .flat_map(|(row, allowed)| {
+            let none = !allowed.contains(&true);
+            row.iter()
+                .zip(allowed)
+                .map(move |(&x, &a)| if a || none { x } else { f32::NEG_INFINITY })
+        })
+        .collect();
     let configs = [
         (0.6, 0.95, 20, 0.0, 1),
         (1.0, 1.0, 64, 0.0, 1),
@@ -163,22 +175,39 @@ pub(crate) fn check(k: &SampleKernel, dtype: Dtype) -> Result<()> {
             let row_seeds: Vec<u64> = (0..rows as u64)
                 .map(|r| base.wrapping_add(r * 7919 + n as u64))
                 .collect();
-            let got = k.draw(&logits, &position_array, &seeds(&row_seeds), &params(&c))?;
-            got.eval()?;
-            let got = got
-                .try_as_slice::<u32>()
-                .map_err(|e| Error::Mlx(format!("reading the sample check's tokens: {e}")))?
-                .to_vec();
-            for (r, row) in host_rows.chunks(vocab as usize).enumerate() {
-                let u = uniform(row_seeds[r], positions[r]);
-                if !agrees(&c, row, u, got[r]) {
-                    return Err(Error::Mlx(format!(
-                        "the sample kernel ({dtype:?}) drew {} where the host draws {} \
-                         (row {r}, temperature {temperature}, top-p {top_p}, top-k {top_k}, \
-                         min-p {min_p})",
-                        got[r],
-                        reference_draw(&c, row, u)
-                    )));
+            let drawn = |mask: Option<&Array>| -> Result<Vec<u32>> {
+                let got = k.draw(
+                    &logits,
+                    &position_array,
+                    &seeds(&row_seeds),
+                    &params(&c),
+                    mask,
+                )?;
+                got.eval()?;
+                Ok(got
+                    .try_as_slice::<u32>()
+                    .map_err(|e| Error::Mlx(format!("reading the sample check's tokens: {e}")))?
+                    .to_vec())
+            };
+            // Unmasked, then masked: the host's draw over the logits with
+            // every token a row's mask leaves out at -inf (a row allowing
+            // none draws unmasked).
+            for (got, rows_now, masked) in [
+                (drawn(None)?, &host_rows, false),
+                (drawn(Some(&mask))?, &masked_rows, true),
+            ] {
+                for (r, row) in rows_now.chunks(vocab as usize).enumerate() {
+                    let u = uniform(row_seeds[r], positions[r]);
+                    if !agrees(&c, row, u, got[r]) {
+                        return Err(Error::Mlx(format!(
+                            "the sample kernel ({dtype:?}{}) drew {} where the host draws {} \
+                             (row {r}, temperature {temperature}, top-p {top_p}, top-k {top_k}, \
+                             min-p {min_p})",
+                            if masked { ", masked" } else { "" },
+                            got[r],
+                            reference_draw(&c, row, u)
+                        )));
+                    }
                 }
             }
         }

@@ -38,7 +38,7 @@ pub enum SamplerKind {
 /// The last axis's argmax as uint32 token ids, lazily: our kernel on a
 /// CUDA stream (one node instead of MLX's two, and faster), else MLX's.
 pub fn greedy(logits: &Array) -> Result<Array> {
-    match crate::backend::cuda::layer::argmax(logits)? {
+    match crate::backend::cuda::layer::argmax(logits, None)? {
         Some(ids) => Ok(ids),
         None => Ok(argmax_axis(logits, -1, false)?.as_dtype(Dtype::Uint32)?),
     }
@@ -231,7 +231,7 @@ impl Sampler {
             if self.config.kind == SamplerKind::TopPCpu || host_node_here() {
                 self.host_node(logits)?
             } else {
-                match self.sample_kernel(logits)? {
+                match self.sample_kernel(logits, None)? {
                     Some(ids) => ids,
                     None => self.sample_ops(logits)?,
                 }
@@ -298,15 +298,34 @@ impl Sampler {
     }
 
     /// Each row's token from our kernel where it takes the work (see
-    /// [`kernel_for`]); otherwise `None` (MLX's ops then).
-    fn sample_kernel(&mut self, logits: &Array) -> Result<Option<Array>> {
+    /// [`kernel_for`]), among those `mask` allows; otherwise `None` (MLX's
+    /// ops then).
+    fn sample_kernel(&mut self, logits: &Array, mask: Option<&Array>) -> Result<Option<Array>> {
         let Some((k, positions)) = kernel_for(&self.config, logits) else {
             return Ok(None);
         };
         let (seeds, params) = self
             .kernel_inputs
             .get_or_insert_with(|| (kernel::seeds(&self.seeds), kernel::params(&self.config)));
-        Ok(Some(k.draw(logits, &positions, seeds, params)?))
+        Ok(Some(k.draw(logits, &positions, seeds, params, mask)?))
+    }
+
+    /// `[B, V]` logits -> `[B]` uint32 tokens (lazy), each row among the
+    /// tokens its `mask` allows (`[B, ceil(V / 32)]` uint32: bit `i % 32`
+    /// of word `i / 32` allows token `i`; a row allowing none is drawn
+    /// unmasked), by our CUDA kernels: greedy rows by the argmax, sampled
+    /// ones by the sampling kernel. `None` where neither takes this step
+    /// (another device or sampler, a failed check; the reason noted): the
+    /// caller masks the logits itself.
+    pub fn sample_masked(&mut self, logits: &Array, mask: &Array) -> Result<Option<Array>> {
+        if self.config.is_greedy() {
+            return crate::backend::cuda::layer::argmax(logits, Some(mask));
+        }
+        self.check_rows(logits.dim(0) as usize)?;
+        if self.config.kind != SamplerKind::TopPGpu || host_node_here() {
+            return Ok(None);
+        }
+        self.sample_kernel(logits, Some(mask))
     }
 
     /// `[B, V]` logits -> token ids, sampled on the host.
@@ -372,6 +391,7 @@ pub fn sample_rows(samplers: &[Option<&Sampler>], logits: &Array) -> Result<Opti
         &positions,
         &kernel::seeds(&seeds),
         &kernel::params(c),
+        None,
     )?;
     Ok(Some(ids))
 }

@@ -222,46 +222,80 @@ impl RowConstraint {
         Ok(tokens)
     }
 
-    /// Writes the row's logit bias into `out` (the model's vocabulary):
-    /// 0 for allowed tokens, -inf for the rest. The end-of-sequence tokens
-    /// allowed are the generation's `eos` (none with `ignore_eos`) whenever
-    /// the grammar could end here. Returns false, and marks the row
-    /// complete, when no token may follow.
-    pub fn write_bias(&mut self, eos: &[u32], ignore_eos: bool, out: &mut [f32]) -> Result<bool> {
+    /// Writes the tokens the row may take next into `out`, a bitmask over
+    /// the model's `vocab` tokens (bit `i % 32` of word `i / 32`, at least
+    /// `ceil(vocab / 32)` words). The end-of-sequence tokens allowed are the
+    /// generation's `eos` (none with `ignore_eos`) whenever the grammar could
+    /// end here. Returns false, and marks the row complete, when no token
+    /// may follow.
+    pub fn write_mask(
+        &mut self,
+        eos: &[u32],
+        ignore_eos: bool,
+        vocab: usize,
+        out: &mut [u32],
+    ) -> Result<bool> {
         let mask: SimpleVob = self
             .matcher
             .compute_mask()
             .map_err(|e| Error::Constraint(e.to_string()))?;
-        out.fill(f32::NEG_INFINITY);
-        let mut allowed = 0usize;
-        mask.iter_set_entries(|i| {
-            if let Some(x) = out.get_mut(i) {
-                *x = 0.0;
-                allowed += 1;
-            }
-        });
-        let can_end = self.trie_eos.iter().any(|&e| mask.is_allowed(e));
-        for &e in &self.trie_eos {
-            if let Some(x) = out.get_mut(e as usize) {
-                if *x == 0.0 {
-                    *x = f32::NEG_INFINITY;
-                    allowed -= 1;
+        let words = vocab.div_ceil(32).min(out.len());
+        out.fill(0);
+        let grammar = mask.as_slice();
+        let n = grammar.len().min(words);
+        out[..n].copy_from_slice(&grammar[..n]);
+        let set = |out: &mut [u32], token: u32, on: bool| {
+            if (token as usize) < vocab {
+                let (w, b) = (token as usize / 32, token % 32);
+                if let Some(word) = out.get_mut(w) {
+                    *word = if on {
+                        *word | 1 << b
+                    } else {
+                        *word & !(1 << b)
+                    };
                 }
             }
+        };
+        let can_end = self.trie_eos.iter().any(|&e| mask.is_allowed(e));
+        for &e in &self.trie_eos {
+            set(out, e, false);
         }
         if can_end && !ignore_eos {
             for &e in eos {
-                if let Some(x) = out.get_mut(e as usize) {
-                    if *x != 0.0 {
-                        *x = 0.0;
-                        allowed += 1;
-                    }
-                }
+                set(out, e, true);
             }
         }
-        if allowed == 0 {
+        // Nothing past the model's vocabulary.
+        if !vocab.is_multiple_of(32) && words > 0 && words == vocab.div_ceil(32) {
+            out[words - 1] &= (1u32 << (vocab % 32)) - 1;
+        }
+        let allowed = out[..words].iter().any(|&w| w != 0);
+        if !allowed {
             self.complete = true;
         }
-        Ok(allowed > 0)
+        Ok(allowed)
+    }
+
+    /// As [`write_mask`](Self::write_mask), as an additive logit bias over
+    /// `out` (the model's vocabulary): 0 for allowed tokens, -inf for the
+    /// rest.
+    pub fn write_bias(&mut self, eos: &[u32], ignore_eos: bool, out: &mut [f32]) -> Result<bool> {
+        let mut bits = vec![0u32; out.len().div_ceil(32)];
+        let allowed = self.write_mask(eos, ignore_eos, out.len(), &mut bits)?;
+        bias_of_mask(&bits, out);
+        Ok(allowed)
+    }
+}
+
+/// `out[i]` 0 where bit `i % 32` of `bits[i / 32]` is set, -inf elsewhere.
+pub fn bias_of_mask(bits: &[u32], out: &mut [f32]) {
+    for (chunk, &word) in out.chunks_mut(32).zip(bits) {
+        for (b, x) in chunk.iter_mut().enumerate() {
+            *x = if word >> b & 1 == 1 {
+                0.0
+            } else {
+                f32::NEG_INFINITY
+            };
+        }
     }
 }

@@ -659,6 +659,9 @@ pub(crate) enum Role {
     /// Each row's first key (int32): constant, but made each step in memory
     /// the device reaches over the bus (see [`SLOT_MIN`]).
     Starts,
+    /// The tokens each row may take (a bitmask, uint32), which the host
+    /// writes before each step's sampling.
+    Mask,
 }
 
 /// A kernel launch as MLX ran it.

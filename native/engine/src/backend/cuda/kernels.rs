@@ -87,6 +87,11 @@ const SWIGLU: &str = include_str!("cu/swiglu.cu");
 /// for a 151,936-wide row on an NVIDIA H200, its loads one value each.
 const ARGMAX: &str = include_str!("cu/argmax.cu");
 
+/// What the argmax and sampling kernels take: every token, or those a
+/// bitmask allows (a grammar's, [`crate::text::constraint`]).
+const MASK_NONE: &str = include_str!("cu/mask_none.cu");
+const MASK_BITS: &str = include_str!("cu/mask_bits.cu");
+
 /// Int32 zeros `out` `[N]`: the attention kernel's counts, made in a step
 /// by a kernel of ours so that a replayed step makes them too.
 const ZEROS: &str = include_str!("cu/zeros.cu");
@@ -291,8 +296,9 @@ pub(crate) struct Kernels {
     experts: [CudaKernel; 2],
     route: CudaKernel,
     combine: CudaKernel,
-    argmax: CudaKernel,
-    sample: CudaKernel,
+    /// Unmasked, then masked (by [`MASK_BITS`]).
+    argmax: [CudaKernel; 2],
+    sample: [CudaKernel; 2],
     embed_norm: CudaKernel,
     zeros: CudaKernel,
 }
@@ -307,16 +313,23 @@ impl SampleKernel {
     /// give each row's uniform draw, `params` ([`SAMPLE_PARAMS`] float32:
     /// top-p, min-p, `ln(min_p)`, min-p's kept tokens, temperature, top-k
     /// in `1..=`[`SAMPLE_TOP_K`]) the filters.
+    /// With `mask` (`[rows, ceil(V / 32)]` uint32, see [`MASK_BITS`]), a
+    /// row draws among the tokens its mask allows.
     pub(crate) fn draw(
         &self,
         logits: &Array,
         positions: &Array,
         seeds: &Array,
         params: &Array,
+        mask: Option<&Array>,
     ) -> Result<Array> {
         let rows = logits.dim(0);
-        let mut out = self.0.sample.apply(
-            &[logits, positions, seeds, params],
+        let (kernel, inputs) = match mask {
+            None => (&self.0.sample[0], vec![logits, positions, seeds, params]),
+            Some(m) => (&self.0.sample[1], vec![logits, positions, seeds, params, m]),
+        };
+        let mut out = kernel.apply(
+            &inputs,
             &[(&[rows], Dtype::Uint32)],
             (rows * SAMPLE_BLOCK, 1, 1),
             (SAMPLE_BLOCK, 1, 1),
@@ -487,13 +500,34 @@ impl Kernels {
                 &["out"],
                 MOE_COMBINE,
             )?,
-            argmax: CudaKernel::new("emlx_axon_argmax", &["x"], &["out"], ARGMAX)?,
-            sample: CudaKernel::new(
-                "emlx_axon_sample",
-                &["x", "positions", "seeds", "params"],
-                &["out"],
-                SAMPLE,
-            )?,
+            argmax: [
+                CudaKernel::new(
+                    "emlx_axon_argmax",
+                    &["x"],
+                    &["out"],
+                    &[MASK_NONE, ARGMAX].concat(),
+                )?,
+                CudaKernel::new(
+                    "emlx_axon_argmax_masked",
+                    &["x", "mask"],
+                    &["out"],
+                    &[MASK_BITS, ARGMAX].concat(),
+                )?,
+            ],
+            sample: [
+                CudaKernel::new(
+                    "emlx_axon_sample",
+                    &["x", "positions", "seeds", "params"],
+                    &["out"],
+                    &[MASK_NONE, SAMPLE].concat(),
+                )?,
+                CudaKernel::new(
+                    "emlx_axon_sample_masked",
+                    &["x", "positions", "seeds", "params", "mask"],
+                    &["out"],
+                    &[MASK_BITS, SAMPLE].concat(),
+                )?,
+            ],
             zeros: CudaKernel::new("emlx_axon_zeros", &[], &["out"], ZEROS)?,
             embed_norm: CudaKernel::new(
                 "emlx_axon_embed_norm",
@@ -640,8 +674,10 @@ impl Kernels {
         Ok(pair(out))
     }
 
-    /// The last axis's argmax (uint32), as MLX's `argmax`.
-    pub(crate) fn argmax(&self, logits: &Array) -> Result<Array> {
+    /// The last axis's argmax (uint32), as MLX's `argmax`; with `mask`
+    /// (`[rows, ceil(V / 32)]` uint32, see [`MASK_BITS`]) among the tokens
+    /// each row's mask allows (0 where it allows none).
+    pub(crate) fn argmax(&self, logits: &Array, mask: Option<&Array>) -> Result<Array> {
         let shape = logits.shape();
         let v = logits.dim(-1);
         let rows = shape[..shape.len() - 1].iter().product::<i32>();
@@ -654,8 +690,12 @@ impl Kernels {
                 &flat
             }
         };
-        let mut out = self.argmax.apply(
-            &[x],
+        let (kernel, inputs) = match mask {
+            None => (&self.argmax[0], vec![x]),
+            Some(m) => (&self.argmax[1], vec![x, m]),
+        };
+        let mut out = kernel.apply(
+            &inputs,
             &[(&[rows], Dtype::Uint32)],
             (rows * ARGMAX_BLOCK, 1, 1),
             (ARGMAX_BLOCK, 1, 1),

@@ -230,15 +230,17 @@ pub fn product(x: &Array, wt: &QuantWeight, swiglu: bool) -> Result<Option<Array
 
 /// Each row's greedy token (uint32) from `logits` (`[..., vocab]`) with our
 /// kernel, on a GPU stream where the kernels passed their check; `None`
-/// elsewhere (MLX's argmax then).
-pub(crate) fn argmax(logits: &Array) -> Result<Option<Array>> {
+/// elsewhere (MLX's argmax then). With `mask` (`[rows, ceil(vocab / 32)]`
+/// uint32: bit `i % 32` of word `i / 32` allows token `i`), among the
+/// tokens each row's mask allows.
+pub(crate) fn argmax(logits: &Array, mask: Option<&Array>) -> Result<Option<Array>> {
     let usable = *WANTED
         && kernels::takes_dtype(logits.dtype())
         && logits.ndim() > 0
         && logits.size() > 0
         && !crate::runtime::device::on_cpu_stream();
     match usable.then(|| kernels(logits.dtype())).flatten() {
-        Some(k) => Ok(Some(k.argmax(logits)?)),
+        Some(k) => Ok(Some(k.argmax(logits, mask)?)),
         None => Ok(None),
     }
 }
@@ -600,13 +602,13 @@ fn check(k: &Kernels, dtype: Dtype) -> Result<()> {
     // Many ties (values on a grid of quarters), a row not 16-byte aligned
     // and a width that leaves a tail.
     let quarters = Array::from_f32(4.0);
-    let x = normal(&[3, 1, 32777], 18, Dtype::Float32)?
+    let x = normal(&[4, 1, 32777], 18, Dtype::Float32)?
         .multiply(&quarters)?
         .round(None)?
         .divide(&quarters)?
         .as_dtype(dtype)?;
     let (got, want) = (
-        k.argmax(&x)?,
+        k.argmax(&x, None)?,
         mlx_rs::ops::indexing::argmax_axis(&x, -1, false)?,
     );
     let what = format!("argmax kernel ({dtype:?})");
@@ -615,12 +617,61 @@ fn check(k: &Kernels, dtype: Dtype) -> Result<()> {
     }
     // Token ids (far below 2^24) are exact in float32: every one the same.
     within(&what, &got, &want, 0.0)?;
+    check_masked_argmax(k, &x)?;
 
     check_qkv_attend(k, dtype)?;
     if *GEMV {
         check_gemv(k, dtype)?;
     }
     Ok(())
+}
+
+/// Row `r`'s allowed tokens in the masked kernels' checks, over `v`: every
+/// third id (a spread of allowed words and chunks), one id in the tail
+/// past the last whole chunk, a run of ids that crosses mask words, and
+/// none (the argmax then gives 0).
+pub(crate) fn check_mask(rows: usize, v: usize) -> (Vec<bool>, Vec<u32>) {
+    let words = v.div_ceil(32);
+    let mut allowed = vec![false; rows * v];
+    for (r, row) in allowed.chunks_mut(v).enumerate() {
+        match r % 4 {
+            0 => row.iter_mut().step_by(3).for_each(|a| *a = true),
+            1 => row[v - 1] = true,
+            2 => row[40..100].iter_mut().for_each(|a| *a = true),
+            _ => {}
+        }
+    }
+    let mut bits = vec![0u32; rows * words];
+    for (i, _) in allowed.iter().enumerate().filter(|(_, a)| **a) {
+        let (r, id) = (i / v, i % v);
+        bits[r * words + id / 32] |= 1 << (id % 32);
+    }
+    (allowed, bits)
+}
+
+/// The masked argmax against MLX's argmax of the logits with every token
+/// the mask leaves out at -inf, on `x` `[rows, 1, V]`.
+fn check_masked_argmax(k: &Kernels, x: &Array) -> Result<()> {
+    let (rows, v) = (x.dim(0), x.dim(-1));
+    let (allowed, bits) = check_mask(rows as usize, v as usize);
+    let mask = Array::from_slice(&bits, &[rows, (v + 31) / 32]);
+    let keep = Array::from_slice(&allowed, &[rows, 1, v]);
+    let neg_inf = Array::from_f32(f32::NEG_INFINITY).as_dtype(x.dtype())?;
+    let kept = mlx_rs::ops::select(&keep, x, &neg_inf)?;
+    let want = mlx_rs::ops::indexing::argmax_axis(&kept, -1, false)?;
+    // A row the mask allows nothing: 0.
+    let none = Array::from_slice(
+        &(0..rows).map(|r| r % 4 == 3).collect::<Vec<_>>(),
+        &[rows, 1],
+    );
+    let want = mlx_rs::ops::select(&none, Array::from_int(0), &want)?;
+    let got = k.argmax(x, Some(&mask))?;
+    within(
+        &format!("masked argmax kernel ({:?})", x.dtype()),
+        &got,
+        &want,
+        0.0,
+    )
 }
 
 /// The residual add + RMSNorm and SwiGLU kernels against MLX's ops over

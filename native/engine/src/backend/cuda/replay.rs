@@ -188,6 +188,9 @@ fn add(
 pub(crate) struct StepReplay {
     handle: *mut c_void,
     rows: usize,
+    /// Where the host writes each step's masks (device address, bytes), for
+    /// a step whose sampling reads them: its head is queued first.
+    mask: Option<(u64, usize)>,
     /// Launches queued so far (the check's included).
     launched: u64,
     /// Every array the launches read or write, and the binaries.
@@ -259,6 +262,13 @@ impl StepReplay {
         let positions_slot = slot(positions, rows)?;
         let starts = find(Role::Starts).filter(|s| s.size() == rows);
         let starts_slot = starts.map(|s| slot(s, rows)).transpose()?;
+        let mask = find(Role::Mask);
+        if mask.is_some_and(|m| {
+            m.dtype() != Dtype::Uint32 || m.ndim() != 2 || m.dim(0) as usize != rows
+        }) {
+            return refuse("a mask of another type or shape");
+        }
+        let mask_slot = mask.map(exact_copy).transpose()?;
         let counter = mlx_rs::ops::zeros_dtype(&[SLOT_MIN as i32], Dtype::Uint32)?;
         let outputs: Vec<&Array> = rec.launches.iter().flat_map(|l| &l.outputs).collect();
         // What the check compares the replay with, bit for bit.
@@ -270,6 +280,7 @@ impl StepReplay {
             [&ids_slot, &positions_slot, &counter, want]
                 .into_iter()
                 .chain(&starts_slot)
+                .chain(&mask_slot)
                 .chain(&copies)
                 .chain(outputs.iter().copied()),
         )?;
@@ -283,6 +294,30 @@ impl StepReplay {
         if let (Some(from), Some(own)) = (starts, &starts_slot) {
             slots.push((device_ptr(from)?.0, device_ptr(own)?.0));
         }
+        // A mask is read by the step's sampling, its last launch, alone:
+        // the launches before it (the head) run while the host computes it.
+        let mut split = 0;
+        let mut mask_at = None;
+        if let (Some(from), Some(own)) = (mask, &mask_slot) {
+            let from = device_ptr(from)?.0;
+            let readers: Vec<usize> = rec
+                .launches
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| {
+                    l.inputs
+                        .iter()
+                        .any(|(a, _)| device_ptr(a).is_ok_and(|p| p.0 == from))
+                })
+                .map(|(i, _)| i)
+                .collect();
+            if readers != [rec.launches.len() - 1] {
+                return refuse("the mask is read by another launch than the step's last");
+            }
+            split = rec.launches.len() - 1;
+            slots.push((from, device_ptr(own)?.0));
+            mask_at = Some(device_ptr(own)?);
+        }
 
         let mut ring = 0u64;
         let mut error: *mut c_char = std::ptr::null_mut();
@@ -295,6 +330,7 @@ impl StepReplay {
         let mut replay = StepReplay {
             handle,
             rows,
+            mask: mask_at,
             launched: 0,
             _held: Vec::new(),
             _kernels: Vec::new(),
@@ -359,7 +395,7 @@ impl StepReplay {
         )?;
         let mut error: *mut c_char = std::ptr::null_mut();
         // SAFETY: a live handle; the shim sets the error string on failure.
-        if unsafe { mlx_sys::emlx_cuda_step_capture(replay.handle, &mut error) } != 0 {
+        if unsafe { mlx_sys::emlx_cuda_step_capture(replay.handle, split, &mut error) } != 0 {
             // Kernel by kernel still skips MLX's graph.
             crate::backend::notice(format!(
                 "{}; the replayed step launches kernel by kernel",
@@ -393,12 +429,62 @@ impl StepReplay {
             .cloned()
             .chain([ids_slot, positions_slot, counter, next.clone()])
             .chain(starts_slot)
+            .chain(mask_slot)
             .collect();
         replay._kernels = rec.launches.iter().map(|l| l.kernel.clone()).collect();
         Ok(Built::Ready(replay))
     }
 
-    /// Queues the next step; its number, for [`tokens`](Self::tokens).
+    /// Whether each step's sampling reads masks the host writes
+    /// ([`set_mask`](Self::set_mask)).
+    pub(crate) fn masked(&self) -> bool {
+        self.mask.is_some()
+    }
+
+    /// Queues the next step up to its sampling (a masked step), which
+    /// [`launch`](Self::launch) then queues.
+    pub(crate) fn launch_head(&mut self) -> Result<()> {
+        let mut error: *mut c_char = std::ptr::null_mut();
+        // SAFETY: a live handle.
+        if unsafe { mlx_sys::emlx_cuda_step_launch_head(self.handle, &mut error) } != 0 {
+            return Err(take_error(error, "launching a replayed step's head"));
+        }
+        Ok(())
+    }
+
+    /// Writes the masks the next step's sampling reads: `words`, as many
+    /// as the recorded step's mask held, after what is queued.
+    pub(crate) fn set_mask(&mut self, words: &[u32]) -> Result<()> {
+        let Some((to, bytes)) = self.mask else {
+            return Err(Error::invalid("a mask for a replayed step that takes none"));
+        };
+        if std::mem::size_of_val(words) != bytes {
+            return Err(Error::invalid(format!(
+                "a replayed step's mask of {} bytes, not {bytes}",
+                std::mem::size_of_val(words)
+            )));
+        }
+        let mut error: *mut c_char = std::ptr::null_mut();
+        // SAFETY: a live handle; the shim copies `bytes` from `words` before
+        // it returns, to a device buffer the replay holds.
+        let status = unsafe {
+            mlx_sys::emlx_cuda_step_upload(
+                self.handle,
+                to,
+                words.as_ptr().cast(),
+                bytes,
+                &mut error,
+            )
+        };
+        if status != 0 {
+            return Err(take_error(error, "writing a replayed step's mask"));
+        }
+        Ok(())
+    }
+
+    /// Queues the next step (or the rest of it, after
+    /// [`launch_head`](Self::launch_head)); its number, for
+    /// [`tokens`](Self::tokens).
     pub(crate) fn launch(&mut self) -> Result<u64> {
         let mut error: *mut c_char = std::ptr::null_mut();
         // SAFETY: a live handle.

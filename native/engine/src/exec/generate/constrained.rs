@@ -5,8 +5,11 @@
 //! computing a mask (fast-forward). A single row runs ahead: it takes every
 //! forced token after its sampled one, unsampled, and all of them go
 //! through the model in one forward pass. In a batch, where rows must stay
-//! aligned in the cache, a row takes one forced token per step, in place of
-//! what the batch's sampler drew for it.
+//! aligned in the cache, and where steps are replayed on a GPU (one token a
+//! step), a row takes one forced token per step, its mask that token alone.
+//!
+//! Masks are bits, 32 tokens a word: on a GPU our sampling kernels read
+//! them; elsewhere they become an additive bias on the logits.
 
 use std::time::Instant;
 
@@ -15,7 +18,7 @@ use mlx_rs::Array;
 use super::rows::Row;
 use super::{FinishReason, GenerateOptions, RowDelta};
 use crate::error::{Error, Result};
-use crate::text::constraint::RowConstraint;
+use crate::text::constraint::{bias_of_mask, RowConstraint};
 use crate::text::tokenizer::Tokenizer;
 
 /// What a row's token is checked against when it is taken.
@@ -28,11 +31,16 @@ pub(super) struct Rules<'a> {
 pub(super) struct Constraints {
     rows: Vec<Option<RowConstraint>>,
     fast_forward: bool,
+    /// A single constrained row runs ahead through its forced tokens in
+    /// multi-token passes; otherwise it takes one a step, as batch rows do
+    /// (steps replayed on a GPU, whose masks go to the device).
+    ahead: bool,
     /// Each row's token for the coming step when its grammar forces it
-    /// (batches only: a single row runs ahead instead).
+    /// (unless a single row runs ahead).
     next_forced: Vec<Option<u32>>,
-    /// Reused host buffer for the bias.
-    bias: Vec<f32>,
+    /// The coming step's masks: `ceil(vocab / 32)` words a row (see
+    /// [`RowConstraint::write_mask`]), reused.
+    masks: Vec<u32>,
     /// Host time spent on masks and forced tokens.
     pub ms: f64,
     /// Forced tokens each row took.
@@ -62,11 +70,13 @@ impl Constraints {
                 },
             )
             .collect::<Result<Vec<_>>>()?;
+        let ahead = options.fast_forward && batch == 1 && rows[0].is_some();
         Ok(Constraints {
             rows,
             fast_forward: options.fast_forward,
+            ahead,
             next_forced: vec![None; batch],
-            bias: vec![],
+            masks: vec![],
             ms: 0.0,
             forced: vec![0; batch],
         })
@@ -79,7 +89,13 @@ impl Constraints {
 
     /// Whether one row, constrained, runs ahead through its forced tokens.
     pub fn runs_ahead(&self) -> bool {
-        self.fast_forward && self.rows.len() == 1 && self.rows[0].is_some()
+        self.ahead
+    }
+
+    /// Before the first step: a single row takes its forced tokens one a
+    /// step (`false`), or runs ahead where fast-forward allows (`true`).
+    pub fn set_runs_ahead(&mut self, ahead: bool) {
+        self.ahead = ahead && self.fast_forward && self.rows.len() == 1 && self.rows[0].is_some();
     }
 
     /// Whether some unfinished row is constrained.
@@ -189,44 +205,71 @@ impl Constraints {
         Ok(())
     }
 
-    /// `[B, V]` float32 additive bias: each constrained row's mask (0 or
-    /// -inf), zeros for the other rows so their logits keep their values.
-    /// A row whose token is forced gets its token alone, with no mask to
-    /// compute: its sample is replaced anyway, and a one-token row is what
-    /// the sampler's sort handles fastest.
-    pub fn bias(
+    /// Computes every row's mask for the coming step: a constrained row's
+    /// grammar mask, or its forced token alone (no mask to compute: its
+    /// sample is replaced anyway, and a one-token row is what the samplers
+    /// handle fastest); every token for the other rows, and for a row whose
+    /// grammar allows nothing (it ends before taking this step's token).
+    /// Read them with [`mask`](Self::mask) or [`bias`](Self::bias).
+    pub fn prepare(
         &mut self,
         rows: &[Row],
         eos: &[u32],
         ignore_eos: bool,
         vocab: usize,
-    ) -> Result<Array> {
+    ) -> Result<()> {
         let started = Instant::now();
-        let batch = rows.len();
-        self.bias.clear();
-        self.bias.resize(batch * vocab, 0.0);
+        let words = vocab.div_ceil(32);
+        self.masks.clear();
+        self.masks.resize(rows.len() * words, u32::MAX);
         for (i, (c, row)) in self.rows.iter_mut().zip(rows).enumerate() {
             let (Some(c), None) = (c, row.finish) else {
                 continue;
             };
-            let out = &mut self.bias[i * vocab..(i + 1) * vocab];
+            let out = &mut self.masks[i * words..(i + 1) * words];
             match self.next_forced[i] {
                 Some(token) if (token as usize) < vocab => {
-                    out.fill(f32::NEG_INFINITY);
-                    out[token as usize] = 0.0;
+                    out.fill(0);
+                    out[token as usize / 32] = 1 << (token % 32);
                 }
                 Some(_) => {}
                 None => {
-                    if !c.write_bias(eos, ignore_eos, out)? {
-                        // The row ends before taking this step's token.
-                        out.fill(0.0);
+                    if !c.write_mask(eos, ignore_eos, vocab, out)? {
+                        out.fill(u32::MAX);
                     }
                 }
             }
         }
-        let bias = Array::from_slice(&self.bias, &[batch as i32, vocab as i32]);
+        // Bits past the vocabulary stay set: the kernels read none of them.
         self.ms += started.elapsed().as_secs_f64() * 1e3;
-        Ok(bias)
+        Ok(())
+    }
+
+    /// The prepared masks, `[B, ceil(vocab / 32)]` uint32.
+    pub fn mask(&self) -> Array {
+        let rows = self.rows.len();
+        let words = self.masks.len() / rows.max(1);
+        Array::from_slice(&self.masks, &[rows as i32, words as i32])
+    }
+
+    /// The prepared masks' words, a row after another.
+    pub fn mask_words(&self) -> &[u32] {
+        &self.masks
+    }
+
+    /// The prepared masks as a `[B, vocab]` float32 additive bias: 0 where a
+    /// token is allowed, -inf elsewhere.
+    pub fn bias(&mut self, vocab: usize) -> Array {
+        let started = Instant::now();
+        let rows = self.rows.len();
+        let words = self.masks.len() / rows.max(1);
+        let mut bias = vec![0f32; rows * vocab];
+        for (out, bits) in bias.chunks_mut(vocab).zip(self.masks.chunks(words.max(1))) {
+            bias_of_mask(bits, out);
+        }
+        let bias = Array::from_slice(&bias, &[rows as i32, vocab as i32]);
+        self.ms += started.elapsed().as_secs_f64() * 1e3;
+        bias
     }
 
     /// The step's tokens `[B]` (uint32) with each forced row's token in

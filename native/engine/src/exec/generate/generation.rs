@@ -12,6 +12,8 @@ use super::constrained::{Constraints, Rules};
 use super::options::{cache_capacity, validate, KV_KEEP};
 use super::rows::Row;
 use super::{FinishReason, GenerateOptions, RowDelta, Stats};
+use crate::backend::cuda::kernel::{mark, Role};
+use crate::backend::declined;
 use crate::error::{Error, Result};
 use crate::kv::cache::KvCache;
 use crate::kv::window::causal_mask;
@@ -127,6 +129,14 @@ impl Generation {
             forward_passes: 0,
             options,
         };
+        // Where steps will be replayed, a single constrained row takes its
+        // forced tokens one a step (replayed, its masks written to the
+        // device) instead of running ahead in passes of MLX's graph.
+        generation.constraints.set_runs_ahead(false);
+        let replayed = MlxStream::run_on(generation.stream.clone().as_ref(), || {
+            Ok::<_, Error>(generation.not_replayed().is_none())
+        })?;
+        generation.constraints.set_runs_ahead(!replayed);
         // A single constrained row's forced opening follows its prompt
         // into the prefill.
         let mut carry = vec![RowDelta::default(); prompts.len()];
@@ -230,13 +240,21 @@ impl Generation {
         if self.constraints.active(&self.rows) {
             // The device computes the logits while the host computes masks.
             transforms::async_eval([&logits])?;
-            let bias = self.constraints.bias(
-                &self.rows,
-                &self.eos,
-                self.options.ignore_eos,
-                logits.dim(-1) as usize,
-            )?;
-            logits = logits.add(&bias)?;
+            let vocab = logits.dim(-1) as usize;
+            self.constraints
+                .prepare(&self.rows, &self.eos, self.options.ignore_eos, vocab)?;
+            // On a GPU the masks go to the device as bits, for our kernels
+            // (a replay writes each step's into this buffer).
+            if self.sampler.on_device() && !crate::runtime::device::on_cpu_stream() {
+                let mask = self.constraints.mask();
+                mark(Role::Mask, &mask);
+                if let Some(next) = self.sampler.sample_masked(&logits, &mask)? {
+                    transforms::async_eval([&next])?;
+                    return Ok(next);
+                }
+                declined("masked sampling: our CUDA kernels do not take this step");
+            }
+            logits = logits.add(self.constraints.bias(vocab))?;
         }
         let next = if self.sampler.on_device() {
             self.sampler.sample_device(&logits)?
@@ -332,8 +350,20 @@ impl Generation {
                 && self.constraints.none()
                 && !self.replays_steps();
             let mut queued_logits = None;
+            // A constrained step replayed: its head (the forward pass) is
+            // queued now, its sampling once its masks are known.
+            let mut head_queued = false;
+            // A constrained step to record: once its masks are known.
+            let mut record = false;
             if more && self.sampler.on_device() && !runs_ahead && !hold {
                 match (&current, constrained) {
+                    (_, true) if self.replays_masked() => {
+                        if let Replay::On(replay) = &mut self.replay {
+                            replay.launch_head()?;
+                            head_queued = true;
+                        }
+                    }
+                    (Pending::Array(_), true) if self.may_record() => record = true,
                     (Pending::Array(ids), true) => {
                         let logits = self.forward_step(ids)?;
                         transforms::async_eval([&logits])?;
@@ -371,7 +401,11 @@ impl Generation {
                 self.pending = None;
                 break;
             }
-            if let Some(logits) = queued_logits {
+            if head_queued {
+                self.pending = Some(self.queue_masked_tail()?);
+            } else if record {
+                self.pending = Some(self.queue_step(&current)?);
+            } else if let Some(logits) = queued_logits {
                 self.pending = Some(Pending::Array(self.sample(&logits)?));
             } else if runs_ahead {
                 self.sampler.skip_draws(0, ahead.len());

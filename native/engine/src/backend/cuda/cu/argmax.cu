@@ -19,14 +19,20 @@
     const int chunks = V / PV;
 #pragma unroll 4
     for (int c = t; c < chunks; c += BLOCK) {
+      // PV divides 32: a chunk's ids are in one mask word.
+      const unsigned bits = allowed_bits(row, c * PV / 32) >> (c * PV % 32);
+      if (MASKED && (bits & ((1u << PV) - 1u)) == 0u) continue;
       const uint4 raw = pv[c];
       const T* vals = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-      for (int e = 0; e < PV; e++) take(static_cast<float>(vals[e]), c * PV + e);
+      for (int e = 0; e < PV; e++)
+        if (!MASKED || ((bits >> e) & 1u)) take(static_cast<float>(vals[e]), c * PV + e);
     }
     done = chunks * PV;
   }
-  for (int i = done + t; i < V; i += BLOCK) take(static_cast<float>(p[(size_t)i * x_strides[1]]), i);
+  for (int i = done + t; i < V; i += BLOCK)
+    if (!MASKED || ((allowed_bits(row, i / 32) >> (i % 32)) & 1u))
+      take(static_cast<float>(p[(size_t)i * x_strides[1]]), i);
   for (int o = 16; o > 0; o >>= 1) {
     const float ob = __shfl_xor_sync(0xffffffff, best, o);
     const int oa = __shfl_xor_sync(0xffffffff, at, o);

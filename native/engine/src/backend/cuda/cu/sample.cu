@@ -18,9 +18,31 @@
   auto value_of = [](unsigned k) -> float {
     return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
   };
-  // Calls `f(value, id)` for every value this thread owns (each value has
-  // exactly one owner), 16 bytes at a time where the row allows it.
   const bool wide = xs == 1 && reinterpret_cast<size_t>(p) % 16 == 0;
+  // Masked rows: how many tokens the mask allows. A row it allows none of
+  // (one whose grammar has ended, whose token is not used) draws unmasked.
+  __shared__ int s_allowed;
+  bool masked = false;
+  if (MASKED) {
+    int mine_allowed = 0;
+    for (int w = t; w * 32 < V; w += BLOCK) {
+      const int bits_here = V - w * 32 < 32 ? V - w * 32 : 32;
+      const unsigned b = allowed_bits(row, w);
+      mine_allowed += __popc(bits_here == 32 ? b : b & ((1u << bits_here) - 1u));
+    }
+    mine_allowed = __reduce_add_sync(FULL, mine_allowed);
+    if (t == 0) s_allowed = 0;
+    __syncthreads();
+    if (lane == 0) atomicAdd(&s_allowed, mine_allowed);
+    __syncthreads();
+    masked = s_allowed > 0;
+  }
+  auto allowed = [&](int i) -> bool {
+    return !masked || ((allowed_bits(row, i / 32) >> (i % 32)) & 1u);
+  };
+  // Calls `f(value, id)` for every value this thread owns (each value has
+  // exactly one owner) that the mask allows, 16 bytes at a time where the
+  // row allows it.
   auto each = [&](auto&& f) {
     int done = 0;
     if (wide) {
@@ -28,14 +50,19 @@
       const int chunks = V / PV;
 #pragma unroll 2
       for (int c = t; c < chunks; c += BLOCK) {
+        // PV divides 32: a chunk's ids are in one mask word.
+        const unsigned bits = masked ? allowed_bits(row, c * PV / 32) >> (c * PV % 32) : ~0u;
+        if (masked && (bits & ((1u << PV) - 1u)) == 0u) continue;
         const uint4 raw = pv[c];
         const T* vals = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-        for (int e = 0; e < PV; e++) f(static_cast<float>(vals[e]), c * PV + e);
+        for (int e = 0; e < PV; e++)
+          if ((bits >> e) & 1u) f(static_cast<float>(vals[e]), c * PV + e);
       }
       done = chunks * PV;
     }
-    for (int i = done + t; i < V; i += BLOCK) f(static_cast<float>(p[(size_t)i * xs]), i);
+    for (int i = done + t; i < V; i += BLOCK)
+      if (allowed(i)) f(static_cast<float>(p[(size_t)i * xs]), i);
   };
   const float* prm = params;
   const float top_p = prm[0], min_p = prm[1], ln_min_p = prm[2];
@@ -44,6 +71,7 @@
   int K = (int)prm[5];
   K = K < 1 ? 1 : (K > 64 ? 64 : K);
   K = K < V ? K : V;
+  if (masked) K = K < s_allowed ? K : s_allowed;
 
   __shared__ unsigned ck[CAP];
   __shared__ int ci[CAP];
@@ -57,6 +85,8 @@
   // warp's two largest per-thread maxima are distinct values, so the
   // smallest of all warps' second ones has at least 2 * WARPS >= 64 values
   // at or above it.
+  // (A thread the mask leaves no value keeps 0, below every key: the bound
+  // is then 0, and every allowed value, at least K, is gathered.)
   unsigned mine = 0;
   each([&](float v, int) { mine = max(mine, key_of(v)); });
   const unsigned w1 = __reduce_max_sync(FULL, mine);
@@ -142,7 +172,7 @@
     int taken = 0;
     for (int base = 0; base < V && taken < need; base += BLOCK) {
       const int i = base + t;
-      const bool tie = i < V && key_of(static_cast<float>(p[(size_t)i * xs])) == kth;
+      const bool tie = i < V && allowed(i) && key_of(static_cast<float>(p[(size_t)i * xs])) == kth;
       const unsigned b = __ballot_sync(FULL, tie);
       if (lane == 0) s_warp_n[warp] = __popc(b);
       __syncthreads();

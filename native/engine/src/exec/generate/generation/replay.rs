@@ -1,8 +1,10 @@
 //! Decode steps as replays of one recorded step ([`crate::backend::cuda::replay`]):
-//! rows without constraints on a CUDA GPU, greedy or sampled by our kernel
-//! (whose draws hash each row's position, which the replay advances), where
-//! every node of a step is a kernel of ours. On unless the options or
-//! `EMLX_AXON_STEP_REPLAY=0` turn it off.
+//! rows on a CUDA GPU, greedy or sampled by our kernel (whose draws hash
+//! each row's position, which the replay advances), where every node of a
+//! step is a kernel of ours. Constrained rows' masks go to the device as
+//! bits each step: the step's forward pass is queued while the host
+//! computes them, its sampling once they are written. On unless the options
+//! or `EMLX_AXON_STEP_REPLAY=0` turn it off.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -63,23 +65,12 @@ impl Generation {
         if let Replay::On(replay) = &mut self.replay {
             // The replay feeds each step's tokens to the next itself.
             let n = replay.launch()?;
-            note(Work::Decode, Path::CudaReplay, None);
-            self.collect_paths();
-            self.cache.advance(1);
-            self.forward_passes += 1;
-            return Ok(Pending::Replayed(n));
+            return Ok(self.replayed(n));
         }
         let Pending::Array(current) = current else {
             return Err(orphan());
         };
-        // Not before the first token is out: recording waits for its step,
-        // and building takes a few milliseconds.
-        // Sampled rows wait for the sampling kernel's check (at its first
-        // use): a recorded step that samples with MLX's ops is refused for
-        // good.
-        let vocab = self.model.config.vocab_size.max(0) as usize;
-        let unchecked = self.sampler.kernel_ready(vocab).is_none() && replay::wanted();
-        if matches!(self.replay, Replay::Untried) && self.steps > 0 && !unchecked {
+        if self.may_record() {
             match self.not_replayed() {
                 None => return self.record_step(current),
                 // On a CPU stream a replay does not apply: nothing stepped
@@ -93,6 +84,46 @@ impl Generation {
             self.replay = Replay::Off;
         }
         Ok(Pending::Array(self.step(current)?))
+    }
+
+    /// Whether the next step may be recorded for a replay: not before the
+    /// first token is out (recording waits for its step, and building takes
+    /// a few milliseconds), and for sampled rows not before the sampling
+    /// kernel's check (at its first use): a recorded step that samples with
+    /// MLX's ops is refused for good.
+    pub(super) fn may_record(&self) -> bool {
+        let vocab = self.model.config.vocab_size.max(0) as usize;
+        let unchecked = self.sampler.kernel_ready(vocab).is_none() && replay::wanted();
+        matches!(self.replay, Replay::Untried) && self.steps > 0 && !unchecked
+    }
+
+    /// Whether steps are replayed with masks the host writes (constrained
+    /// rows): each step's head is queued before its tokens' masks are known.
+    pub(super) fn replays_masked(&self) -> bool {
+        matches!(&self.replay, Replay::On(r) if r.masked())
+    }
+
+    /// The rest of a replayed step whose head is queued: this step's masks
+    /// (for the tokens just taken), then its sampling.
+    pub(super) fn queue_masked_tail(&mut self) -> Result<Pending> {
+        let vocab = self.model.config.vocab_size.max(0) as usize;
+        self.constraints
+            .prepare(&self.rows, &self.eos, self.options.ignore_eos, vocab)?;
+        let Replay::On(replay) = &mut self.replay else {
+            return Err(orphan());
+        };
+        replay.set_mask(self.constraints.mask_words())?;
+        let n = replay.launch()?;
+        Ok(self.replayed(n))
+    }
+
+    /// A replayed step queued: step `n` of the replay.
+    fn replayed(&mut self, n: u64) -> Pending {
+        note(Work::Decode, Path::CudaReplay, None);
+        self.collect_paths();
+        self.cache.advance(1);
+        self.forward_passes += 1;
+        Pending::Replayed(n)
     }
 
     /// `current`'s tokens, one a row, once they are known.
@@ -110,10 +141,10 @@ impl Generation {
     }
 
     /// Why this generation's steps are not replayed (`None`: they can be):
-    /// replays must be on, repay their build, and run unconstrained, unpadded
-    /// rows, greedy or sampled by our kernel, on a GPU stream through the
-    /// model's own layers.
-    fn not_replayed(&self) -> Option<&'static str> {
+    /// replays must be on, repay their build, and run unpadded rows one
+    /// token a step, greedy or sampled by our kernel, on a GPU stream
+    /// through the model's own layers.
+    pub(super) fn not_replayed(&self) -> Option<&'static str> {
         let offset = self.cache.offset().max(0) as usize;
         let steps_left = (self.options.max_new_tokens.saturating_sub(self.steps))
             .min(self.options.max_len.saturating_sub(offset))
@@ -140,8 +171,8 @@ impl Generation {
                 != Some(true)
         {
             "cuda_replay: sampled rows are replayed only with the sampling kernel"
-        } else if !self.constraints.none() {
-            "cuda_replay: constrained rows are not replayed"
+        } else if self.constraints.runs_ahead() {
+            "cuda_replay: a constrained row runs ahead through its forced tokens"
         } else if self.padding.is_some() {
             "cuda_replay: padded rows are not replayed"
         } else if !self.workers.is_empty() || crate::runtime::device::on_cpu_stream() {
