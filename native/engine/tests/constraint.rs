@@ -361,3 +361,71 @@ fn invalid_constraints_are_argument_errors() {
     let e = start_error(ConstraintSpec::Regex("a".into()), false);
     assert!(e.to_string().contains("needs a tokenizer"), "{e}");
 }
+
+/// A row's mask as bits (what our GPU kernels read) and as a bias (what the
+/// other paths add to the logits) allow the same tokens: those that start
+/// the regex's text; where it may end, the end-of-sequence tokens too (none
+/// with `ignore_eos`); and no bit past the vocabulary.
+#[test]
+fn mask_bits_and_biases_allow_the_same_tokens() {
+    use emlx_axon_engine::text::constraint::RowConstraint;
+    let tokenizer = tokenizer(FIXTURE);
+    let factory = tokenizer.constraint_factory().unwrap();
+    let spec = ConstraintSpec::Regex("(yes|no)!?".into());
+    let eos = tokenizer.eos_token_ids().to_vec();
+    assert!(!eos.is_empty());
+    // A vocabulary past the tokenizer's and not a multiple of 32.
+    let vocab = tokenizer.vocab_size() + 37;
+    let allowed = |c: &mut RowConstraint, ignore_eos: bool| {
+        let mut bits = vec![u32::MAX; vocab.div_ceil(32)];
+        assert!(c.write_mask(&eos, ignore_eos, vocab, &mut bits).unwrap());
+        assert_eq!(
+            bits.last().unwrap() >> (vocab % 32),
+            0,
+            "bits past the vocabulary"
+        );
+        (0..vocab as u32)
+            .filter(|&i| bits[i as usize / 32] >> (i % 32) & 1 == 1)
+            .collect::<Vec<u32>>()
+    };
+    let texts = |ids: &[u32]| -> Vec<String> {
+        ids.iter()
+            .filter(|i| !eos.contains(i))
+            .map(|&i| tokenizer.decode(&[i], false).unwrap())
+            .collect()
+    };
+    let mut a = RowConstraint::new(&factory, &spec).unwrap();
+    let mut b = RowConstraint::new(&factory, &spec).unwrap();
+    let ids = allowed(&mut a, false);
+    let mut bias = vec![0f32; vocab];
+    assert!(b.write_bias(&eos, false, &mut bias).unwrap());
+    for (i, x) in bias.iter().enumerate() {
+        assert_eq!(*x == 0.0, ids.contains(&(i as u32)), "token {i}");
+        assert!(*x == 0.0 || *x == f32::NEG_INFINITY);
+    }
+    assert!(
+        ids.len() >= 2 && !ids.iter().any(|i| eos.contains(i)),
+        "{ids:?}"
+    );
+    for text in texts(&ids) {
+        assert!(
+            !text.is_empty() && ("yes!".starts_with(&text) || "no!".starts_with(&text)),
+            "{text:?}"
+        );
+    }
+    // After "yes" the text may end: the end-of-sequence tokens join "!".
+    for id in tokenizer.encode("yes", false).unwrap() {
+        assert!(!a.consume(id).unwrap());
+        assert!(!b.consume(id).unwrap());
+    }
+    let ends = allowed(&mut a, false);
+    assert!(eos.iter().all(|e| ends.contains(e)), "{ends:?}");
+    let bangs = allowed(&mut b, true);
+    assert!(!bangs.iter().any(|i| eos.contains(i)), "{bangs:?}");
+    assert_eq!(texts(&ends), texts(&bangs));
+    assert!(
+        texts(&bangs).iter().all(|t| t == "!"),
+        "{:?}",
+        texts(&bangs)
+    );
+}
