@@ -222,24 +222,33 @@ impl Constraints {
         let words = vocab.div_ceil(32);
         self.masks.clear();
         self.masks.resize(rows.len() * words, u32::MAX);
-        for (i, (c, row)) in self.rows.iter_mut().zip(rows).enumerate() {
+        let mut grammar_rows = vec![];
+        for (((out, c), row), forced) in self
+            .masks
+            .chunks_mut(words.max(1))
+            .zip(&mut self.rows)
+            .zip(rows)
+            .zip(&self.next_forced)
+        {
             let (Some(c), None) = (c, row.finish) else {
                 continue;
             };
-            let out = &mut self.masks[i * words..(i + 1) * words];
-            match self.next_forced[i] {
+            match *forced {
                 Some(token) if (token as usize) < vocab => {
                     out.fill(0);
                     out[token as usize / 32] = 1 << (token % 32);
                 }
                 Some(_) => {}
-                None => {
-                    if !c.write_mask(eos, ignore_eos, vocab, out)? {
-                        out.fill(u32::MAX);
-                    }
-                }
+                None => grammar_rows.push((out, c)),
             }
         }
+        // Rows' grammars are independent: several are computed at once.
+        crate::exec::each_on_threads(&mut grammar_rows, |(out, c)| {
+            if !c.write_mask(eos, ignore_eos, vocab, out)? {
+                out.fill(u32::MAX);
+            }
+            Ok(())
+        })?;
         // Bits past the vocabulary stay set: the kernels read none of them.
         self.ms += started.elapsed().as_secs_f64() * 1e3;
         Ok(())

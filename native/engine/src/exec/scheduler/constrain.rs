@@ -41,26 +41,7 @@ pub(super) fn mask_logits(
         .filter(|(_, r)| r.constraint.is_some())
         .collect();
     // Rows' grammars are independent: several are computed at once.
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(jobs.len());
-    if threads <= 1 {
-        jobs.iter_mut().try_for_each(|(out, r)| write_row(out, r))?;
-    } else {
-        let per_thread = jobs.len().div_ceil(threads);
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = jobs
-                .chunks_mut(per_thread)
-                .map(|part| {
-                    scope.spawn(move || part.iter_mut().try_for_each(|(out, r)| write_row(out, r)))
-                })
-                .collect();
-            handles.into_iter().try_for_each(|h| {
-                h.join()
-                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-            })
-        })?;
-    }
+    crate::exec::each_on_threads(&mut jobs, |(out, r)| write_row(out, r))?;
     // In the logits' dtype (0 and -inf are exact in any float type), so a
     // free row's sampler sees its logits unchanged, not promoted.
     let bias = Array::from_slice(buffer, &[rows as i32, vocab as i32]).as_dtype(logits.dtype())?;
