@@ -362,13 +362,14 @@ fn invalid_constraints_are_argument_errors() {
     assert!(e.to_string().contains("needs a tokenizer"), "{e}");
 }
 
-/// A row's mask as bits (what our GPU kernels read) and as a bias (what the
-/// other paths add to the logits) allow the same tokens: those that start
+/// A row's mask as bits (what our GPU kernels read) and as the bias made of
+/// them (what the other paths add to the logits) allow the same tokens, two
+/// rows of one grammar the same: those that start
 /// the regex's text; where it may end, the end-of-sequence tokens too (none
 /// with `ignore_eos`); and no bit past the vocabulary.
 #[test]
 fn mask_bits_and_biases_allow_the_same_tokens() {
-    use emlx_axon_engine::text::constraint::RowConstraint;
+    use emlx_axon_engine::text::constraint::{bias_of_mask, RowConstraint};
     let tokenizer = tokenizer(FIXTURE);
     let factory = tokenizer.constraint_factory().unwrap();
     let spec = ConstraintSpec::Regex("(yes|no)!?".into());
@@ -397,8 +398,10 @@ fn mask_bits_and_biases_allow_the_same_tokens() {
     let mut a = RowConstraint::new(&factory, &spec).unwrap();
     let mut b = RowConstraint::new(&factory, &spec).unwrap();
     let ids = allowed(&mut a, false);
-    let mut bias = vec![0f32; vocab];
-    assert!(b.write_bias(&eos, false, &mut bias).unwrap());
+    let mut bits = vec![0u32; vocab.div_ceil(32)];
+    assert!(b.write_mask(&eos, false, vocab, &mut bits).unwrap());
+    let mut bias = vec![1f32; vocab];
+    bias_of_mask(&bits, &mut bias);
     for (i, x) in bias.iter().enumerate() {
         assert_eq!(*x == 0.0, ids.contains(&(i as u32)), "token {i}");
         assert!(*x == 0.0 || *x == f32::NEG_INFINITY);

@@ -224,8 +224,8 @@ pub struct Scheduler {
     prefill: Option<Prefill>,
     prefix: PrefixCache,
     next_id: RequestId,
-    /// Reused host buffer for the constrained rows' logit bias.
-    bias: Vec<f32>,
+    /// Reused host buffer for the constrained rows' masks.
+    masks: Vec<u32>,
     /// Calls in a row that returned before any decode step (see `step_into`).
     held: usize,
 }
@@ -276,7 +276,7 @@ impl Scheduler {
             queue: VecDeque::new(),
             prefill: None,
             next_id: 1,
-            bias: vec![],
+            masks: vec![],
             held: 0,
         })
     }

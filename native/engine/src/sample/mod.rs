@@ -355,9 +355,15 @@ impl Sampler {
 /// elsewhere, greedy or free, whose token is not used): a scheduler's rows,
 /// each a request with a sampler of its own. The kernel takes one set of
 /// filters, so every sampler must ask for the same; and it needs the step's
-/// positions, which it takes. `None` (a reason noted) where it does not
-/// run: the rows then sample one by one.
-pub fn sample_rows(samplers: &[Option<&Sampler>], logits: &Array) -> Result<Option<Array>> {
+/// positions, which it takes. With `mask` (`[rows, ceil(V / 32)]` bits, see
+/// [`Sampler::sample_masked`]), each row draws among the tokens it allows.
+/// `None` (a reason noted) where it does not run: the rows then sample one
+/// by one.
+pub fn sample_rows(
+    samplers: &[Option<&Sampler>],
+    logits: &Array,
+    mask: Option<&Array>,
+) -> Result<Option<Array>> {
     let sampled: Vec<&Sampler> = samplers.iter().flatten().copied().collect();
     let Some(first) = sampled.first() else {
         return Ok(None);
@@ -391,7 +397,7 @@ pub fn sample_rows(samplers: &[Option<&Sampler>], logits: &Array) -> Result<Opti
         &positions,
         &kernel::seeds(&seeds),
         &kernel::params(c),
-        None,
+        mask,
     )?;
     Ok(Some(ids))
 }

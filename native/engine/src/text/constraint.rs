@@ -275,16 +275,6 @@ impl RowConstraint {
         }
         Ok(allowed)
     }
-
-    /// As [`write_mask`](Self::write_mask), as an additive logit bias over
-    /// `out` (the model's vocabulary): 0 for allowed tokens, -inf for the
-    /// rest.
-    pub fn write_bias(&mut self, eos: &[u32], ignore_eos: bool, out: &mut [f32]) -> Result<bool> {
-        let mut bits = vec![0u32; out.len().div_ceil(32)];
-        let allowed = self.write_mask(eos, ignore_eos, out.len(), &mut bits)?;
-        bias_of_mask(&bits, out);
-        Ok(allowed)
-    }
 }
 
 /// `out[i]` 0 where bit `i % 32` of `bits[i / 32]` is set, -inf elsewhere.

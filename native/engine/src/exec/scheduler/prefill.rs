@@ -57,7 +57,7 @@ impl Scheduler {
             return Ok(None);
         }
         let logits = logits.reshape(&[1, logits.dim(-1)])?;
-        let logits = constrain::mask_logits(logits, &mut [Some(&mut p.request)], &mut self.bias)?;
+        let logits = constrain::mask_logits(logits, &mut [Some(&mut p.request)], &mut self.masks)?;
         let token = sample_one(&mut p.request.sampler, &logits)?;
         transforms::eval(p.cache.arrays())?;
         let Prefill { request, cache, .. } = self.prefill.take().expect("the prefill is running");

@@ -141,8 +141,35 @@ impl Scheduler {
             .iter_mut()
             .map(|s| s.as_mut().map(|r| &mut r.request))
             .collect();
-        let logits = constrain::mask_logits(logits, &mut requests, &mut self.bias)?;
+        let constrained = constrain::write_masks(&logits, &mut requests, &mut self.masks)?;
         let running = || self.slots[..n].iter().flatten();
+        // Greedy rows take the argmax, the others their samplers' draws;
+        // on a GPU the masks go to our kernels as bits, elsewhere (or where
+        // the kernels decline) they are added to the logits.
+        let greedy_rows: Vec<bool> = self.slots[..n]
+            .iter()
+            .map(|s| {
+                s.as_ref()
+                    .is_none_or(|r| r.request.options.sampler.is_greedy())
+            })
+            .collect();
+        if constrained && !crate::runtime::device::on_cpu_stream() {
+            let mask = constrain::mask_array(&self.masks, n);
+            let samplers: Vec<Option<&Sampler>> = self.slots[..n]
+                .iter()
+                .zip(&greedy_rows)
+                .map(|(s, greedy)| s.as_ref().filter(|_| !greedy).map(|r| &r.request.sampler))
+                .collect();
+            if let Some(tokens) = masked_tokens(&logits, &mask, &greedy_rows, &samplers)? {
+                transforms::async_eval([&tokens])?;
+                return Ok(Queued { rows, ids, tokens });
+            }
+        }
+        let logits = if constrained {
+            constrain::add_masks(logits, &self.masks)?
+        } else {
+            logits
+        };
         // Greedy rows share one argmax; the others draw with their own sampler.
         let any_greedy = running().any(|r| r.request.options.sampler.is_greedy());
         let all_greedy = running().all(|r| r.request.options.sampler.is_greedy());
@@ -165,15 +192,13 @@ impl Scheduler {
                 .collect()
         });
         let batched = match &samplers {
-            Some(samplers) => crate::sample::sample_rows(samplers, &logits)?,
+            Some(samplers) => crate::sample::sample_rows(samplers, &logits, None)?,
             None => None,
         };
         let tokens = match (greedy, batched) {
             (Some(g), _) if all_greedy => g,
             (None, Some(sampled)) => sampled,
             (Some(g), Some(sampled)) => {
-                let greedy_rows: Vec<bool> =
-                    samplers.iter().flatten().map(Option::is_none).collect();
                 mlx_rs::ops::select(Array::from_slice(&greedy_rows, &[rows]), &g, &sampled)?
             }
             (greedy, None) => {
@@ -218,6 +243,43 @@ impl Scheduler {
         }
         Ok(events)
     }
+}
+
+/// Each row's token among those its mask allows (`[rows, ceil(V / 32)]`
+/// bits), by our CUDA kernels: the masked argmax for `greedy` rows, one
+/// masked sampling kernel call for the others (`samplers`, `None` for
+/// greedy rows). `None` where the kernels do not take the step (the
+/// reasons noted).
+fn masked_tokens(
+    logits: &Array,
+    mask: &Array,
+    greedy: &[bool],
+    samplers: &[Option<&Sampler>],
+) -> Result<Option<Array>> {
+    let argmax = if greedy.iter().any(|&g| g) {
+        match crate::backend::cuda::layer::argmax(logits, Some(mask))? {
+            Some(ids) => Some(ids),
+            None => return Ok(None),
+        }
+    } else {
+        None
+    };
+    let drawn = if greedy.iter().all(|&g| g) {
+        None
+    } else {
+        match crate::sample::sample_rows(samplers, logits, Some(mask))? {
+            Some(ids) => Some(ids),
+            None => return Ok(None),
+        }
+    };
+    Ok(match (argmax, drawn) {
+        (Some(a), Some(d)) => Some(mlx_rs::ops::select(
+            Array::from_slice(greedy, &[greedy.len() as i32]),
+            &a,
+            &d,
+        )?),
+        (a, d) => a.or(d),
+    })
 }
 
 /// A decode step's forward pass, queued, not yet sampled.

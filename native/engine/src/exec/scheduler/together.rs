@@ -85,7 +85,7 @@ impl Scheduler {
         }
         let logits = logits.reshape(&[n as i32, logits.dim(-1)])?;
         let mut rows: Vec<Option<&mut Request>> = group.iter_mut().map(Some).collect();
-        let logits = constrain::mask_logits(logits, &mut rows, &mut self.bias)?;
+        let logits = constrain::mask_logits(logits, &mut rows, &mut self.masks)?;
         let mut tokens = Vec::with_capacity(n);
         for (i, r) in group.iter_mut().enumerate() {
             let i = i as i32;
