@@ -83,7 +83,9 @@ pub fn sample_at(
         return Ok(None);
     }
     let dtype = logits.dtype();
-    let Ok(k) = crate::backend::cuda::layer::sample_kernel(logits, |k| check(k, dtype)) else {
+    let Ok(k) = crate::backend::cuda::layer::sample_kernel(logits, false, |k, masked| {
+        check(k, dtype, masked)
+    }) else {
         return Ok(None);
     };
     let positions = Array::from_slice(positions, &[rows as i32]);
@@ -121,8 +123,9 @@ pub fn agrees(c: &SamplerConfig, logits: &[f32], u: f64, got: u32) -> bool {
 /// Qwen3's vocabulary at several scales, a row on a grid of quarters (ties
 /// at the k-th largest) and one of equal values (every value ties: the
 /// kernel's radix path), Qwen3's recommended settings and others, several
-/// seeds and positions.
-pub(crate) fn check(k: &SampleKernel, dtype: Dtype) -> Result<()> {
+/// seeds and positions; with `masked`, the rows masked as
+/// [`crate::backend::cuda::layer::check_mask`] masks them.
+pub(crate) fn check(k: &SampleKernel, dtype: Dtype, masked: bool) -> Result<()> {
     let (rows, vocab) = (6, 151_936);
     let key = mlx_rs::random::key(31)?;
     let normal = mlx_rs::random::normal::<f32>(&[rows, vocab], None, None, &key)?;
@@ -189,13 +192,15 @@ pub(crate) fn check(k: &SampleKernel, dtype: Dtype) -> Result<()> {
                     .map_err(|e| Error::Mlx(format!("reading the sample check's tokens: {e}")))?
                     .to_vec())
             };
-            // Unmasked, then masked: the host's draw over the logits with
-            // every token a row's mask leaves out at -inf (a row allowing
-            // none draws unmasked).
-            for (got, rows_now, masked) in [
-                (drawn(None)?, &host_rows, false),
-                (drawn(Some(&mask))?, &masked_rows, true),
-            ] {
+            // Masked: the host's draw over the logits with every token a
+            // row's mask leaves out at -inf (a row allowing none draws
+            // unmasked).
+            let (got, rows_now) = if masked {
+                (drawn(Some(&mask))?, &masked_rows)
+            } else {
+                (drawn(None)?, &host_rows)
+            };
+            {
                 for (r, row) in rows_now.chunks(vocab as usize).enumerate() {
                     let u = uniform(row_seeds[r], positions[r]);
                     if !agrees(&c, row, u, got[r]) {

@@ -301,7 +301,7 @@ impl Sampler {
     /// [`kernel_for`]), among those `mask` allows; otherwise `None` (MLX's
     /// ops then).
     fn sample_kernel(&mut self, logits: &Array, mask: Option<&Array>) -> Result<Option<Array>> {
-        let Some((k, positions)) = kernel_for(&self.config, logits) else {
+        let Some((k, positions)) = kernel_for(&self.config, logits, mask.is_some()) else {
             return Ok(None);
         };
         let (seeds, params) = self
@@ -385,7 +385,7 @@ pub fn sample_rows(
         );
         return Ok(None);
     }
-    let Some((k, positions)) = kernel_for(c, logits) else {
+    let Some((k, positions)) = kernel_for(c, logits, mask.is_some()) else {
         return Ok(None);
     };
     let seeds: Vec<u64> = samplers
@@ -407,7 +407,7 @@ pub fn sample_rows(
 /// covers, and the positions of the step whose logits these are (the
 /// layers keep them; taken here whatever happens, so that no step's
 /// positions outlive it). Otherwise `None`, the reason noted.
-fn kernel_for(c: &SamplerConfig, logits: &Array) -> Option<(SampleKernel, Array)> {
+fn kernel_for(c: &SamplerConfig, logits: &Array, masked: bool) -> Option<(SampleKernel, Array)> {
     use crate::backend::cuda::layer;
     if !layer::wanted() {
         return None;
@@ -416,7 +416,9 @@ fn kernel_for(c: &SamplerConfig, logits: &Array) -> Option<(SampleKernel, Array)
     let vocab = logits.dim(-1).max(0) as usize;
     let why = match kernel::declines(c, vocab) {
         Some(why) => why,
-        None => match layer::sample_kernel(logits, |k| kernel::check(k, logits.dtype())) {
+        None => match layer::sample_kernel(logits, masked, |k, masked| {
+            kernel::check(k, logits.dtype(), masked)
+        }) {
             Err(why) => why,
             Ok(k) => match positions.filter(|p| p.size() == logits.dim(0) as usize) {
                 Some(positions) => return Some((k, positions)),

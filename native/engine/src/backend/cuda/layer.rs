@@ -97,6 +97,14 @@ static EXPERTS_CHECKED: Lazy<Mutex<Vec<(Dtype, bool)>>> = Lazy::new(|| Mutex::ne
 /// own, so that where it fails greedy steps still take the kernels.
 static SAMPLE_CHECKED: Lazy<Mutex<Vec<(Dtype, bool)>>> = Lazy::new(|| Mutex::new(Vec::new()));
 
+/// The masked argmax's and masked sampling kernel's (constrained rows'),
+/// each on its own: where one fails, constrained rows add their masks to
+/// the logits and every other step keeps the kernels.
+static MASKED_ARGMAX_CHECKED: Lazy<Mutex<Vec<(Dtype, bool)>>> =
+    Lazy::new(|| Mutex::new(Vec::new()));
+static MASKED_SAMPLE_CHECKED: Lazy<Mutex<Vec<(Dtype, bool)>>> =
+    Lazy::new(|| Mutex::new(Vec::new()));
+
 thread_local! {
     /// The positions array of the last one-token step this thread's layers
     /// built (see [`forward`]), for the sampling kernel: its draws hash each
@@ -122,11 +130,13 @@ pub(crate) fn take_step_positions() -> Option<Array> {
 }
 
 /// The sampling kernel for `logits` (`[rows, V]`), once `check` passed with
-/// it in their dtype (run on first use per dtype, on a stream of its own);
+/// it in their dtype (run on first use per dtype, on a stream of its own),
+/// `check(k, false)` unmasked and, where `masked`, `check(k, true)` masked;
 /// `Err` says why not (MLX's ops then).
 pub(crate) fn sample_kernel(
     logits: &Array,
-    check: impl FnOnce(&SampleKernel) -> Result<()>,
+    masked: bool,
+    check: impl Fn(&SampleKernel, bool) -> Result<()>,
 ) -> std::result::Result<SampleKernel, &'static str> {
     let dtype = logits.dtype();
     if !*WANTED {
@@ -141,8 +151,15 @@ pub(crate) fn sample_kernel(
     let Some(k) = kernels(dtype) else {
         return Err("sample kernel: the CUDA kernels failed their check (see the notices)");
     };
-    if !passes(&SAMPLE_CHECKED, dtype, || check(&SampleKernel(k))) {
+    if !passes(&SAMPLE_CHECKED, dtype, || check(&SampleKernel(k), false)) {
         return Err("sample kernel: it failed its check on this device (see the notices)");
+    }
+    if masked
+        && !passes(&MASKED_SAMPLE_CHECKED, dtype, || {
+            check(&SampleKernel(k), true)
+        })
+    {
+        return Err("sample kernel: its masked form failed its check here (see the notices)");
     }
     Ok(SampleKernel(k))
 }
@@ -239,8 +256,20 @@ pub(crate) fn argmax(logits: &Array, mask: Option<&Array>) -> Result<Option<Arra
         && logits.ndim() > 0
         && logits.size() > 0
         && !crate::runtime::device::on_cpu_stream();
-    match usable.then(|| kernels(logits.dtype())).flatten() {
-        Some(k) => Ok(Some(k.argmax(logits, mask)?)),
+    let dtype = logits.dtype();
+    match usable.then(|| kernels(dtype)).flatten() {
+        Some(k) if mask.is_some() => {
+            if !passes(&MASKED_ARGMAX_CHECKED, dtype, || {
+                check_masked_argmax(k, dtype)
+            }) {
+                crate::backend::declined(
+                    "masked argmax: it failed its check on this device (see the notices)",
+                );
+                return Ok(None);
+            }
+            Ok(Some(k.argmax(logits, mask)?))
+        }
+        Some(k) => Ok(Some(k.argmax(logits, None)?)),
         None => Ok(None),
     }
 }
@@ -617,7 +646,6 @@ fn check(k: &Kernels, dtype: Dtype) -> Result<()> {
     }
     // Token ids (far below 2^24) are exact in float32: every one the same.
     within(&what, &got, &want, 0.0)?;
-    check_masked_argmax(k, &x)?;
 
     check_qkv_attend(k, dtype)?;
     if *GEMV {
@@ -650,8 +678,16 @@ pub(crate) fn check_mask(rows: usize, v: usize) -> (Vec<bool>, Vec<u32>) {
 }
 
 /// The masked argmax against MLX's argmax of the logits with every token
-/// the mask leaves out at -inf, on `x` `[rows, 1, V]`.
-fn check_masked_argmax(k: &Kernels, x: &Array) -> Result<()> {
+/// the mask leaves out at -inf, on values with many ties (a grid of
+/// quarters), a row not 16-byte aligned and a width that leaves a tail.
+fn check_masked_argmax(k: &Kernels, dtype: Dtype) -> Result<()> {
+    let quarters = Array::from_f32(4.0);
+    let x = normal(&[4, 1, 32777], 19, Dtype::Float32)?
+        .multiply(&quarters)?
+        .round(None)?
+        .divide(&quarters)?
+        .as_dtype(dtype)?;
+    let x = &x;
     let (rows, v) = (x.dim(0), x.dim(-1));
     let (allowed, bits) = check_mask(rows as usize, v as usize);
     let mask = Array::from_slice(&bits, &[rows, (v + 31) / 32]);
