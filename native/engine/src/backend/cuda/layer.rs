@@ -628,14 +628,7 @@ pub(super) fn close(what: &str, dtype: Dtype, got: &Array, want: &Array) -> Resu
 fn check(k: &Kernels, dtype: Dtype) -> Result<()> {
     check_rows(k, dtype, [3, 1], 1, "")?;
 
-    // Many ties (values on a grid of quarters), a row not 16-byte aligned
-    // and a width that leaves a tail.
-    let quarters = Array::from_f32(4.0);
-    let x = normal(&[4, 1, 32777], 18, Dtype::Float32)?
-        .multiply(&quarters)?
-        .round(None)?
-        .divide(&quarters)?
-        .as_dtype(dtype)?;
+    let x = argmax_case(18, dtype)?;
     let (got, want) = (
         k.argmax(&x, None)?,
         mlx_rs::ops::indexing::argmax_axis(&x, -1, false)?,
@@ -677,17 +670,22 @@ pub(crate) fn check_mask(rows: usize, v: usize) -> (Vec<bool>, Vec<u32>) {
     (allowed, bits)
 }
 
-/// The masked argmax against MLX's argmax of the logits with every token
-/// the mask leaves out at -inf, on values with many ties (a grid of
-/// quarters), a row not 16-byte aligned and a width that leaves a tail.
-fn check_masked_argmax(k: &Kernels, dtype: Dtype) -> Result<()> {
+/// The argmax checks' logits `[4, 1, V]` from `seed`: many ties (values on
+/// a grid of quarters), rows not 16-byte aligned and a width that leaves a
+/// tail.
+fn argmax_case(seed: u64, dtype: Dtype) -> Result<Array> {
     let quarters = Array::from_f32(4.0);
-    let x = normal(&[4, 1, 32777], 19, Dtype::Float32)?
+    Ok(normal(&[4, 1, 32777], seed, Dtype::Float32)?
         .multiply(&quarters)?
         .round(None)?
         .divide(&quarters)?
-        .as_dtype(dtype)?;
-    let x = &x;
+        .as_dtype(dtype)?)
+}
+
+/// The masked argmax against MLX's argmax of the logits with every token
+/// the mask leaves out at -inf, on [`argmax_case`]'s logits.
+fn check_masked_argmax(k: &Kernels, dtype: Dtype) -> Result<()> {
+    let x = &argmax_case(19, dtype)?;
     let (rows, v) = (x.dim(0), x.dim(-1));
     let (allowed, bits) = check_mask(rows as usize, v as usize);
     let mask = Array::from_slice(&bits, &[rows, (v + 31) / 32]);
