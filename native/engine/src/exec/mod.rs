@@ -5,6 +5,34 @@ pub mod generate;
 mod request;
 pub mod scheduler;
 
+use mlx_rs::{Array, Dtype};
+
+use crate::text::constraint::bias_of_mask;
+
+/// Constrained rows' masks (`words`, `ceil(V / 32)` a row, one row after
+/// another, see [`crate::text::constraint::RowConstraint::write_mask`]) as
+/// `[rows, ceil(V / 32)]` uint32, for our GPU sampling kernels.
+pub(crate) fn mask_array(words: &[u32], rows: usize) -> Array {
+    let per_row = words.len() / rows.max(1);
+    Array::from_slice(words, &[rows as i32, per_row as i32])
+}
+
+/// The same masks as a `[rows, vocab]` additive bias in `dtype`: 0 where a
+/// token is allowed, -inf elsewhere.
+pub(crate) fn mask_bias(
+    words: &[u32],
+    rows: usize,
+    vocab: usize,
+    dtype: Dtype,
+) -> crate::error::Result<Array> {
+    let per_row = words.len() / rows.max(1);
+    let mut bias = vec![0f32; rows * vocab];
+    for (out, bits) in bias.chunks_mut(vocab).zip(words.chunks(per_row.max(1))) {
+        bias_of_mask(bits, out);
+    }
+    Ok(Array::from_slice(&bias, &[rows as i32, vocab as i32]).as_dtype(dtype)?)
+}
+
 /// Runs `f` on every job, on several threads where there are several jobs
 /// and cores (constrained rows' masks: each row's grammar is independent).
 pub(crate) fn each_on_threads<T: Send>(

@@ -18,7 +18,7 @@ use mlx_rs::Array;
 use super::rows::Row;
 use super::{FinishReason, GenerateOptions, RowDelta};
 use crate::error::{Error, Result};
-use crate::text::constraint::{bias_of_mask, RowConstraint};
+use crate::text::constraint::RowConstraint;
 use crate::text::tokenizer::Tokenizer;
 
 /// What a row's token is checked against when it is taken.
@@ -31,10 +31,10 @@ pub(super) struct Rules<'a> {
 pub(super) struct Constraints {
     rows: Vec<Option<RowConstraint>>,
     fast_forward: bool,
-    /// A single constrained row runs ahead through its forced tokens in
-    /// multi-token passes; otherwise it takes one a step, as batch rows do
-    /// (steps replayed on a GPU, whose masks go to the device).
-    ahead: bool,
+    /// A single constrained row takes its forced tokens one a step, as
+    /// batch rows do, instead of running ahead (steps replayed on a GPU,
+    /// whose masks go to the device).
+    in_step: bool,
     /// Each row's token for the coming step when its grammar forces it
     /// (unless a single row runs ahead).
     next_forced: Vec<Option<u32>>,
@@ -70,11 +70,10 @@ impl Constraints {
                 },
             )
             .collect::<Result<Vec<_>>>()?;
-        let ahead = options.fast_forward && batch == 1 && rows[0].is_some();
         Ok(Constraints {
             rows,
             fast_forward: options.fast_forward,
-            ahead,
+            in_step: false,
             next_forced: vec![None; batch],
             masks: vec![],
             ms: 0.0,
@@ -89,13 +88,13 @@ impl Constraints {
 
     /// Whether one row, constrained, runs ahead through its forced tokens.
     pub fn runs_ahead(&self) -> bool {
-        self.ahead
+        !self.in_step && self.fast_forward && self.rows.len() == 1 && self.rows[0].is_some()
     }
 
     /// Before the first step: a single row takes its forced tokens one a
     /// step (`false`), or runs ahead where fast-forward allows (`true`).
     pub fn set_runs_ahead(&mut self, ahead: bool) {
-        self.ahead = ahead && self.fast_forward && self.rows.len() == 1 && self.rows[0].is_some();
+        self.in_step = !ahead;
     }
 
     /// Whether some unfinished row is constrained.
@@ -206,8 +205,8 @@ impl Constraints {
     }
 
     /// Computes every row's mask for the coming step: a constrained row's
-    /// grammar mask, or its forced token alone (no mask to compute: its
-    /// sample is replaced anyway, and a one-token row is what the samplers
+    /// grammar mask, or its forced token alone (no mask to compute: the
+    /// samplers can take nothing else, and a one-token row is what they
     /// handle fastest); every token for the other rows, and for a row whose
     /// grammar allows nothing (it ends before taking this step's token).
     /// Read them with [`mask`](Self::mask) or [`bias`](Self::bias).
@@ -256,9 +255,7 @@ impl Constraints {
 
     /// The prepared masks, `[B, ceil(vocab / 32)]` uint32.
     pub fn mask(&self) -> Array {
-        let rows = self.rows.len();
-        let words = self.masks.len() / rows.max(1);
-        Array::from_slice(&self.masks, &[rows as i32, words as i32])
+        crate::exec::mask_array(&self.masks, self.rows.len())
     }
 
     /// The prepared masks' words, a row after another.
@@ -268,17 +265,12 @@ impl Constraints {
 
     /// The prepared masks as a `[B, vocab]` float32 additive bias: 0 where a
     /// token is allowed, -inf elsewhere.
-    pub fn bias(&mut self, vocab: usize) -> Array {
+    pub fn bias(&mut self, vocab: usize) -> Result<Array> {
         let started = Instant::now();
-        let rows = self.rows.len();
-        let words = self.masks.len() / rows.max(1);
-        let mut bias = vec![0f32; rows * vocab];
-        for (out, bits) in bias.chunks_mut(vocab).zip(self.masks.chunks(words.max(1))) {
-            bias_of_mask(bits, out);
-        }
-        let bias = Array::from_slice(&bias, &[rows as i32, vocab as i32]);
+        let bias =
+            crate::exec::mask_bias(&self.masks, self.rows.len(), vocab, mlx_rs::Dtype::Float32)?;
         self.ms += started.elapsed().as_secs_f64() * 1e3;
-        bias
+        Ok(bias)
     }
 
     /// The step's tokens `[B]` (uint32) with each forced row's token in

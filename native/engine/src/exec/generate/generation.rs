@@ -254,7 +254,7 @@ impl Generation {
                     return Ok(next);
                 }
             }
-            logits = logits.add(self.constraints.bias(vocab))?;
+            logits = logits.add(self.constraints.bias(vocab)?)?;
         }
         let next = if self.sampler.on_device() {
             self.sampler.sample_device(&logits)?

@@ -11,7 +11,6 @@ use mlx_rs::{transforms, Array};
 
 use super::Request;
 use crate::error::Result;
-use crate::text::constraint::bias_of_mask;
 
 /// Whether some request among `requests` is constrained.
 pub(super) fn any_constrained<'a>(mut requests: impl Iterator<Item = &'a Request>) -> bool {
@@ -49,23 +48,12 @@ pub(super) fn write_masks(
     Ok(true)
 }
 
-/// `[rows, ceil(V / 32)]` uint32: the masks [`write_masks`] wrote.
-pub(super) fn mask_array(words: &[u32], rows: usize) -> Array {
-    let per_row = words.len() / rows.max(1);
-    Array::from_slice(words, &[rows as i32, per_row as i32])
-}
-
 /// `logits` `[rows, V]` with the masks [`write_masks`] wrote added as a
 /// bias, in the logits' dtype (0 and -inf are exact in any float type), so
 /// a free row's sampler sees its logits unchanged, not promoted.
 pub(super) fn add_masks(logits: Array, words: &[u32]) -> Result<Array> {
     let (rows, vocab) = (logits.dim(0) as usize, logits.dim(-1) as usize);
-    let per_row = words.len() / rows.max(1);
-    let mut bias = vec![0f32; rows * vocab];
-    for (out, bits) in bias.chunks_mut(vocab).zip(words.chunks(per_row.max(1))) {
-        bias_of_mask(bits, out);
-    }
-    let bias = Array::from_slice(&bias, &[rows as i32, vocab as i32]).as_dtype(logits.dtype())?;
+    let bias = crate::exec::mask_bias(words, rows, vocab, logits.dtype())?;
     Ok(logits.add(&bias)?)
 }
 

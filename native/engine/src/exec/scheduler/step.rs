@@ -154,7 +154,7 @@ impl Scheduler {
             })
             .collect();
         if constrained && !crate::runtime::device::on_cpu_stream() {
-            let mask = constrain::mask_array(&self.masks, n);
+            let mask = crate::exec::mask_array(&self.masks, n);
             let samplers: Vec<Option<&Sampler>> = self.slots[..n]
                 .iter()
                 .zip(&greedy_rows)
