@@ -24,7 +24,7 @@ from make_checkpoint import sparse_layers
 
 ROOT = Path(__file__).resolve().parent.parent
 
-PEER_ORDER = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-kv16", "rust-kv8", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "rust-int8-kv16", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream",
+PEER_ORDER = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-structured-1t", "rust-kv16", "rust-kv8", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "rust-int8-kv16", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream",
               "mlx-lm-cli", "llama.cpp", "llama.cpp-kv8"]
 PEER_NAMES = {
     "rust": "Rust engine",
@@ -34,6 +34,7 @@ PEER_NAMES = {
     "rust-sampled": "Rust engine, Qwen3 sampling (host)",
     "rust-sampled-device": "Rust engine, Qwen3 sampling (device)",
     "rust-structured": "Rust engine, structured output (JSON Schema)",
+    "rust-structured-1t": "Rust engine, structured output, masks on 1 thread",
     "rust-kv16": "Rust engine, float16 KV cache",
     "rust-kv8": "Rust engine, 8-bit KV cache",
     "llama.cpp-kv8": "llama.cpp, q8_0 KV cache",
@@ -49,10 +50,10 @@ PEER_NAMES = {
     "elixir-textgen": "Elixir (TextGeneration.stream)",
     "mlx-lm": "mlx-lm",
 }
-OURS = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-kv16", "rust-kv8", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "rust-int8-kv16", "elixir", "elixir-textgen"]
+OURS = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-structured-1t", "rust-kv16", "rust-kv8", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "rust-int8-kv16", "elixir", "elixir-textgen"]
 MLX_LM = ["mlx-lm", "mlx-lm-stream", "mlx-lm-cli"]
 # The engine under its GPU-relevant settings, each set against the mlx-lm paths.
-ENGINE_VARIANTS = ["rust", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-kv16", "rust-kv8", "rust-baseline", "rust-mlx-steps", "rust-mlx-prompt", "rust-ops", "rust-mlx-products"]
+ENGINE_VARIANTS = ["rust", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-structured-1t", "rust-kv16", "rust-kv8", "rust-baseline", "rust-mlx-steps", "rust-mlx-prompt", "rust-ops", "rust-mlx-products"]
 BEST_MLX = "best mlx-lm path"
 
 
@@ -376,7 +377,7 @@ def model_section(name, folder, settings):
         ratio_pairs += [(p, BEST_MLX) for p in ENGINE_VARIANTS if p in peers]
     if "rust" in peers and "rust-baseline" in peers:
         ratio_pairs.append(("rust", "rust-baseline"))
-    ratio_pairs += [(p, "rust") for p in ("rust-sampled", "rust-sampled-device", "rust-structured", "rust-kv16", "rust-kv8")
+    ratio_pairs += [(p, "rust") for p in ("rust-sampled", "rust-sampled-device", "rust-structured", "rust-structured-1t", "rust-kv16", "rust-kv8")
                     if p in peers and "rust" in peers]
     if "rust" in peers:
         ratio_pairs += [(p, "rust") for p in peers if p in ("elixir", "elixir-textgen")]
@@ -457,7 +458,7 @@ def model_section(name, folder, settings):
 # with its position, not failed.
 # Peers that sample rather than decode greedily, or decode under a
 # constraint: their ids are not compared.
-SAMPLED = ["rust-sampled", "rust-sampled-device", "rust-structured"]
+SAMPLED = ["rust-sampled", "rust-sampled-device", "rust-structured", "rust-structured-1t"]
 SAME_WEIGHTS = ["rust-mlx-steps", "rust-mlx-prompt", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream"]
 
 

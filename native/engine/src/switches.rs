@@ -7,6 +7,7 @@
 //! | `EMLX_AXON_PREFILL_KERNELS` | on | `0`: prompts on a CUDA GPU from MLX's ops instead of the prompt kernels |
 //! | `EMLX_AXON_STEP_REPLAY` | on | `0`: one-token CUDA steps in MLX's graph instead of replayed as one CUDA graph |
 //! | `EMLX_AXON_CPU_THREADS` | cores | CPU worker streams a projection is split across (1 turns splitting off) |
+//! | `EMLX_AXON_MASK_THREADS` | half the cores, at most 8 | threads (and parts of the vocabulary) one constrained row's mask is computed on (1: one thread) |
 //! | `EMLX_AXON_KERNEL_CACHE` | `$XDG_CACHE_HOME/emlx_axon/cuda` | where compiled CUDA kernels are kept |
 //!
 //! The CPU kernels' crate (`emlx_axon_kernels`) reads its own:
@@ -29,6 +30,11 @@ static PREFILL_KERNELS: Lazy<bool> = Lazy::new(|| !off("EMLX_AXON_PREFILL_KERNEL
 static STEP_REPLAY: Lazy<bool> = Lazy::new(|| !off("EMLX_AXON_STEP_REPLAY"));
 static CPU_THREADS: Lazy<Option<usize>> = Lazy::new(|| {
     std::env::var("EMLX_AXON_CPU_THREADS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+});
+static MASK_THREADS: Lazy<Option<usize>> = Lazy::new(|| {
+    std::env::var("EMLX_AXON_MASK_THREADS")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
 });
@@ -60,6 +66,11 @@ pub fn cpu_threads() -> Option<usize> {
     *CPU_THREADS
 }
 
+/// The threads a constrained row's mask is computed on, if asked for.
+pub fn mask_threads() -> Option<usize> {
+    *MASK_THREADS
+}
+
 /// Where compiled CUDA kernels go, if chosen.
 pub fn kernel_cache() -> Option<OsString> {
     KERNEL_CACHE.clone()
@@ -76,6 +87,10 @@ pub fn all() -> Vec<(&'static str, String)> {
         (
             "EMLX_AXON_CPU_THREADS",
             cpu_threads().map_or("cores".into(), |n| n.to_string()),
+        ),
+        (
+            "EMLX_AXON_MASK_THREADS",
+            mask_threads().map_or("half the cores".into(), |n| n.to_string()),
         ),
         (
             "EMLX_AXON_KERNEL_CACHE",

@@ -432,3 +432,70 @@ fn mask_bits_and_biases_allow_the_same_tokens() {
         texts(&bangs)
     );
 }
+
+/// A mask computed over parts of the vocabulary, each by its own copy of
+/// the parser on its own thread, is the mask one parser computes, step by
+/// step along seeded random paths through JSON Schemas (strings bounded in
+/// length, nested objects), a regex and a Lark grammar; so are the forced
+/// tokens. The paths cross states where a part allows none of its tokens.
+#[test]
+fn masks_in_parts_equal_one_parsers_masks() {
+    use emlx_axon_engine::text::constraint::{ConstraintFactory, RowConstraint};
+    let tokenizer = tokenizer(FIXTURE);
+    let inner = tokenizers::Tokenizer::from_file(fixture(FIXTURE).join("tokenizer.json")).unwrap();
+    let eos = tokenizer.eos_token_ids().to_vec();
+    let one = ConstraintFactory::with_parts(&inner, &eos, 1).unwrap();
+    let parted = ConstraintFactory::with_parts(&inner, &eos, 3).unwrap();
+    let vocab = tokenizer.vocab_size();
+    let list = json!({"type": "object",
+        "properties": {"items": {"type": "array",
+            "items": {"type": "string", "minLength": 3, "maxLength": 12}, "minItems": 4}},
+        "required": ["items"], "additionalProperties": false});
+    let specs = [
+        ConstraintSpec::JsonSchema(list.to_string()),
+        ConstraintSpec::JsonSchema(schemas()[0].to_string()),
+        ConstraintSpec::JsonSchema(schemas()[2].to_string()),
+        ConstraintSpec::Regex("[a-z]{2,9}( [a-z]{2,9}){0,12}\\.".into()),
+        ConstraintSpec::Lark(
+            "start: item (\", \" item)*\nitem: /[0-9]{1,4}/ | \"none\" | /\"[a-z ]{0,20}\"/".into(),
+        ),
+    ];
+    let mut state = 7u64;
+    let mut narrow = 0;
+    for spec in &specs {
+        for path in 0..3 {
+            let mut a = RowConstraint::new(&one, spec).unwrap();
+            let mut b = RowConstraint::new(&parted, spec).unwrap();
+            for step in 0..120 {
+                assert_eq!(a.forced_tokens().unwrap(), b.forced_tokens().unwrap());
+                let mut bits_a = vec![0u32; vocab.div_ceil(32)];
+                let mut bits_b = vec![u32::MAX; vocab.div_ceil(32)];
+                let more = a.write_mask(&eos, false, vocab, &mut bits_a).unwrap();
+                assert_eq!(more, b.write_mask(&eos, false, vocab, &mut bits_b).unwrap());
+                assert!(bits_a == bits_b, "{spec:?} path {path} step {step}");
+                let allowed: Vec<u32> = (0..vocab as u32)
+                    .filter(|&i| bits_a[i as usize / 32] >> (i % 32) & 1 == 1)
+                    .filter(|i| !eos.contains(i))
+                    .collect();
+                if !more || allowed.is_empty() {
+                    break;
+                }
+                if allowed.len() < 500 {
+                    narrow += 1;
+                }
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let token = allowed[(state >> 33) as usize % allowed.len()];
+                let complete = a.consume(token).unwrap();
+                assert_eq!(complete, b.consume(token).unwrap());
+                if complete {
+                    break;
+                }
+            }
+            assert_eq!(b.mask_parts(), 3, "{spec:?} path {path}: a part failed");
+        }
+    }
+    // Narrow masks are the ones most parts have no token of.
+    assert!(narrow > 20, "{narrow}");
+}

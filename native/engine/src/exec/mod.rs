@@ -7,7 +7,29 @@ pub mod scheduler;
 
 use mlx_rs::{Array, Dtype};
 
-use crate::text::constraint::bias_of_mask;
+use crate::text::constraint::{bias_of_mask, RowConstraint};
+
+/// Writes a constrained row's mask into `out`; a row that may take no
+/// token gets every bit (its grammar is complete: the row ends). A row whose
+/// mask in parts failed goes on with one parser, and says so once.
+pub(crate) fn write_row_mask(
+    c: &mut RowConstraint,
+    eos: &[u32],
+    ignore_eos: bool,
+    vocab: usize,
+    out: &mut [u32],
+) -> crate::error::Result<()> {
+    let parts = c.mask_parts();
+    if !c.write_mask(eos, ignore_eos, vocab, out)? {
+        out.fill(u32::MAX);
+    }
+    if c.mask_parts() < parts {
+        crate::backend::notice(format!(
+            "a constrained row's mask in {parts} parts failed; the row computes it on one thread"
+        ));
+    }
+    Ok(())
+}
 
 /// Constrained rows' masks (`words`, `ceil(V / 32)` a row, one row after
 /// another, see [`crate::text::constraint::RowConstraint::write_mask`]) as

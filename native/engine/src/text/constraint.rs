@@ -2,13 +2,17 @@
 //! regular expression or a Lark grammar by masking, every step, the tokens
 //! that cannot continue it. The grammar engine is llguidance; this module
 //! builds its token trie from our tokenizer, compiles a row's constraint
-//! and turns its allowed-token set into an additive logit bias.
+//! and writes its allowed-token set as a bitmask. One row's mask is a walk
+//! of the whole 150k-token trie where the grammar allows free text, longer
+//! than a GPU decode step; it is computed over disjoint parts of the
+//! vocabulary on several threads, each part by its own copy of the parser.
 
 use std::sync::Arc;
 
-use llguidance::api::TopLevelGrammar;
-use llguidance::toktrie::{SimpleVob, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
-use llguidance::{JsonCompileOptions, Matcher, ParserFactory};
+use llguidance::api::{StopReason, TopLevelGrammar};
+use llguidance::earley::{BiasComputer, SlicedBiasComputer};
+use llguidance::toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+use llguidance::{JsonCompileOptions, Matcher, ParserFactory, TokenParser};
 use serde_json::Value;
 
 use crate::error::{Error, Result};
@@ -110,9 +114,13 @@ impl TokenizerEnv for TrieEnv {
 
 /// A tokenizer's compiled grammar machinery, built once per tokenizer
 /// (the token trie and the bias slices take a fraction of a second for a
-/// 150k vocabulary).
+/// 150k vocabulary, per part).
 pub struct ConstraintFactory {
     factory: ParserFactory,
+    /// One bias computer per part of the vocabulary (the trie's tokens in
+    /// byte order, cut into runs of equal count, so a part's walk shares
+    /// few prefixes with another's); empty where masks take one thread.
+    parts: Vec<Arc<dyn BiasComputer>>,
     /// The tokenizer's end-of-sequence ids, as the trie knows them.
     trie_eos: Vec<u32>,
 }
@@ -123,8 +131,28 @@ pub struct ConstraintFactory {
 impl std::panic::RefUnwindSafe for ConstraintFactory {}
 impl std::panic::UnwindSafe for ConstraintFactory {}
 
+/// Parts a row's mask is computed in: `EMLX_AXON_MASK_THREADS`, else half
+/// the cores (the others run the step the mask overlaps), at most eight
+/// (past that, the parts' repeated walks near the trie's root cost more
+/// than the threads win).
+pub fn default_mask_parts() -> usize {
+    crate::switches::mask_threads().unwrap_or_else(|| {
+        std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).clamp(1, 8))
+    })
+}
+
 impl ConstraintFactory {
     pub fn new(tokenizer: &tokenizers::Tokenizer, eos: &[u32]) -> Result<Self> {
+        Self::with_parts(tokenizer, eos, default_mask_parts())
+    }
+
+    /// As [`new`](Self::new), with masks computed in `parts` parts (1: by
+    /// one parser on the calling thread).
+    pub fn with_parts(
+        tokenizer: &tokenizers::Tokenizer,
+        eos: &[u32],
+        parts: usize,
+    ) -> Result<Self> {
         let json = tokenizer
             .to_string(false)
             .map_err(|e| Error::Tokenizer(format!("serializing the tokenizer: {e}")))?;
@@ -142,33 +170,116 @@ impl ConstraintFactory {
             .collect();
         let info = TokRxInfo::new(vocab as u32, trie_eos.first().copied().unwrap_or(0));
         let trie = TokTrie::from(&info, &words).with_eos_tokens(&trie_eos);
-        let env: llguidance::toktrie::TokEnv = Arc::new(TrieEnv {
+        let env: TokEnv = Arc::new(TrieEnv {
             trie,
             tokenizer: tokenizer.clone(),
         });
-        let mut factory = ParserFactory::new_simple(&env)
-            .map_err(|e| Error::Unsupported(format!("constrained decoding: {e}")))?;
+        let mut factory = ParserFactory::new_simple(&env).map_err(unsupported)?;
         factory.quiet();
-        Ok(ConstraintFactory { factory, trie_eos })
+        let parts = if parts > 1 {
+            part_computers(&env, tokenizer, parts)?
+        } else {
+            vec![]
+        };
+        Ok(ConstraintFactory {
+            factory,
+            parts,
+            trie_eos,
+        })
     }
+}
+
+fn unsupported(e: impl std::fmt::Display) -> Error {
+    Error::Unsupported(format!("constrained decoding: {e}"))
+}
+
+/// Bias computers over `parts` disjoint runs of the trie's tokens in byte
+/// order, built on as many threads.
+fn part_computers(
+    env: &TokEnv,
+    tokenizer: &tokenizers::Tokenizer,
+    parts: usize,
+) -> Result<Vec<Arc<dyn BiasComputer>>> {
+    let trie = env.tok_trie();
+    let mut ids: Vec<u32> = (0..trie.vocab_size() as u32)
+        .filter(|&i| !trie.token(i).is_empty())
+        .collect();
+    ids.sort_unstable_by(|&a, &b| trie.token(a).cmp(trie.token(b)));
+    let slices = SlicedBiasComputer::general_slices();
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = ids
+            .chunks(ids.len().div_ceil(parts).max(1))
+            .map(|run| {
+                let slices = &slices;
+                scope.spawn(move || {
+                    let mut set = trie.alloc_token_set();
+                    for &id in run {
+                        set.allow_token(id);
+                    }
+                    let part: TokEnv = Arc::new(TrieEnv {
+                        trie: trie.filter(&set),
+                        tokenizer: tokenizer.clone(),
+                    });
+                    let computer: Arc<dyn BiasComputer> =
+                        Arc::new(SlicedBiasComputer::new(&part, slices).map_err(unsupported)?);
+                    Ok(computer)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            })
+            .collect()
+    })
 }
 
 /// One row's constraint: the parser state after the tokens it has taken.
 pub struct RowConstraint {
+    /// Takes the tokens and names the forced ones; computes the mask where
+    /// the row has no parts.
     matcher: Matcher,
+    /// Copies of the parser, one per part of the vocabulary, each
+    /// computing the mask over its part; they take the row's tokens when
+    /// the next mask is asked for.
+    parts: Vec<TokenParser>,
+    /// Tokens taken since the parts last computed a mask.
+    pending: Vec<u32>,
     trie_eos: Vec<u32>,
     /// Nothing but the end of the output can follow.
     complete: bool,
+}
+
+/// One part's share of a mask.
+enum PartMask {
+    Tokens(SimpleVob),
+    /// The grammar allows none of this part's tokens.
+    Empty,
+    /// The part failed where the whole parser may not: the mask is left to
+    /// the whole parser.
+    Failed,
 }
 
 impl RowConstraint {
     /// Compiles `spec`; a bad schema, regex or grammar is an
     /// `InvalidArgument` naming what llguidance rejected.
     pub fn new(factory: &ConstraintFactory, spec: &ConstraintSpec) -> Result<Self> {
-        let parser = factory
+        let mut parser = factory
             .factory
             .create_parser(spec.grammar()?)
             .map_err(|e| Error::InvalidConstraint(format!("invalid {}: {e}", spec.name())))?;
+        parser.start_without_prompt();
+        let parts = factory
+            .parts
+            .iter()
+            .map(|computer| {
+                let mut part = parser.deep_clone();
+                part.bias_computer = computer.clone();
+                part
+            })
+            .collect();
         let mut matcher = Matcher::new(Ok(parser));
         // Some errors surface only when the grammar first runs.
         let first = matcher.compute_mask();
@@ -180,9 +291,16 @@ impl RowConstraint {
         }
         Ok(RowConstraint {
             matcher,
+            parts,
+            pending: vec![],
             trie_eos: factory.trie_eos.clone(),
             complete: false,
         })
+    }
+
+    /// The parts the row's masks are computed in (0: by the whole parser).
+    pub fn mask_parts(&self) -> usize {
+        self.parts.len()
     }
 
     pub fn is_complete(&self) -> bool {
@@ -194,6 +312,9 @@ impl RowConstraint {
         self.matcher
             .consume_token(token)
             .map_err(|e| Error::Constraint(e.to_string()))?;
+        if !self.parts.is_empty() {
+            self.pending.push(token);
+        }
         if self.matcher.is_stopped() {
             self.complete = true;
         }
@@ -235,10 +356,13 @@ impl RowConstraint {
         vocab: usize,
         out: &mut [u32],
     ) -> Result<bool> {
-        let mask: SimpleVob = self
-            .matcher
-            .compute_mask()
-            .map_err(|e| Error::Constraint(e.to_string()))?;
+        let mask = match self.parts_mask() {
+            Some(mask) => mask,
+            None => self
+                .matcher
+                .compute_mask()
+                .map_err(|e| Error::Constraint(e.to_string()))?,
+        };
         let words = vocab.div_ceil(32).min(out.len());
         out.fill(0);
         let grammar = mask.as_slice();
@@ -275,6 +399,75 @@ impl RowConstraint {
         }
         Ok(allowed)
     }
+
+    /// The mask as the union of the parts' masks, each part on its own
+    /// thread; `None` where the whole parser must compute it: the row has
+    /// no parts, no part allows a token (the whole parser then says why),
+    /// or a part failed (the row then goes on without parts).
+    fn parts_mask(&mut self) -> Option<SimpleVob> {
+        if self.parts.is_empty() {
+            return None;
+        }
+        let pending = std::mem::take(&mut self.pending);
+        let pending = &pending;
+        let masks: Vec<PartMask> = std::thread::scope(|scope| {
+            let (first, rest) = self.parts.split_first_mut()?;
+            let handles: Vec<_> = rest
+                .iter_mut()
+                .map(|part| scope.spawn(move || part_mask(part, pending)))
+                .collect();
+            let mut masks = vec![part_mask(first, pending)];
+            masks.extend(
+                handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap_or(PartMask::Failed)),
+            );
+            Some(masks)
+        })?;
+        let mut union: Option<SimpleVob> = None;
+        for mask in masks {
+            match mask {
+                PartMask::Tokens(part) => match union.as_mut() {
+                    Some(union) => union.or(&part),
+                    None => union = Some(part),
+                },
+                PartMask::Empty => {}
+                PartMask::Failed => {
+                    self.parts.clear();
+                    return None;
+                }
+            }
+        }
+        union
+    }
+}
+
+/// `part` takes `pending` and computes its share of the mask. A part whose
+/// tokens are all disallowed is restored to its state before the
+/// computation: the parser stops itself on an empty mask, but the grammar
+/// goes on in the other parts.
+fn part_mask(part: &mut TokenParser, pending: &[u32]) -> PartMask {
+    let run = std::panic::AssertUnwindSafe(|| {
+        for &token in pending {
+            match part.consume_token(token) {
+                Ok(0) => {}
+                _ => return PartMask::Failed,
+            }
+        }
+        if part.check_stop().is_err() {
+            return PartMask::Failed;
+        }
+        let before = part.clone();
+        match part.compute_mask() {
+            Ok(mask) => PartMask::Tokens(mask),
+            Err(_) if part.stop_reason() == StopReason::NoExtensionBias => {
+                *part = before;
+                PartMask::Empty
+            }
+            Err(_) => PartMask::Failed,
+        }
+    });
+    std::panic::catch_unwind(run).unwrap_or(PartMask::Failed)
 }
 
 /// `out[i]` 0 where bit `i % 32` of `bits[i / 32]` is set, -inf elsewhere.

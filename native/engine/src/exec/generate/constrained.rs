@@ -243,10 +243,7 @@ impl Constraints {
         }
         // Rows' grammars are independent: several are computed at once.
         crate::exec::each_on_threads(&mut grammar_rows, |(out, c)| {
-            if !c.write_mask(eos, ignore_eos, vocab, out)? {
-                out.fill(u32::MAX);
-            }
-            Ok(())
+            crate::exec::write_row_mask(c, eos, ignore_eos, vocab, out)
         })?;
         // Bits past the vocabulary stay set: the kernels read none of them.
         self.ms += started.elapsed().as_secs_f64() * 1e3;

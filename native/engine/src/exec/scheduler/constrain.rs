@@ -83,9 +83,7 @@ fn write_row(out: &mut [u32], vocab: usize, request: &mut Request) -> Result<()>
         return Ok(());
     };
     let started = Instant::now();
-    if !constraint.write_mask(eos, options.ignore_eos, vocab, out)? {
-        out.fill(u32::MAX);
-    }
+    crate::exec::write_row_mask(constraint, eos, options.ignore_eos, vocab, out)?;
     *constraint_ms += started.elapsed().as_secs_f64() * 1e3;
     Ok(())
 }
