@@ -187,6 +187,9 @@ class Metrics:
             b = row.get("batch")
             self.put(f"batch {b}", peer, rep, row.get("tok_s"), "tok/s")
             self.put(f"peak RSS, batch {b}", peer, rep, row.get("peak_rss_mb"), "MB")
+        elif m == "scheduler":
+            b = row.get("batch")
+            self.put(f"scheduler, batch {b}", peer, rep, row.get("tok_s"), "tok/s")
 
     def get(self, metric, peer):
         return self.values.get((metric, peer), {})
@@ -213,13 +216,28 @@ class Metrics:
         return fmt(value)
 
 
-def batch_sizes(metrics):
+def batch_sizes(metrics, prefix="batch"):
     sizes = set()
     for metric, _ in metrics.values:
-        m = re.match(r"batch (\d+)$", metric)
+        m = re.match(prefix + r" (\d+)$", metric)
         if m:
             sizes.add(int(m.group(1)))
     return sorted(sizes)
+
+
+def scheduler_lines(metrics, peers):
+    """Each peer's scheduler against its own static batch of the same size."""
+    rows = []
+    for p in peers:
+        for b in batch_sizes(metrics, "scheduler, batch"):
+            sched, static = metrics.med(f"scheduler, batch {b}", p), metrics.med(f"batch {b}", p)
+            if sched and static:
+                rows.append([PEER_NAMES.get(p, p), b, fmt(sched), fmt(static), fmt_ratio(ratio(sched, static))])
+    if not rows:
+        return []
+    return ["The scheduler (continuous batching) against the static batch of the same rows "
+            "(aggregate decode tok/s, medians):", "",
+            table(["peer", "rows", "scheduler", "static batch", "scheduler / static"], rows), ""]
 
 
 def table(header, rows):
@@ -229,7 +247,8 @@ def table(header, rows):
 
 
 def higher_is_better(metric):
-    return "tok/s" in metric or metric.startswith("batch") or metric.startswith("decode") or metric == "prefill"
+    return ("tok/s" in metric or metric.startswith("batch") or metric.startswith("scheduler")
+            or metric.startswith("decode") or metric == "prefill")
 
 
 def split_states(values, gap=1.2):
@@ -294,6 +313,7 @@ def model_section(name, folder, settings):
     order = (
         ["decode, batch 1", "time to first token (decode prompt)", "prefill", "time to first token (prefill prompt)"]
         + [f"batch {b}" for b in sizes if b != 1]
+        + [f"scheduler, batch {b}" for b in batch_sizes(metrics, "scheduler, batch")]
         + ["load time", "RSS before load (runtime baseline)", "of which the tokenizer (loaded by the Elixir peer)",
            "peak RSS after load", "peak RSS during decode", "MLX peak memory during decode"]
         + [f"peak RSS, batch {b}" for b in sizes if b != 1]
@@ -401,7 +421,7 @@ def model_section(name, folder, settings):
             continue
         unit = metrics.units.get(metric, "")
         label = f"{metric} ({unit})" if unit else metric
-        if metric.startswith("batch"):
+        if metric.startswith("batch") or metric.startswith("scheduler"):
             label = f"aggregate decode, {metric} ({unit})"
         row = [label] + [fmt(metrics.med(metric, p)) for p in peers]
         if metric == "CPU cores busy, other processes meanwhile":
@@ -412,6 +432,7 @@ def model_section(name, folder, settings):
     lines += ["Medians (ratios are of medians; above 1 means more of the metric: faster for tok/s, "
               "slower for ms, more memory for MB):", "", table(header, rows), ""]
     lines += roofline_lines(metrics, peers, settings)
+    lines += scheduler_lines(metrics, peers)
 
     # Every repetition.
     reps = sorted({r for (m, p), v in metrics.values.items() for r in v})

@@ -4,7 +4,7 @@
 //! cargo run --release -p emlx_axon_engine --example bench -- --model DIR
 //!     (--prompts FILE | --prompt-ids 1,2,3) [--dtype float32|bfloat16|float16]
 //!     [--kv-dtype float32|bfloat16|float16] [--kv-bits 4|8]
-//!     [--tokens N] [--batch-tokens N] [--batch 1,4,8] [--measures decode,prefill,batch,profile]
+//!     [--tokens N] [--batch-tokens N] [--batch 1,4,8] [--measures decode,prefill,batch,scheduler,profile]
 //!     [--warmup K] [--warmup-mode full|light] [--runs R] [--profile-stream own|default] [--chunk C] [--label TEXT]
 //!     [--sampler greedy|top_p_cpu|top_p_gpu ...] [--json-schema FILE]
 //!
@@ -25,6 +25,10 @@
 //!   prefill  prompt tokens / time to first token (start of the call to the
 //!            first token on the host)
 //!   batch    for each --batch size: rows x (batch tokens - 1) / decode time
+//!   scheduler  the batch measure's rows admitted together into a scheduler
+//!            of as many slots (continuous batching, the default serving's
+//!            path, called as the serving calls it): tokens after each
+//!            request's first / time from the last prompt's end to the end
 //!   profile  a hand-run decode loop timing graph construction, evaluation
 //!            and sampling separately, the same loop queued as Generation
 //!            runs it (construction, queuing, waiting), and each
@@ -36,7 +40,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use emlx_axon_engine::backend::cuda::layer as cuda_layer;
 use emlx_axon_engine::backend::Work;
@@ -45,8 +49,8 @@ use emlx_axon_engine::model::AttentionMask;
 use emlx_axon_engine::runtime::device::{gpu_available, mlx_version, DeviceKind, Lease};
 use emlx_axon_engine::sample::greedy;
 use emlx_axon_engine::{
-    ConstraintSpec, Dtype, GenerateOptions, Generation, LoadOptions, Model, RowOptions,
-    SamplerConfig, SamplerKind, Tokenizer,
+    ConstraintSpec, Dtype, GenerateOptions, Generation, LoadOptions, Model, Paths, RowOptions,
+    SamplerConfig, SamplerKind, Scheduler, SchedulerConfig, Tokenizer,
 };
 use emlx_axon_kernels::QuantWeight;
 use mlx_rs::fast::{rms_norm, rope, scaled_dot_product_attention};
@@ -243,7 +247,8 @@ fn parse() -> AnyResult<Args> {
             "--measures" => {
                 args.measures = v(&mut rest, &flag)?.split(',').map(String::from).collect();
                 for m in &args.measures {
-                    if !["decode", "prefill", "batch", "profile"].contains(&m.as_str()) {
+                    if !["decode", "prefill", "batch", "scheduler", "profile"].contains(&m.as_str())
+                    {
                         return Err(format!("--measures: unknown measure {m}").into());
                     }
                 }
@@ -465,6 +470,11 @@ impl Bench {
                     self.generate(&self.batch_prompts(b), 2)?;
                 }
             }
+            if self.wants("scheduler") {
+                for &b in &self.args.batches {
+                    self.schedule(b, 4)?;
+                }
+            }
         }
         self.emit(
             "warmup",
@@ -576,6 +586,83 @@ impl Bench {
         fields.insert("step_replay".into(), json!(t.step_replay));
         Memory::record(&mut fields);
         self.emit("batch", Some(run), Value::Object(fields));
+        Ok(())
+    }
+
+    /// The batch measure's rows through a scheduler of `batch` slots, each
+    /// call as the Elixir scheduler makes it (up to 64 decode steps, none
+    /// started after 20 ms). Every prompt is prefilled first, so the time is
+    /// decode alone, as the batch measure's. Returns the tokens after each
+    /// request's first, the prefill and decode times, and the first finished
+    /// request's paths.
+    fn schedule(&self, batch: usize, n: usize) -> AnyResult<(usize, f64, f64, Paths)> {
+        let prompts = self.batch_prompts(batch);
+        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        if self.args.kv_bits.is_some() {
+            return Err("--measures scheduler does not take --kv-bits".into());
+        }
+        let config = SchedulerConfig {
+            slots: batch,
+            capacity: longest + n + 1,
+            prefix_cache_bytes: 0,
+            kv_dtype: self.args.kv_dtype,
+            ..SchedulerConfig::default()
+        };
+        let mut scheduler = Scheduler::new(self.model.clone(), self.tokenizer.clone(), config)?;
+        for (i, prompt) in prompts.iter().enumerate() {
+            let mut options = self.options(1, longest, n);
+            let constraint = options.rows.pop().and_then(|row| row.constraint);
+            options.sampler.seed = options.sampler.seed.map(|s| s + i as u64);
+            scheduler.admit_constrained(prompt.clone(), options, constraint)?;
+        }
+        let mut generated = 0;
+        let mut finished: Vec<Paths> = vec![];
+        let mut take = |events: Vec<emlx_axon_engine::Event>, generated: &mut usize| {
+            for e in events {
+                *generated += e.delta.ids.len();
+                finished.extend(e.stats.map(|s| s.paths));
+            }
+        };
+        let started = Instant::now();
+        while scheduler.occupancy().waiting > 0 {
+            take(scheduler.step(0)?, &mut generated);
+        }
+        let first = Instant::now();
+        let at_first = generated;
+        while !scheduler.is_idle() {
+            let events = scheduler.step_within(64, Some(Duration::from_millis(20)))?;
+            take(events, &mut generated);
+        }
+        let decode_ms = first.elapsed().as_secs_f64() * 1e3;
+        if generated != batch * n {
+            return Err(format!("expected {} tokens, got {generated}", batch * n).into());
+        }
+        let prefill_ms = (first - started).as_secs_f64() * 1e3;
+        let paths = finished.into_iter().next().unwrap_or_default();
+        Ok((generated - at_first, prefill_ms, decode_ms, paths))
+    }
+
+    fn scheduler(&self, run: usize, batch: usize) -> AnyResult<()> {
+        let n = self.args.batch_tokens.unwrap_or(self.args.tokens);
+        Memory::reset();
+        let (decoded, prefill_ms, decode_ms, paths) = self.schedule(batch, n)?;
+        let mut fields = Map::new();
+        fields.insert("batch".into(), json!(batch));
+        fields.insert(
+            "prompt_tokens".into(),
+            json!(self.batch_prompts(1)[0].len()),
+        );
+        fields.insert("tokens".into(), json!(n));
+        fields.insert(
+            "tok_s".into(),
+            json!(round(decoded as f64 / (decode_ms / 1e3), 3)),
+        );
+        fields.insert("prefill_ms".into(), json!(round(prefill_ms, 2)));
+        fields.insert("decode_ms".into(), json!(round(decode_ms, 2)));
+        fields.insert("decode_path".into(), json!(paths.main_name(Work::Decode)));
+        fields.insert("fallbacks".into(), json!(paths.fallbacks));
+        Memory::record(&mut fields);
+        self.emit("scheduler", Some(run), Value::Object(fields));
         Ok(())
     }
 
@@ -1043,6 +1130,11 @@ fn run(args: Args) -> AnyResult<()> {
         if bench.wants("batch") {
             for &b in &bench.args.batches {
                 bench.batch(run, b)?;
+            }
+        }
+        if bench.wants("scheduler") {
+            for &b in &bench.args.batches {
+                bench.scheduler(run, b)?;
             }
         }
     }
