@@ -7,7 +7,7 @@
 //! than a GPU decode step; it is computed over disjoint parts of the
 //! vocabulary on several threads, each part by its own copy of the parser.
 
-use std::sync::Arc;
+use std::sync::{mpsc, Arc, Mutex};
 
 use llguidance::api::{StopReason, TopLevelGrammar};
 use llguidance::earley::{BiasComputer, SlicedBiasComputer};
@@ -121,8 +121,58 @@ pub struct ConstraintFactory {
     /// byte order, cut into runs of equal count, so a part's walk shares
     /// few prefixes with another's); empty where masks take one thread.
     parts: Vec<Arc<dyn BiasComputer>>,
+    /// Threads that compute every part but a row's first (which its caller
+    /// computes), kept for the factory's life: starting threads every step
+    /// would cost a good share of a mask.
+    workers: Option<Arc<PartWorkers>>,
     /// The tokenizer's end-of-sequence ids, as the trie knows them.
     trie_eos: Vec<u32>,
+}
+
+/// One part's share of a mask to compute: the part, the tokens it has yet
+/// to take, and where to send it back with its share.
+struct PartJob {
+    index: usize,
+    part: TokenParser,
+    pending: Arc<Vec<u32>>,
+    reply: mpsc::Sender<(usize, TokenParser, PartMask)>,
+}
+
+/// Threads taking [`PartJob`]s from one queue; they end when the factory
+/// (the queue's sender) goes.
+struct PartWorkers {
+    jobs: Mutex<mpsc::Sender<PartJob>>,
+}
+
+impl PartWorkers {
+    fn start(threads: usize) -> Result<Self> {
+        let (jobs, queue) = mpsc::channel::<PartJob>();
+        let queue = Arc::new(Mutex::new(queue));
+        for _ in 0..threads {
+            let queue = queue.clone();
+            std::thread::Builder::new()
+                .name("emlx-mask".into())
+                .spawn(move || loop {
+                    let job = match queue.lock() {
+                        Ok(queue) => queue.recv(),
+                        Err(_) => return,
+                    };
+                    let Ok(mut job) = job else { return };
+                    let mask = part_mask(&mut job.part, &job.pending[..]);
+                    // A row that stopped waiting drops its receiver.
+                    let _ = job.reply.send((job.index, job.part, mask));
+                })
+                .map_err(|e| Error::Unsupported(format!("starting mask threads: {e}")))?;
+        }
+        Ok(PartWorkers {
+            jobs: Mutex::new(jobs),
+        })
+    }
+
+    /// Queues `job`; false if the threads are gone.
+    fn send(&self, job: PartJob) -> bool {
+        self.jobs.lock().is_ok_and(|jobs| jobs.send(job).is_ok())
+    }
 }
 
 // The factory is never changed after it is built (parsers are created from
@@ -176,14 +226,18 @@ impl ConstraintFactory {
         });
         let mut factory = ParserFactory::new_simple(&env).map_err(unsupported)?;
         factory.quiet();
-        let parts = if parts > 1 {
-            part_computers(&env, tokenizer, parts)?
+        let (parts, workers) = if parts > 1 {
+            (
+                part_computers(&env, tokenizer, parts)?,
+                Some(Arc::new(PartWorkers::start(parts - 1)?)),
+            )
         } else {
-            vec![]
+            (vec![], None)
         };
         Ok(ConstraintFactory {
             factory,
             parts,
+            workers,
             trie_eos,
         })
     }
@@ -245,6 +299,7 @@ pub struct RowConstraint {
     /// computing the mask over its part; they take the row's tokens when
     /// the next mask is asked for.
     parts: Vec<TokenParser>,
+    workers: Option<Arc<PartWorkers>>,
     /// Tokens taken since the parts last computed a mask.
     pending: Vec<u32>,
     trie_eos: Vec<u32>,
@@ -292,6 +347,7 @@ impl RowConstraint {
         Ok(RowConstraint {
             matcher,
             parts,
+            workers: factory.workers.clone(),
             pending: vec![],
             trie_eos: factory.trie_eos.clone(),
             complete: false,
@@ -400,30 +456,49 @@ impl RowConstraint {
         Ok(allowed)
     }
 
-    /// The mask as the union of the parts' masks, each part on its own
-    /// thread; `None` where the whole parser must compute it: the row has
-    /// no parts, no part allows a token (the whole parser then says why),
-    /// or a part failed (the row then goes on without parts).
+    /// The mask as the union of the parts' masks, the first part computed
+    /// here and the others on the factory's threads at the same time;
+    /// `None` where the whole parser must compute it: the row has no parts,
+    /// no part allows a token (the whole parser then says why), or a part
+    /// failed (the row then goes on without parts).
     fn parts_mask(&mut self) -> Option<SimpleVob> {
+        let workers = self.workers.clone()?;
         if self.parts.is_empty() {
             return None;
         }
-        let pending = std::mem::take(&mut self.pending);
-        let pending = &pending;
-        let masks: Vec<PartMask> = std::thread::scope(|scope| {
-            let (first, rest) = self.parts.split_first_mut()?;
-            let handles: Vec<_> = rest
-                .iter_mut()
-                .map(|part| scope.spawn(move || part_mask(part, pending)))
-                .collect();
-            let mut masks = vec![part_mask(first, pending)];
-            masks.extend(
-                handles
-                    .into_iter()
-                    .map(|h| h.join().unwrap_or(PartMask::Failed)),
-            );
-            Some(masks)
-        })?;
+        let pending = Arc::new(std::mem::take(&mut self.pending));
+        let mut parts = std::mem::take(&mut self.parts);
+        let others = parts.split_off(1);
+        let (reply, replies) = mpsc::channel();
+        let mut queued = 0;
+        for (i, part) in others.into_iter().enumerate() {
+            let job = PartJob {
+                index: i + 1,
+                part,
+                pending: pending.clone(),
+                reply: reply.clone(),
+            };
+            if !workers.send(job) {
+                return None;
+            }
+            queued += 1;
+        }
+        drop(reply);
+        let first = part_mask(&mut parts[0], &pending);
+        let mut masks = vec![first];
+        let mut back: Vec<Option<(TokenParser, PartMask)>> = (0..queued).map(|_| None).collect();
+        for _ in 0..queued {
+            // A thread that panicked outside the part's own guard drops its
+            // job's sender: its part is lost, and the row goes on without.
+            let Ok((index, part, mask)) = replies.recv() else {
+                return None;
+            };
+            back[index - 1] = Some((part, mask));
+        }
+        for (part, mask) in back.into_iter().flatten() {
+            parts.push(part);
+            masks.push(mask);
+        }
         let mut union: Option<SimpleVob> = None;
         for mask in masks {
             match mask {
@@ -432,12 +507,11 @@ impl RowConstraint {
                     None => union = Some(part),
                 },
                 PartMask::Empty => {}
-                PartMask::Failed => {
-                    self.parts.clear();
-                    return None;
-                }
+                // The parts stay taken: the row goes on without them.
+                PartMask::Failed => return None,
             }
         }
+        self.parts = parts;
         union
     }
 }
