@@ -6,7 +6,7 @@
 //!     [--kv-dtype float32|bfloat16|float16] [--kv-bits 4|8]
 //!     [--tokens N] [--batch-tokens N] [--batch 1,4,8] [--measures decode,prefill,batch,scheduler,profile]
 //!     [--warmup K] [--warmup-mode full|light] [--runs R] [--profile-stream own|default] [--chunk C] [--label TEXT]
-//!     [--sampler greedy|top_p_cpu|top_p_gpu ...] [--json-schema FILE]
+//!     [--sampler greedy|top_p_cpu|top_p_gpu ...] [--json-schema FILE] [--scheduler-budget-ms MS]
 //!
 //! --prompts is the JSON written by bench/prompts.py: `decode` (batch-1
 //! decode prompt), `prefill` (~512 ids, for prefill speed and time to first
@@ -84,6 +84,8 @@ struct Args {
     default_stream: bool,
     runs: usize,
     chunk: usize,
+    /// The scheduler measure's time budget per call (0: none).
+    scheduler_budget_ms: u64,
     label: String,
     /// How tokens are chosen (greedy unless `--sampler` says otherwise).
     sampler: SamplerConfig,
@@ -150,6 +152,7 @@ fn parse() -> AnyResult<Args> {
         default_stream: false,
         runs: 1,
         chunk: 16,
+        scheduler_budget_ms: 20,
         label: "rust".into(),
         sampler: SamplerConfig::default(),
         json_schema: None,
@@ -213,6 +216,9 @@ fn parse() -> AnyResult<Args> {
             }
             "--runs" => args.runs = count(v(&mut rest, &flag)?, &flag)?.max(1),
             "--chunk" => args.chunk = count(v(&mut rest, &flag)?, &flag)?.max(1),
+            "--scheduler-budget-ms" => {
+                args.scheduler_budget_ms = count(v(&mut rest, &flag)?, &flag)? as u64
+            }
             "--label" => args.label = v(&mut rest, &flag)?,
             "--sampler" => {
                 args.sampler.kind = match v(&mut rest, &flag)?.as_str() {
@@ -591,7 +597,8 @@ impl Bench {
 
     /// The batch measure's rows through a scheduler of `batch` slots, each
     /// call as the Elixir scheduler makes it (up to 64 decode steps, none
-    /// started after 20 ms). Every prompt is prefilled first, so the time is
+    /// started after `--scheduler-budget-ms`, default 20 as the Elixir
+    /// scheduler's; 0: no budget). Every prompt is prefilled first, so the time is
     /// decode alone, as the batch measure's. Returns the tokens after each
     /// request's first, the prefill and decode times, and the first finished
     /// request's paths.
@@ -630,7 +637,9 @@ impl Bench {
         let first = Instant::now();
         let at_first = generated;
         while !scheduler.is_idle() {
-            let events = scheduler.step_within(64, Some(Duration::from_millis(20)))?;
+            let budget = (self.args.scheduler_budget_ms > 0)
+                .then(|| Duration::from_millis(self.args.scheduler_budget_ms));
+            let events = scheduler.step_within(64, budget)?;
             take(events, &mut generated);
         }
         let decode_ms = first.elapsed().as_secs_f64() * 1e3;
