@@ -78,7 +78,9 @@ fn compact_layout(mut schema: Value) -> Value {
 /// produce them by accident.
 struct TrieEnv {
     trie: TokTrie,
-    tokenizer: tokenizers::Tokenizer,
+    /// Shared by the parts' environments (a 150k-token tokenizer is tens
+    /// of megabytes).
+    tokenizer: Arc<tokenizers::Tokenizer>,
 }
 
 impl TokenizerEnv for TrieEnv {
@@ -220,6 +222,7 @@ impl ConstraintFactory {
             .collect();
         let info = TokRxInfo::new(vocab as u32, trie_eos.first().copied().unwrap_or(0));
         let trie = TokTrie::from(&info, &words).with_eos_tokens(&trie_eos);
+        let tokenizer = Arc::new(tokenizer.clone());
         let env: TokEnv = Arc::new(TrieEnv {
             trie,
             tokenizer: tokenizer.clone(),
@@ -228,7 +231,7 @@ impl ConstraintFactory {
         factory.quiet();
         let (parts, workers) = if parts > 1 {
             (
-                part_computers(&env, tokenizer, parts)?,
+                part_computers(&env, &tokenizer, parts)?,
                 Some(Arc::new(PartWorkers::start(parts - 1)?)),
             )
         } else {
@@ -251,7 +254,7 @@ fn unsupported(e: impl std::fmt::Display) -> Error {
 /// order, built on as many threads.
 fn part_computers(
     env: &TokEnv,
-    tokenizer: &tokenizers::Tokenizer,
+    tokenizer: &Arc<tokenizers::Tokenizer>,
     parts: usize,
 ) -> Result<Vec<Arc<dyn BiasComputer>>> {
     let trie = env.tok_trie();
