@@ -631,6 +631,14 @@ def goals_section(s, settings):
         out.append(f"- A structured-output row (JSON Schema) >= 0.9x unconstrained greedy decode at batch 1: "
                    f"{fmt(m.med('decode, batch 1', 'rust-structured'))} vs {fmt(rust)} tok/s, {fmt_ratio(rs)}: "
                    f"{'met' if rs >= 0.9 else '**not met**'}.")
+    for peer in ("rust", "rust-sampled", "rust-sampled-device"):
+        for b in batch_sizes(m, "scheduler, batch"):
+            sched, static = m.med(f"scheduler, batch {b}", peer), m.med(f"batch {b}", peer)
+            rs = ratio(sched, static)
+            if rs is not None:
+                out.append(f"- {b} requests through the scheduler ({PEER_NAMES[peer]}) >= 0.95x the static batch of "
+                           f"the same rows: {fmt(sched)} vs {fmt(static)} tok/s, {fmt_ratio(rs)}: "
+                           f"{'met' if rs >= 0.95 else '**not met**'}.")
     for metric in ("decode, batch 1", "prefill"):
         cb = ratio(m.med(metric, "rust"), m.med(metric, "rust-baseline"))
         if cb is not None:
