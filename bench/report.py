@@ -225,14 +225,19 @@ def batch_sizes(metrics, prefix="batch"):
     return sorted(sizes)
 
 
-def scheduler_lines(metrics, peers):
-    """Each peer's scheduler against its own static batch of the same size."""
-    rows = []
+def scheduler_pairs(metrics, peers):
+    """(peer, rows, scheduler, static batch) medians, where a peer has both."""
     for p in peers:
         for b in batch_sizes(metrics, "scheduler, batch"):
             sched, static = metrics.med(f"scheduler, batch {b}", p), metrics.med(f"batch {b}", p)
             if sched and static:
-                rows.append([PEER_NAMES.get(p, p), b, fmt(sched), fmt(static), fmt_ratio(ratio(sched, static))])
+                yield p, b, sched, static
+
+
+def scheduler_lines(metrics, peers):
+    """Each peer's scheduler against its own static batch of the same size."""
+    rows = [[PEER_NAMES.get(p, p), b, fmt(sched), fmt(static), fmt_ratio(ratio(sched, static))]
+            for p, b, sched, static in scheduler_pairs(metrics, peers)]
     if not rows:
         return []
     return ["The scheduler (continuous batching) against the static batch of the same rows "
@@ -631,14 +636,12 @@ def goals_section(s, settings):
         out.append(f"- A structured-output row (JSON Schema) >= 0.9x unconstrained greedy decode at batch 1: "
                    f"{fmt(m.med('decode, batch 1', 'rust-structured'))} vs {fmt(rust)} tok/s, {fmt_ratio(rs)}: "
                    f"{'met' if rs >= 0.9 else '**not met**'}.")
-    for peer in ("rust", "rust-sampled", "rust-sampled-device"):
-        for b in batch_sizes(m, "scheduler, batch"):
-            sched, static = m.med(f"scheduler, batch {b}", peer), m.med(f"batch {b}", peer)
-            rs = ratio(sched, static)
-            if rs is not None:
-                out.append(f"- {b} requests through the scheduler ({PEER_NAMES[peer]}) >= 0.95x the static batch of "
-                           f"the same rows: {fmt(sched)} vs {fmt(static)} tok/s, {fmt_ratio(rs)}: "
-                           f"{'met' if rs >= 0.95 else '**not met**'}.")
+    for peer, b, sched, static in scheduler_pairs(m, ("rust", "rust-sampled", "rust-sampled-device")):
+        rs = ratio(sched, static)
+        if rs is not None:
+            out.append(f"- {b} requests through the scheduler ({PEER_NAMES[peer]}) >= 0.95x the static batch of "
+                       f"the same rows: {fmt(sched)} vs {fmt(static)} tok/s, {fmt_ratio(rs)}: "
+                       f"{'met' if rs >= 0.95 else '**not met**'}.")
     for metric in ("decode, batch 1", "prefill"):
         cb = ratio(m.med(metric, "rust"), m.med(metric, "rust-baseline"))
         if cb is not None:

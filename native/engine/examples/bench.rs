@@ -636,9 +636,9 @@ impl Bench {
         }
         let first = Instant::now();
         let at_first = generated;
+        let budget = (self.args.scheduler_budget_ms > 0)
+            .then(|| Duration::from_millis(self.args.scheduler_budget_ms));
         while !scheduler.is_idle() {
-            let budget = (self.args.scheduler_budget_ms > 0)
-                .then(|| Duration::from_millis(self.args.scheduler_budget_ms));
             let events = scheduler.step_within(64, budget)?;
             take(events, &mut generated);
         }

@@ -134,16 +134,15 @@ pub struct ConstraintFactory {
 /// One part's share of a mask to compute: the part, the tokens it has yet
 /// to take, and where to send it back with its share.
 struct PartJob {
-    index: usize,
     part: TokenParser,
     pending: Arc<Vec<u32>>,
-    reply: mpsc::Sender<(usize, TokenParser, PartMask)>,
+    reply: mpsc::Sender<(TokenParser, PartMask)>,
 }
 
 /// Threads taking [`PartJob`]s from one queue; they end when the factory
 /// (the queue's sender) goes.
 struct PartWorkers {
-    jobs: Mutex<mpsc::Sender<PartJob>>,
+    jobs: mpsc::Sender<PartJob>,
 }
 
 impl PartWorkers {
@@ -162,18 +161,16 @@ impl PartWorkers {
                     let Ok(mut job) = job else { return };
                     let mask = part_mask(&mut job.part, &job.pending[..]);
                     // A row that stopped waiting drops its receiver.
-                    let _ = job.reply.send((job.index, job.part, mask));
+                    let _ = job.reply.send((job.part, mask));
                 })
                 .map_err(|e| Error::Unsupported(format!("starting mask threads: {e}")))?;
         }
-        Ok(PartWorkers {
-            jobs: Mutex::new(jobs),
-        })
+        Ok(PartWorkers { jobs })
     }
 
     /// Queues `job`; false if the threads are gone.
     fn send(&self, job: PartJob) -> bool {
-        self.jobs.lock().is_ok_and(|jobs| jobs.send(job).is_ok())
+        self.jobs.send(job).is_ok()
     }
 }
 
@@ -251,7 +248,7 @@ fn unsupported(e: impl std::fmt::Display) -> Error {
 }
 
 /// Bias computers over `parts` disjoint runs of the trie's tokens in byte
-/// order, built on as many threads.
+/// order, built on several threads.
 fn part_computers(
     env: &TokEnv,
     tokenizer: &Arc<tokenizers::Tokenizer>,
@@ -263,34 +260,28 @@ fn part_computers(
         .collect();
     ids.sort_unstable_by(|&a, &b| trie.token(a).cmp(trie.token(b)));
     let slices = SlicedBiasComputer::general_slices();
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = ids
-            .chunks(ids.len().div_ceil(parts).max(1))
-            .map(|run| {
-                let slices = &slices;
-                scope.spawn(move || {
-                    let mut set = trie.alloc_token_set();
-                    for &id in run {
-                        set.allow_token(id);
-                    }
-                    let part: TokEnv = Arc::new(TrieEnv {
-                        trie: trie.filter(&set),
-                        tokenizer: tokenizer.clone(),
-                    });
-                    let computer: Arc<dyn BiasComputer> =
-                        Arc::new(SlicedBiasComputer::new(&part, slices).map_err(unsupported)?);
-                    Ok(computer)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-            })
-            .collect()
-    })
+    let mut jobs: Vec<_> = ids
+        .chunks(ids.len().div_ceil(parts).max(1))
+        .map(|run| (run, None::<Arc<dyn BiasComputer>>))
+        .collect();
+    crate::runtime::each_on_threads(&mut jobs, |(run, computer)| {
+        let mut set = trie.alloc_token_set();
+        for &id in run.iter() {
+            set.allow_token(id);
+        }
+        let part: TokEnv = Arc::new(TrieEnv {
+            trie: trie.filter(&set),
+            tokenizer: tokenizer.clone(),
+        });
+        *computer = Some(Arc::new(
+            SlicedBiasComputer::new(&part, &slices).map_err(unsupported)?,
+        ));
+        Ok(())
+    })?;
+    Ok(jobs
+        .into_iter()
+        .filter_map(|(_, computer)| computer)
+        .collect())
 }
 
 /// One row's constraint: the parser state after the tokens it has taken.
@@ -471,12 +462,12 @@ impl RowConstraint {
         }
         let pending = Arc::new(std::mem::take(&mut self.pending));
         let mut parts = std::mem::take(&mut self.parts);
+        // Each part carries its own bias computer: their order is free.
         let others = parts.split_off(1);
+        let sent = others.len();
         let (reply, replies) = mpsc::channel();
-        let mut queued = 0;
-        for (i, part) in others.into_iter().enumerate() {
+        for part in others {
             let job = PartJob {
-                index: i + 1,
                 part,
                 pending: pending.clone(),
                 reply: reply.clone(),
@@ -484,21 +475,15 @@ impl RowConstraint {
             if !workers.send(job) {
                 return None;
             }
-            queued += 1;
         }
         drop(reply);
-        let first = part_mask(&mut parts[0], &pending);
-        let mut masks = vec![first];
-        let mut back: Vec<Option<(TokenParser, PartMask)>> = (0..queued).map(|_| None).collect();
-        for _ in 0..queued {
+        let mut masks = vec![part_mask(&mut parts[0], &pending)];
+        for _ in 0..sent {
             // A thread that panicked outside the part's own guard drops its
             // job's sender: its part is lost, and the row goes on without.
-            let Ok((index, part, mask)) = replies.recv() else {
+            let Ok((part, mask)) = replies.recv() else {
                 return None;
             };
-            back[index - 1] = Some((part, mask));
-        }
-        for (part, mask) in back.into_iter().flatten() {
             parts.push(part);
             masks.push(mask);
         }

@@ -242,7 +242,7 @@ impl Constraints {
             }
         }
         // Rows' grammars are independent: several are computed at once.
-        crate::exec::each_on_threads(&mut grammar_rows, |(out, c)| {
+        crate::runtime::each_on_threads(&mut grammar_rows, |(out, c)| {
             crate::exec::write_row_mask(c, eos, ignore_eos, vocab, out)
         })?;
         // Bits past the vocabulary stay set: the kernels read none of them.

@@ -44,7 +44,7 @@ pub(super) fn write_masks(
         .filter(|(_, r)| r.constraint.is_some())
         .collect();
     // Rows' grammars are independent: several are computed at once.
-    crate::exec::each_on_threads(&mut jobs, |(out, r)| write_row(out, vocab, r))?;
+    crate::runtime::each_on_threads(&mut jobs, |(out, r)| write_row(out, vocab, r))?;
     Ok(true)
 }
 
