@@ -153,7 +153,6 @@ defmodule EMLXAxon.Native do
   def scheduler_new(_model, _tokenizer, _opts), do: err()
   def scheduler_admit(_scheduler, _prompt, _opts), do: err()
   def scheduler_cancel(_scheduler, _ids), do: err()
-  def scheduler_step(_scheduler, _max_steps, _budget_us), do: err()
   def scheduler_occupancy(_scheduler), do: err()
   def scheduler_clear_prefix_cache(_scheduler), do: err()
   def scheduler_free(_scheduler), do: err()

@@ -25,11 +25,13 @@ defmodule EMLXAxon.Scheduler do
   only once the previous step's tokens are read back (only the forward pass
   is queued ahead).
 
-  The process drives the batch with short dirty NIF calls (one prompt chunk
-  and up to `:steps_per_call` decode steps within `:step_budget_ms` each),
-  so no dirty scheduler is held for
-  a whole generation, and requests, cancellations and exits are handled
-  between calls.
+  The batch is stepped on a native thread of the scheduler's own, which
+  queues each decode step before the previous one is read back and sends
+  every step's tokens to the process as soon as they are read: no dirty
+  scheduler is held, and the device does not wait between steps. A new
+  request or a cancellation interrupts the steps within one step; while a
+  prompt is prefilled, its chunks alternate with up to `:steps_per_call`
+  decode steps within `:step_budget_ms`.
 
   ## Messages
 
@@ -57,7 +59,7 @@ defmodule EMLXAxon.Scheduler do
 
   ## Telemetry
 
-  `[:emlx_axon, :scheduler, :step]` after every step and
+  `[:emlx_axon, :scheduler, :step]` after every step that produced tokens and
   `[:emlx_axon, :scheduler, :request]` when a request ends: see
   `EMLXAxon.Telemetry`.
 
@@ -100,16 +102,22 @@ defmodule EMLXAxon.Scheduler do
           "GPU, whose prefill pass costs about the same for 128 tokens as for 512, and 128 on " <>
           "the CPU, where it costs in proportion and running rows would wait"
     ],
-    steps_per_call: [type: :pos_integer, default: 64, doc: "most decode steps per NIF call"],
+    steps_per_call: [
+      type: :pos_integer,
+      default: 64,
+      doc:
+        "while a prompt is being prefilled, most decode steps between two of its chunks " <>
+          "(otherwise the batch decodes without a limit until a request arrives, is " <>
+          "cancelled or can take a freed slot)"
+    ],
     step_budget_ms: [
       type: :non_neg_integer,
       default: 20,
       doc:
-        "no further decode step starts in a NIF call once this many milliseconds have " <>
-          "passed (at least one runs; `0`: always `:steps_per_call` steps). A call then takes " <>
-          "about the same time whatever a step costs: many short GPU steps share one call's " <>
-          "fixed cost, while long CPU steps still leave room every few milliseconds for new " <>
-          "requests, cancellations and streaming"
+        "while a prompt is being prefilled, no further decode step starts once this many " <>
+          "milliseconds have passed since its last chunk (at least one runs; `0`: " <>
+          "`:steps_per_call` alone), so that its first token does not wait behind many " <>
+          "short GPU steps, nor the batch behind many long CPU chunks"
     ],
     max_queue:
       Options.max_queue(

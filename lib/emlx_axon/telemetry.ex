@@ -29,9 +29,10 @@ defmodule EMLXAxon.Telemetry do
       row. A generation that fails with an `EMLXAxon.Error` ends with
       `:stop` and `:error` in its metadata.
     * `:scheduler, :step` - after every step of an `EMLXAxon.Scheduler`
-      (one NIF call: a prompt chunk and up to `:steps_per_call` decode
-      steps): its `:duration`, the rows `:running` and `:waiting`, the
-      scheduler's `:slots` and the `:tokens` the step produced.
+      that produced tokens (a decode step, or a prompt chunk that gave a
+      first token): its `:duration` (since the previous one, while
+      requests ran), the rows `:running` and `:waiting`, the scheduler's
+      `:slots` and the `:tokens` the step produced.
     * `:scheduler, :request` - when a scheduler's request ends (not when it
       is cancelled): its stats, as in its `:done` message (empty when it
       timed out).

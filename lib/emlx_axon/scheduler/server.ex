@@ -1,8 +1,8 @@
 defmodule EMLXAxon.Scheduler.Server do
   @moduledoc false
   # The process behind EMLXAxon.Scheduler (see there): it owns the native
-  # scheduler, admits requests, drives the batch with short NIF calls and
-  # sends each request's tokens to its caller.
+  # scheduler, whose own thread steps the batch and sends this process each
+  # step's tokens; it admits requests and passes the tokens to their callers.
 
   use GenServer
 
@@ -24,7 +24,9 @@ defmodule EMLXAxon.Scheduler.Server do
       prefill_chunk: prefill_chunk(opts.prefill_chunk),
       prefix_cache_bytes: opts.prefix_cache_bytes,
       prefix_min_tokens: opts.prefix_min_tokens,
-      kv_dtype: EMLXAxon.Options.native_kv_dtype(opts.kv_dtype)
+      kv_dtype: EMLXAxon.Options.native_kv_dtype(opts.kv_dtype),
+      steps_per_call: opts.steps_per_call,
+      step_budget_us: opts.step_budget_ms * 1000
     }
 
     case Error.wrap(Native.scheduler_new(opts.model.ref, tokenizer_ref, native_opts)) do
@@ -38,12 +40,9 @@ defmodule EMLXAxon.Scheduler.Server do
            tokenizer: opts.tokenizer,
            slots: opts.slots,
            max_queue: opts.max_queue,
-           steps: opts.steps_per_call,
-           budget_us: opts.step_budget_ms * 1000,
            # native id -> request; ref -> native id
            requests: %{},
-           ids: %{},
-           stepping: false
+           ids: %{}
          }}
 
       {:error, error} ->
@@ -58,12 +57,12 @@ defmodule EMLXAxon.Scheduler.Server do
          {:ok, ids} <- prompt_ids(prompt, state.tokenizer),
          {:ok, id} <- admit(state.resource, ids, native_opts) do
       ref = make_ref()
+      if timeout != :infinity, do: Process.send_after(self(), {:expire, ref}, timeout)
 
       request = %{
         ref: ref,
         pid: pid,
         monitor: Process.monitor(pid),
-        deadline: deadline(timeout),
         prompt_tokens: length(ids)
       }
 
@@ -73,7 +72,7 @@ defmodule EMLXAxon.Scheduler.Server do
           ids: Map.put(state.ids, ref, id)
       }
 
-      {:reply, {:ok, ref}, schedule_step(state)}
+      {:reply, {:ok, ref}, state}
     else
       {:error, _} = error -> {:reply, error, state}
       {:raise, _} = raise -> {:reply, raise, state}
@@ -104,31 +103,38 @@ defmodule EMLXAxon.Scheduler.Server do
   end
 
   @impl true
-  def handle_info(:step, state) do
-    state = %{state | stepping: false}
-    state = expire(state)
+  def handle_info({:emlx_axon_scheduler, output}, state) do
+    case Error.wrap(output) do
+      {:ok, {events, occupancy, elapsed_us}} ->
+        state = Enum.reduce(events, state, &deliver/2)
+        emit_step(elapsed_us, events, occupancy)
+        {:noreply, state}
 
-    if map_size(state.requests) == 0 do
-      {:noreply, state}
-    else
-      started = System.monotonic_time()
+      {:error, error} ->
+        # The engine dropped every request the failed step held.
+        for {_id, request} <- state.requests do
+          send(request.pid, {@tag, request.ref, {:error, error}})
+          Process.demonitor(request.monitor, [:flush])
+        end
 
-      case Error.wrap(Native.scheduler_step(state.resource, state.steps, state.budget_us)) do
-        {:ok, {events, occupancy}} ->
-          state = Enum.reduce(events, state, &deliver/2)
-          emit_step(started, events, occupancy)
-          {:noreply, schedule_step(state)}
+        {:noreply, %{state | requests: %{}, ids: %{}}}
+    end
+  end
 
-        {:error, error} ->
-          # A failed step leaves the batch in an unknown state: every
-          # request ends with the error.
-          for {id, request} <- state.requests do
-            send(request.pid, {@tag, request.ref, {:error, error}})
-            Native.scheduler_cancel(state.resource, [id])
-          end
+  def handle_info({:expire, ref}, state) do
+    case Map.fetch(state.ids, ref) do
+      {:ok, id} ->
+        request = state.requests[id]
 
-          {:noreply, %{state | requests: %{}, ids: %{}}}
-      end
+        send(
+          request.pid,
+          {@tag, request.ref, {:done, :timeout, %{prompt_tokens: request.prompt_tokens}}}
+        )
+
+        {:noreply, drop(state, id)}
+
+      :error ->
+        {:noreply, state}
     end
   end
 
@@ -183,22 +189,6 @@ defmodule EMLXAxon.Scheduler.Server do
 
   defp prompt_ids(ids, _tokenizer), do: {:ok, ids}
 
-  defp deadline(:infinity), do: nil
-
-  defp deadline(ms),
-    do: System.monotonic_time() + System.convert_time_unit(ms, :millisecond, :native)
-
-  defp schedule_step(%{stepping: true} = state), do: state
-
-  defp schedule_step(state) do
-    if map_size(state.requests) > 0 do
-      send(self(), :step)
-      %{state | stepping: true}
-    else
-      state
-    end
-  end
-
   defp deliver(event, state) do
     case Map.fetch(state.requests, event.id) do
       {:ok, request} ->
@@ -220,24 +210,6 @@ defmodule EMLXAxon.Scheduler.Server do
       :error ->
         state
     end
-  end
-
-  defp expire(state) do
-    now = System.monotonic_time()
-
-    expired =
-      for {id, %{deadline: deadline}} <- state.requests, deadline != nil, now >= deadline, do: id
-
-    Enum.reduce(expired, state, fn id, state ->
-      request = state.requests[id]
-
-      send(
-        request.pid,
-        {@tag, request.ref, {:done, :timeout, %{prompt_tokens: request.prompt_tokens}}}
-      )
-
-      drop(state, id)
-    end)
   end
 
   defp drop(state, nil), do: state
@@ -266,8 +238,8 @@ defmodule EMLXAxon.Scheduler.Server do
 
   ## Telemetry (see EMLXAxon.Telemetry)
 
-  defp emit_step(started, events, occupancy) do
-    duration = System.monotonic_time() - started
+  defp emit_step(elapsed_us, events, occupancy) do
+    duration = System.convert_time_unit(elapsed_us, :microsecond, :native)
 
     Telemetry.execute([:emlx_axon, :scheduler, :step], fn ->
       {%{

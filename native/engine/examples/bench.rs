@@ -27,8 +27,9 @@
 //!   batch    for each --batch size: rows x (batch tokens - 1) / decode time
 //!   scheduler  the batch measure's rows admitted together into a scheduler
 //!            of as many slots (continuous batching, the default serving's
-//!            path, called as the serving calls it): tokens after each
-//!            request's first / time from the last prompt's end to the end
+//!            path, on its driver's thread as the serving runs it): tokens
+//!            after the output holding the last first token / time from
+//!            that output to the last
 //!   profile  a hand-run decode loop timing graph construction, evaluation
 //!            and sampling separately, the same loop queued as Generation
 //!            runs it (construction, queuing, waiting), and each
@@ -44,6 +45,7 @@ use std::time::{Duration, Instant};
 
 use emlx_axon_engine::backend::cuda::layer as cuda_layer;
 use emlx_axon_engine::backend::Work;
+use emlx_axon_engine::exec::scheduler::{Driver, Output, Pacing};
 use emlx_axon_engine::kv::cache::{KvCache, KvQuant};
 use emlx_axon_engine::model::AttentionMask;
 use emlx_axon_engine::runtime::device::{gpu_available, mlx_version, DeviceKind, Lease};
@@ -595,13 +597,14 @@ impl Bench {
         Ok(())
     }
 
-    /// The batch measure's rows through a scheduler of `batch` slots, each
-    /// call as the Elixir scheduler makes it (up to 64 decode steps, none
-    /// started after `--scheduler-budget-ms`, default 20 as the Elixir
-    /// scheduler's; 0: no budget). Every prompt is prefilled first, so the time is
-    /// decode alone, as the batch measure's. Returns the tokens after each
-    /// request's first, the prefill and decode times, and the first finished
-    /// request's paths.
+    /// The batch measure's rows through a scheduler of `batch` slots on
+    /// its driver's thread, as the Elixir scheduler runs it (up to 64
+    /// decode steps and `--scheduler-budget-ms`, default 20, between the
+    /// chunks of a prompt being prefilled; 0: no budget). The requests are
+    /// admitted together, and the decode time runs from the output that
+    /// holds the last request's first token, so the time is decode alone, as
+    /// the batch measure's. Returns the tokens after that output, the
+    /// prefill and decode times, and the first finished request's paths.
     fn schedule(&self, batch: usize, n: usize) -> AnyResult<(usize, f64, f64, Paths)> {
         let prompts = self.batch_prompts(batch);
         let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
@@ -615,37 +618,50 @@ impl Bench {
             kv_dtype: self.args.kv_dtype,
             ..SchedulerConfig::default()
         };
-        let mut scheduler = Scheduler::new(self.model.clone(), self.tokenizer.clone(), config)?;
+        let scheduler = Scheduler::new(self.model.clone(), self.tokenizer.clone(), config)?;
+        let pacing = Pacing {
+            max_steps: 64,
+            budget: (self.args.scheduler_budget_ms > 0)
+                .then(|| Duration::from_millis(self.args.scheduler_budget_ms)),
+        };
+        let (tx, outputs) = std::sync::mpsc::channel();
+        let driver = Driver::spawn(scheduler, pacing, move |o| {
+            tx.send((Instant::now(), o)).is_ok()
+        })?;
+        let started = Instant::now();
         for (i, prompt) in prompts.iter().enumerate() {
             let mut options = self.options(1, longest, n);
             let constraint = options.rows.pop().and_then(|row| row.constraint);
             options.sampler.seed = options.sampler.seed.map(|s| s + i as u64);
-            scheduler.admit_constrained(prompt.clone(), options, constraint)?;
+            driver.admit(prompt.clone(), options, constraint)?;
         }
         let mut generated = 0;
+        let mut started_rows = std::collections::HashSet::new();
+        let mut first: Option<(Instant, usize)> = None;
         let mut finished: Vec<Paths> = vec![];
-        let mut take = |events: Vec<emlx_axon_engine::Event>, generated: &mut usize| {
+        let mut end = started;
+        while finished.len() < batch {
+            let (at, output) = outputs.recv_timeout(Duration::from_secs(600))?;
+            let events = match output {
+                Output::Events { events, .. } => events,
+                Output::Failed(e) => return Err(e.into()),
+            };
             for e in events {
-                *generated += e.delta.ids.len();
+                generated += e.delta.ids.len();
+                started_rows.insert(e.id);
                 finished.extend(e.stats.map(|s| s.paths));
             }
-        };
-        let started = Instant::now();
-        while scheduler.occupancy().waiting > 0 {
-            take(scheduler.step(0)?, &mut generated);
+            if first.is_none() && started_rows.len() == batch {
+                first = Some((at, generated));
+            }
+            end = at;
         }
-        let first = Instant::now();
-        let at_first = generated;
-        let budget = (self.args.scheduler_budget_ms > 0)
-            .then(|| Duration::from_millis(self.args.scheduler_budget_ms));
-        while !scheduler.is_idle() {
-            let events = scheduler.step_within(64, budget)?;
-            take(events, &mut generated);
-        }
-        let decode_ms = first.elapsed().as_secs_f64() * 1e3;
+        driver.stop();
+        let (first, at_first) = first.ok_or("no request produced a token")?;
         if generated != batch * n {
             return Err(format!("expected {} tokens, got {generated}", batch * n).into());
         }
+        let decode_ms = (end - first).as_secs_f64() * 1e3;
         let prefill_ms = (first - started).as_secs_f64() * 1e3;
         let paths = finished.into_iter().next().unwrap_or_default();
         Ok((generated - at_first, prefill_ms, decode_ms, paths))

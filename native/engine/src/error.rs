@@ -45,6 +45,12 @@ pub enum Error {
     /// The grammar engine failed while constraining a row's output.
     #[error("constraint: {0}")]
     Constraint(String),
+    /// A panic caught on an engine thread (a bug: nothing should panic).
+    #[error("panic: {0}")]
+    Panic(String),
+    /// The object the call needs was freed or its thread stopped.
+    #[error("{0}")]
+    Released(String),
     #[error("prompt has {len} tokens but max_len is {max_len}: it must leave room for at least one generated token")]
     PromptTooLong { len: usize, max_len: usize },
 }
@@ -71,7 +77,19 @@ impl Error {
             Error::OutOfMemory(_) => "out_of_memory",
             Error::Constraint(_) => "constraint",
             Error::InvalidConstraint(_) => "invalid_constraint",
+            Error::Panic(_) => "panic",
+            Error::Released(_) => "released",
         }
+    }
+
+    /// An error for a caught panic, with the panic's message.
+    pub(crate) fn from_panic(panic: &(dyn std::any::Any + Send)) -> Self {
+        let message = panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "unknown panic".into());
+        Error::Panic(message)
     }
 
     pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {

@@ -6,7 +6,7 @@ mod common;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use common::*;
-use emlx_axon_engine::exec::scheduler::Occupancy;
+use emlx_axon_engine::exec::scheduler::{Driver, Occupancy, Output, Pacing};
 use emlx_axon_engine::{
     generate, FinishReason, GenerateOptions, Model, RequestId, SamplerConfig, SamplerKind,
     Scheduler, SchedulerConfig,
@@ -678,4 +678,151 @@ fn equal_length_rows_step_without_a_mask_and_equal_their_solo_runs() {
     for (id, (prompt, o)) in ids.iter().zip(&requests) {
         assert_eq!(c.ids[id], solo(&model, prompt, o.clone()), "request {id}");
     }
+}
+
+/// What a driver's sink received, by request, after what `c` holds.
+fn driven_outputs(
+    outputs: &std::sync::mpsc::Receiver<Output>,
+    ids: &[RequestId],
+    mut c: Collected,
+) -> (Collected, std::collections::HashMap<RequestId, usize>) {
+    let mut deliveries = std::collections::HashMap::new();
+    while !ids.iter().all(|id| c.finish.contains_key(id)) {
+        let output = outputs
+            .recv_timeout(std::time::Duration::from_secs(60))
+            .expect("the driver went silent with requests running");
+        let Output::Events { events, .. } = output else {
+            panic!("a driven step failed")
+        };
+        for e in events {
+            *deliveries.entry(e.id).or_insert(0) += 1;
+            c.ids.entry(e.id).or_default().extend(&e.delta.ids);
+            if let Some(f) = e.delta.finish {
+                assert!(c.finish.insert(e.id, f).is_none(), "finished twice");
+                assert_eq!(e.stats.expect("stats").generated_tokens, c.ids[&e.id].len());
+            }
+        }
+    }
+    (c, deliveries)
+}
+
+fn pacing() -> Pacing {
+    Pacing {
+        max_steps: 4,
+        budget: Some(std::time::Duration::from_millis(20)),
+    }
+}
+
+#[test]
+fn a_driven_scheduler_streams_every_step_and_equals_solo_runs() {
+    let _g = serial();
+    let model = model();
+    let p = prompts();
+    let s = Scheduler::new(model.clone(), None, config(2, 4, 0)).unwrap();
+    let (tx, outputs) = std::sync::mpsc::channel();
+    let driver = Driver::spawn(s, pacing(), move |o| tx.send(o).is_ok()).unwrap();
+    let seeded = GenerateOptions {
+        sampler: SamplerConfig {
+            kind: SamplerKind::TopPGpu,
+            temperature: 0.8,
+            top_p: 0.9,
+            top_k: 20,
+            seed: Some(5),
+            ..SamplerConfig::default()
+        },
+        ..greedy(12)
+    };
+    let a = driver.admit(p[0].clone(), greedy(20), None).unwrap();
+    // Wait until the first row decodes, then add two more: one waits for
+    // a slot and takes the first one freed.
+    let Output::Events { events, .. } = outputs.recv().unwrap() else {
+        panic!("a driven step failed")
+    };
+    assert_eq!(events[0].id, a);
+    let b = driver.admit(p[1].clone(), seeded.clone(), None).unwrap();
+    let cc = driver.admit(p[2].clone(), greedy(9), None).unwrap();
+    let mut first = Collected::default();
+    first.ids.insert(a, events[0].delta.ids.clone());
+    let (c, deliveries) = driven_outputs(&outputs, &[a, b, cc], first);
+    assert_eq!(c.ids[&a], solo(&model, &p[0], greedy(20)));
+    assert_eq!(c.ids[&b], solo(&model, &p[1], seeded));
+    assert_eq!(c.ids[&cc], solo(&model, &p[2], greedy(9)));
+    // Tokens reach the sink a step at a time, not a call's worth at once
+    // (a prompt's first token and the step after it may come together).
+    assert!(
+        deliveries[&cc] >= 8,
+        "9 tokens in {} outputs",
+        deliveries[&cc]
+    );
+    assert_eq!(driver.occupancy().running, 0);
+    driver.stop();
+}
+
+#[test]
+fn a_driven_row_is_cancelled_within_a_step_and_stopping_frees_the_cache() {
+    let _g = serial();
+    let model = model();
+    let p = prompts();
+    let baseline = settled_active_memory();
+    let s = Scheduler::new(model.clone(), None, config(2, 4, 0)).unwrap();
+    let (tx, outputs) = std::sync::mpsc::channel();
+    let driver = Driver::spawn(s, pacing(), move |o| tx.send(o).is_ok()).unwrap();
+    let long = driver.admit(p[0].clone(), greedy(200), None).unwrap();
+    let mut seen = 0;
+    while seen < 5 {
+        if let Output::Events { events, .. } = outputs.recv().unwrap() {
+            seen += events.iter().filter(|e| e.id == long).count();
+        }
+    }
+    driver.cancel(vec![long]).unwrap();
+    // The step in flight and the one queued behind it may still report.
+    let mut after = 0;
+    while let Ok(Output::Events { events, .. }) =
+        outputs.recv_timeout(std::time::Duration::from_millis(500))
+    {
+        assert!(events.iter().all(|e| e.delta.finish.is_none()));
+        after += events.len();
+    }
+    assert!(after <= 2, "{after} outputs after the cancellation");
+    assert_eq!(driver.occupancy().running, 0);
+    // The next request takes the freed slot.
+    let short = driver.admit(p[1].clone(), greedy(6), None).unwrap();
+    let (c, _) = driven_outputs(&outputs, &[short], Collected::default());
+    assert_eq!(c.ids[&short], solo(&model, &p[1], greedy(6)));
+    driver.stop();
+    let end = settled_active_memory();
+    let c = &model.config;
+    let key_row = (c.num_kv_heads * c.head_dim) as usize * std::mem::size_of::<f32>();
+    assert!(
+        end < baseline + key_row,
+        "MLX active memory grew from {baseline} to {end} bytes"
+    );
+}
+
+#[test]
+fn a_driver_whose_sink_is_gone_stops_and_refuses_requests() {
+    let _g = serial();
+    let model = model();
+    let p = prompts();
+    let s = Scheduler::new(model.clone(), None, config(2, 4, 0)).unwrap();
+    let (tx, outputs) = std::sync::mpsc::channel();
+    let driver = Driver::spawn(s, pacing(), move |o| tx.send(o).is_ok()).unwrap();
+    drop(outputs);
+    driver.admit(p[0].clone(), greedy(50), None).unwrap();
+    // The first output finds the sink closed and the thread ends.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let refused = loop {
+        match driver.admit(p[1].clone(), greedy(4), None) {
+            Err(e) => break e,
+            Ok(_) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(10))
+            }
+            Ok(_) => panic!("the driver kept running without a sink"),
+        }
+    };
+    assert_eq!(refused.kind(), "released");
+    // A bad request is the caller's error at once, checked on its thread.
+    let e = driver.admit(vec![], greedy(4), None).unwrap_err();
+    assert_eq!(e.kind(), "invalid_argument");
+    driver.stop();
 }

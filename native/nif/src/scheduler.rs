@@ -1,33 +1,36 @@
-//! Continuous batching: a scheduler resource holding the running batch; each
-//! `scheduler_step` is a short dirty call (one prompt chunk and a few decode
-//! steps) returning what every request produced.
+//! Continuous batching: a scheduler resource holding the engine's driver,
+//! whose thread steps the running batch and sends what every request
+//! produced to the process that started it, as
+//! `{:emlx_axon_scheduler, {:ok, {events, occupancy, elapsed_us}}}` or
+//! `{:emlx_axon_scheduler, {:error, {kind, message}}}`.
 
 use emlx_axon_engine::backend::Work;
+use emlx_axon_engine::exec::scheduler::{Driver, Output, Pacing};
 use emlx_axon_engine::runtime::device::on_large_stack;
 use emlx_axon_engine::{FinishReason, GenerateOptions, RequestStats, Scheduler, SchedulerConfig};
-use rustler::{Atom, NifMap, ResourceArc};
+use rustler::{Atom, Encoder, Env, NifMap, OwnedEnv, ResourceArc, Term};
 
 use crate::constraint::constraint_spec;
-use crate::error::{guard, NifResult};
+use crate::error::{guard, NifError, NifResult};
 use crate::generation::sampler_config;
 use crate::model::ModelResource;
 use crate::slot::Slot;
 use crate::tokenizer::TokenizerResource;
 
 mod atoms {
-    rustler::atoms! { ok, eos, stop, length, max_len, cancelled }
+    rustler::atoms! { ok, error, eos, stop, length, max_len, cancelled, emlx_axon_scheduler }
 }
 
 pub struct SchedulerResource {
-    scheduler: Slot<Scheduler>,
+    driver: Slot<Driver>,
 }
 
 #[rustler::resource_impl]
 impl rustler::Resource for SchedulerResource {}
 
 impl SchedulerResource {
-    fn with<T>(&self, f: impl FnOnce(&mut Scheduler) -> NifResult<T>) -> NifResult<T> {
-        self.scheduler.with(f)
+    fn with<T>(&self, f: impl FnOnce(&mut Driver) -> NifResult<T>) -> NifResult<T> {
+        self.driver.with(f)
     }
 }
 
@@ -40,6 +43,11 @@ pub struct NewOptions {
     prefix_min_tokens: usize,
     /// `nil` (the model's) or the slots' dtype.
     kv_dtype: Option<String>,
+    /// Most decode steps between two chunks of a prompt being prefilled.
+    steps_per_call: usize,
+    /// No decode step starts this long after a chunk while a prompt waits
+    /// (0: `steps_per_call` alone).
+    step_budget_us: u64,
 }
 
 #[derive(NifMap)]
@@ -68,8 +76,10 @@ pub struct RequestOptions {
     kv_dtype: Option<String>,
 }
 
+/// Starts a scheduler whose outputs go to the calling process.
 #[rustler::nif(schedule = "DirtyCpu")]
 fn scheduler_new(
+    env: Env,
     model: ResourceArc<ModelResource>,
     tokenizer: Option<ResourceArc<TokenizerResource>>,
     o: NewOptions,
@@ -90,8 +100,22 @@ fn scheduler_new(
                 config,
             )
         })?;
+        let pacing = Pacing {
+            max_steps: o.steps_per_call.max(1),
+            budget: (o.step_budget_us > 0)
+                .then(|| std::time::Duration::from_micros(o.step_budget_us)),
+        };
+        let owner = env.pid();
+        let mut messages = OwnedEnv::new();
+        // The thread ends once the owner is gone.
+        let sink = move |output: Output| {
+            messages
+                .send_and_clear(&owner, |env| encode_output(env, output))
+                .is_ok()
+        };
+        let driver = Driver::spawn(scheduler, pacing, sink)?;
         Ok(ResourceArc::new(SchedulerResource {
-            scheduler: Slot::new(scheduler, ("released", "the scheduler was freed")),
+            driver: Slot::new(driver, ("released", "the scheduler was freed")),
         }))
     })
 }
@@ -120,18 +144,14 @@ fn scheduler_admit(
             ..GenerateOptions::default()
         };
         // Compiling a grammar evaluates no MLX graph, but can recurse deeply.
-        resource.with(|s| {
-            Ok(on_large_stack(|| {
-                s.admit_constrained(prompt, options, constraint)
-            })?)
-        })
+        resource.with(|d| Ok(on_large_stack(|| d.admit(prompt, options, constraint))?))
     }))
 }
 
-/// Whether the request was still there.
-#[rustler::nif(schedule = "DirtyCpu")]
-fn scheduler_cancel(resource: ResourceArc<SchedulerResource>, ids: Vec<u64>) -> NifResult<usize> {
-    guard(|| resource.with(|s| Ok(ids.into_iter().filter(|&id| s.cancel(id)).count())))
+/// Drops the requests wherever they are, within one decode step.
+#[rustler::nif]
+fn scheduler_cancel(resource: ResourceArc<SchedulerResource>, ids: Vec<u64>) -> NifResult<Atom> {
+    guard(|| resource.with(|d| Ok(d.cancel(ids).map(|()| atoms::ok())?)))
 }
 
 #[derive(NifMap)]
@@ -196,20 +216,14 @@ pub struct OccupancyOut {
     prefix_bytes: usize,
 }
 
-/// One prompt chunk and up to `max_steps` decode steps, starting none past
-/// `budget_us` microseconds (0: no budget); returns the events and the
-/// occupancy after them.
-#[rustler::nif(schedule = "DirtyCpu")]
-fn scheduler_step(
-    resource: ResourceArc<SchedulerResource>,
-    max_steps: usize,
-    budget_us: u64,
-) -> NifResult<(Vec<EventOut>, OccupancyOut)> {
-    let budget = (budget_us > 0).then(|| std::time::Duration::from_micros(budget_us));
-    guard(|| {
-        resource.with(|s| {
-            let events = on_large_stack(|| s.step_within(max_steps, budget))?;
-            let events = events
+fn encode_output(env: Env, output: Output) -> Term {
+    let payload = match output {
+        Output::Events {
+            events,
+            occupancy,
+            elapsed,
+        } => {
+            let events: Vec<EventOut> = events
                 .into_iter()
                 .map(|e| EventOut {
                     id: e.id,
@@ -219,13 +233,15 @@ fn scheduler_step(
                     stats: e.stats.map(StatsOut::from),
                 })
                 .collect();
-            Ok((events, occupancy(s)))
-        })
-    })
+            let elapsed_us = elapsed.as_micros() as u64;
+            (atoms::ok(), (events, occupancy_out(occupancy), elapsed_us)).encode(env)
+        }
+        Output::Failed(error) => (atoms::error(), NifError::from(error)).encode(env),
+    };
+    (atoms::emlx_axon_scheduler(), payload).encode(env)
 }
 
-fn occupancy(s: &Scheduler) -> OccupancyOut {
-    let o = s.occupancy();
+fn occupancy_out(o: emlx_axon_engine::exec::scheduler::Occupancy) -> OccupancyOut {
     OccupancyOut {
         running: o.running,
         slots: o.slots,
@@ -237,20 +253,20 @@ fn occupancy(s: &Scheduler) -> OccupancyOut {
 
 #[rustler::nif(schedule = "DirtyCpu")]
 fn scheduler_occupancy(resource: ResourceArc<SchedulerResource>) -> NifResult<OccupancyOut> {
-    resource.with(|s| Ok(occupancy(s)))
+    resource.with(|d| Ok(occupancy_out(d.occupancy())))
 }
 
 #[rustler::nif(schedule = "DirtyCpu")]
 fn scheduler_clear_prefix_cache(resource: ResourceArc<SchedulerResource>) -> NifResult<Atom> {
-    resource.with(|s| {
-        s.clear_prefix_cache();
-        Ok(atoms::ok())
-    })
+    resource.with(|d| Ok(d.clear_prefix_cache().map(|()| atoms::ok())?))
 }
 
-/// Frees the slots' KV cache now rather than when the resource is collected.
+/// Stops the scheduler's thread and frees the slots' KV cache now rather
+/// than when the resource is collected (waits for the step in flight).
 #[rustler::nif(schedule = "DirtyCpu")]
 fn scheduler_free(resource: ResourceArc<SchedulerResource>) -> Atom {
-    resource.scheduler.free();
+    if let Some(driver) = resource.driver.take() {
+        driver.stop();
+    }
     atoms::ok()
 }

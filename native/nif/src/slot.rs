@@ -40,6 +40,11 @@ impl<T> Slot<T> {
         self.lock().take();
     }
 
+    /// Takes the value out, leaving the slot freed.
+    pub fn take(&self) -> Option<T> {
+        self.lock().take()
+    }
+
     pub fn is_freed(&self) -> bool {
         self.lock().is_none()
     }

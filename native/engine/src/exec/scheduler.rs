@@ -20,12 +20,14 @@
 //! [`FinishReason::Stop`] once the output is complete.
 
 mod constrain;
+mod driver;
 mod prefill;
 mod queue;
 mod step;
 mod together;
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -46,6 +48,9 @@ use crate::runtime::device::{DeviceKind, Lease};
 use crate::sample::Sampler;
 use crate::text::constraint::{ConstraintSpec, RowConstraint};
 use crate::text::tokenizer::Tokenizer;
+
+use driver::Driven;
+pub use driver::{Driver, Output, Pacing};
 
 pub type RequestId = u64;
 
@@ -223,7 +228,7 @@ pub struct Scheduler {
     queue: VecDeque<Request>,
     prefill: Option<Prefill>,
     prefix: PrefixCache,
-    next_id: RequestId,
+    next_id: Arc<AtomicU64>,
     /// Reused host buffer for the constrained rows' masks.
     masks: Vec<u32>,
     /// Calls in a row that returned before any decode step (see `step_into`).
@@ -275,7 +280,7 @@ impl Scheduler {
             cache,
             queue: VecDeque::new(),
             prefill: None,
-            next_id: 1,
+            next_id: Arc::new(AtomicU64::new(1)),
             masks: vec![],
             held: 0,
         })
@@ -302,60 +307,25 @@ impl Scheduler {
     pub fn admit_constrained(
         &mut self,
         prompt: Vec<u32>,
-        mut options: GenerateOptions,
+        options: GenerateOptions,
         constraint: Option<ConstraintSpec>,
     ) -> Result<RequestId> {
-        self.validate(&prompt, &options)?;
-        let constraint = match &constraint {
-            Some(spec) => {
-                let tokenizer = self.tokenizer.as_deref().ok_or_else(|| {
-                    Error::InvalidConstraint("constrained decoding needs a tokenizer".into())
-                })?;
-                Some(RowConstraint::new(&*tokenizer.constraint_factory()?, spec)?)
-            }
-            None => None,
-        };
-        options.max_len = options.max_len.min(self.config.capacity);
-        request::check_length(&prompt, options.max_len)?;
-        let eos = request::eos_ids(&self.model, self.tokenizer.as_deref(), &options);
-        let sampler = Sampler::new(options.sampler.clone(), &[options.sampler.seed])?;
-        let id = self.next_id;
-        self.next_id += 1;
-        self.queue.push_back(Request {
-            id,
-            row: Row::new(prompt.len()),
-            prompt,
-            options,
-            eos,
-            sampler,
-            constraint,
-            constraint_ms: 0.0,
-            admitted: Instant::now(),
-            prefill_started: None,
-            first_token: None,
-            last_token: None,
-            cached_tokens: 0,
-            passed_over: 0,
-            paths: Paths::default(),
-        });
+        let request = self.admission().prepare(prompt, options, constraint)?;
+        let id = request.id;
+        self.queue.push_back(request);
         Ok(id)
     }
 
-    fn validate(&self, prompt: &[u32], o: &GenerateOptions) -> Result<()> {
-        request::check_prompt(&self.model, prompt)?;
-        if o.kv_quant.is_some() || o.max_kv_size.is_some() {
-            return Err(Error::invalid(
-                "kv_bits and max_kv_size are not offered by the scheduler's slots: generate without a scheduler (scheduler: false) for a quantized or rotating KV cache",
-            ));
+    /// What checks and prepares requests for this scheduler apart from it,
+    /// so that a [`Driver`] admits on its callers' threads.
+    fn admission(&self) -> Admission {
+        Admission {
+            model: self.model.clone(),
+            tokenizer: self.tokenizer.clone(),
+            capacity: self.config.capacity,
+            kv_shape: self.kv_shape(),
+            next_id: self.next_id.clone(),
         }
-        let slots = self.kv_shape().dtype;
-        if o.kv_dtype.is_some_and(|d| d != slots) {
-            return Err(Error::invalid(format!(
-                "this scheduler's slots keep {slots:?} keys and values, not the kv_dtype {:?} asked for: start the scheduler with that kv_dtype",
-                o.kv_dtype.unwrap_or(slots)
-            )));
-        }
-        request::check_options(o, self.tokenizer.is_some())
     }
 
     /// Drops a request wherever it is (queued, mid-prefill, decoding) and
@@ -415,26 +385,30 @@ impl Scheduler {
         budget: Option<Duration>,
     ) -> Result<Vec<Event>> {
         let deadline = budget.map(|b| Instant::now() + b);
-        self.step_here(max_decode_steps, deadline)
+        let mut events: Vec<Event> = vec![];
+        self.step_here(max_decode_steps, deadline, None, &mut events)?;
+        Ok(events)
     }
 
     fn step_here(
         &mut self,
         max_decode_steps: usize,
         deadline: Option<Instant>,
-    ) -> Result<Vec<Event>> {
-        let mut events: Vec<Event> = vec![];
-        let result = self.step_into(max_decode_steps, deadline, &mut events);
+        driven: Option<&mut Driven>,
+        events: &mut Vec<Event>,
+    ) -> Result<()> {
+        let result = self.step_into(max_decode_steps, deadline, driven, events);
         // Nothing stays queued between calls: the next may come on another
         // thread, whose default stream cannot schedule this one's arrays.
         transforms::eval(self.cache.arrays())?;
-        result.map(|()| events)
+        result
     }
 
     fn step_into(
         &mut self,
         max_decode_steps: usize,
-        deadline: Option<Instant>,
+        mut deadline: Option<Instant>,
+        driven: Option<&mut Driven>,
         events: &mut Vec<Event>,
     ) -> Result<()> {
         let seated = self.prefill_together(events)?
@@ -461,7 +435,7 @@ impl Scheduler {
                 .flatten()
                 .all(|r| r.position as usize == r.request.prompt.len())
         };
-        let steps = if !seated {
+        let mut steps = if !seated {
             max_decode_steps
         } else if fresh()
             && (self.queue.is_empty() || self.free_slot().is_some())
@@ -474,7 +448,88 @@ impl Scheduler {
             max_decode_steps
         };
         self.held = if steps == 0 { self.held + 1 } else { 0 };
-        self.decode(steps, deadline, events)
+        // A driven scheduler's steps go on until it is interrupted or a
+        // waiting request can be seated; the limits only keep a prompt being
+        // prefilled, chunk by chunk, from waiting behind the batch.
+        if driven.is_some() && !seated && !self.seat_waiting() && self.prefill.is_none() {
+            steps = usize::MAX;
+            deadline = None;
+        }
+        self.decode(steps, deadline, driven, events)
+    }
+
+    /// Whether a queued request could start its prefill now.
+    fn seat_waiting(&self) -> bool {
+        !self.queue.is_empty() && self.prefill.is_none() && self.free_slot().is_some()
+    }
+}
+
+/// Checks a request against a scheduler's model and slots and prepares it
+/// (its sampler, its compiled constraint, its id).
+#[derive(Clone)]
+struct Admission {
+    model: Arc<Model>,
+    tokenizer: Option<Arc<Tokenizer>>,
+    capacity: usize,
+    kv_shape: KvShape,
+    next_id: Arc<AtomicU64>,
+}
+
+impl Admission {
+    fn prepare(
+        &self,
+        prompt: Vec<u32>,
+        mut options: GenerateOptions,
+        constraint: Option<ConstraintSpec>,
+    ) -> Result<Request> {
+        self.validate(&prompt, &options)?;
+        let constraint = match &constraint {
+            Some(spec) => {
+                let tokenizer = self.tokenizer.as_deref().ok_or_else(|| {
+                    Error::InvalidConstraint("constrained decoding needs a tokenizer".into())
+                })?;
+                Some(RowConstraint::new(&*tokenizer.constraint_factory()?, spec)?)
+            }
+            None => None,
+        };
+        options.max_len = options.max_len.min(self.capacity);
+        request::check_length(&prompt, options.max_len)?;
+        let eos = request::eos_ids(&self.model, self.tokenizer.as_deref(), &options);
+        let sampler = Sampler::new(options.sampler.clone(), &[options.sampler.seed])?;
+        Ok(Request {
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            row: Row::new(prompt.len()),
+            prompt,
+            options,
+            eos,
+            sampler,
+            constraint,
+            constraint_ms: 0.0,
+            admitted: Instant::now(),
+            prefill_started: None,
+            first_token: None,
+            last_token: None,
+            cached_tokens: 0,
+            passed_over: 0,
+            paths: Paths::default(),
+        })
+    }
+
+    fn validate(&self, prompt: &[u32], o: &GenerateOptions) -> Result<()> {
+        request::check_prompt(&self.model, prompt)?;
+        if o.kv_quant.is_some() || o.max_kv_size.is_some() {
+            return Err(Error::invalid(
+                "kv_bits and max_kv_size are not offered by the scheduler's slots: generate without a scheduler (scheduler: false) for a quantized or rotating KV cache",
+            ));
+        }
+        let slots = self.kv_shape.dtype;
+        if o.kv_dtype.is_some_and(|d| d != slots) {
+            return Err(Error::invalid(format!(
+                "this scheduler's slots keep {slots:?} keys and values, not the kv_dtype {:?} asked for: start the scheduler with that kv_dtype",
+                o.kv_dtype.unwrap_or(slots)
+            )));
+        }
+        request::check_options(o, self.tokenizer.is_some())
     }
 }
 

@@ -406,6 +406,22 @@ fn spawn_companion() -> Option<mpsc::Sender<Job>> {
     Some(tx)
 }
 
+/// Starts a named thread with `LARGE_STACK_BYTES` of stack, on which
+/// `on_large_stack` runs its work in place.
+pub fn spawn_large_stack<T: Send + 'static>(
+    name: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> crate::error::Result<std::thread::JoinHandle<T>> {
+    std::thread::Builder::new()
+        .name(name.into())
+        .stack_size(LARGE_STACK_BYTES)
+        .spawn(move || {
+            IS_COMPANION.with(|c| c.set(true));
+            f()
+        })
+        .map_err(|e| crate::error::Error::Unsupported(format!("starting a thread: {e}")))
+}
+
 /// Runs `f` on a thread with `LARGE_STACK_BYTES` of stack and returns its
 /// result; a panic in `f` resumes on the caller. Each calling thread has its
 /// own companion, so work that relies on a thread's default MLX stream keeps

@@ -15,20 +15,25 @@ impl Scheduler {
         &mut self,
         max_steps: usize,
         deadline: Option<Instant>,
+        mut driven: Option<&mut Driven>,
         events: &mut Vec<Event>,
     ) -> Result<()> {
         let mut left = max_steps;
         let mut pending: Option<Queued> = None;
         // Another step may start: the first always does, later ones only
-        // before the deadline.
-        let more = |left: usize| {
-            left > 0 && (left == max_steps || deadline.is_none_or(|d| Instant::now() < d))
+        // before the deadline, and for a driven scheduler only while no
+        // command waits and no waiting request could take a freed slot.
+        let more = |left: usize, yielding: bool| {
+            left > 0
+                && (left == max_steps || (!yielding && deadline.is_none_or(|d| Instant::now() < d)))
         };
         loop {
+            let yielding = driven.as_ref().is_some_and(|d| d.interrupted())
+                || (driven.is_some() && self.seat_waiting());
             let current = match pending.take() {
                 Some(queued) => queued,
                 None => {
-                    if !more(left) || self.slots.iter().all(Option::is_none) {
+                    if !more(left, yielding) || self.slots.iter().all(Option::is_none) {
                         break;
                     }
                     left -= 1;
@@ -36,7 +41,7 @@ impl Scheduler {
                 }
             };
             let running = || self.slots.iter().flatten();
-            let ahead = more(left)
+            let ahead = more(left, yielding)
                 && running().all(|r| r.request.sampler.on_device())
                 && !running().all(Running::last_step);
             // A constrained row's mask depends on the token this step is
@@ -58,6 +63,10 @@ impl Scheduler {
             }
             for event in self.read_step(current)? {
                 push(events, event);
+            }
+            if let Some(d) = driven.as_mut() {
+                let occupancy = self.occupancy();
+                d.flush(events, occupancy);
             }
             if let Some(f) = forward {
                 if self.slots.iter().any(Option::is_some) {

@@ -1,0 +1,256 @@
+//! A scheduler stepped on a thread of its own, for as long as it has work.
+//!
+//! Stepping a scheduler from calls that each return the tokens so far
+//! leaves the device idle at every call's end: the last step queued must be
+//! read back, and the next call builds its first step from the host. The
+//! driver's thread instead goes on decoding, one step queued ahead of the
+//! one read, until a command arrives (a request, a cancellation) or a
+//! waiting request can take a freed slot; each step's tokens go to a sink
+//! as soon as they are read. Requests are checked and prepared (their
+//! constraints compiled) on the caller's thread, so a bad request is the
+//! caller's error at once and a slow grammar never holds the batch.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::Mutex;
+use std::thread::JoinHandle;
+
+use super::*;
+
+/// What the driver's thread hands its sink.
+pub enum Output {
+    /// New tokens of one or more requests (one event each), the slots'
+    /// use after them, and the time since the sink's previous output.
+    Events {
+        events: Vec<Event>,
+        occupancy: Occupancy,
+        elapsed: Duration,
+    },
+    /// A step failed: the batch is in an unknown state, and every request
+    /// it held is dropped.
+    Failed(Error),
+}
+
+enum Command {
+    Admit(Request),
+    Cancel(Vec<RequestId>),
+    ClearPrefixCache,
+    Stop,
+}
+
+/// A decode loop's way out: `interrupt` is set when commands wait, and each
+/// step's events go to the sink.
+pub(crate) struct Driven<'a> {
+    interrupt: &'a AtomicBool,
+    shared: &'a Mutex<Occupancy>,
+    sink: &'a mut dyn FnMut(Output) -> bool,
+    last: Instant,
+    /// The sink refused an output (its receiver is gone).
+    closed: bool,
+}
+
+impl Driven<'_> {
+    pub(crate) fn interrupted(&self) -> bool {
+        self.closed || self.interrupt.load(Ordering::Acquire)
+    }
+
+    /// Hands the events gathered so far to the sink.
+    pub(crate) fn flush(&mut self, events: &mut Vec<Event>, occupancy: Occupancy) {
+        *self.shared.lock().unwrap_or_else(|p| p.into_inner()) = occupancy;
+        if events.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let output = Output::Events {
+            events: std::mem::take(events),
+            occupancy,
+            elapsed: now - self.last,
+        };
+        self.last = now;
+        if !(self.sink)(output) {
+            self.closed = true;
+        }
+    }
+}
+
+/// A [`Scheduler`] on its own thread. Dropping the driver stops the thread
+/// after its current step; [`stop`](Self::stop) also waits for it.
+pub struct Driver {
+    commands: Sender<Command>,
+    interrupt: Arc<AtomicBool>,
+    admission: Admission,
+    occupancy: Arc<Mutex<Occupancy>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// How long the driver's steps may hold a waiting prompt back.
+#[derive(Debug, Clone, Copy)]
+pub struct Pacing {
+    /// Most decode steps between two chunks of a prompt being prefilled.
+    pub max_steps: usize,
+    /// No decode step starts this long after a chunk while a prompt waits
+    /// (`None`: `max_steps` alone).
+    pub budget: Option<Duration>,
+}
+
+impl Driver {
+    /// Moves `scheduler` onto a new thread that steps it while it has work
+    /// and gives `sink` every output; the thread ends when the sink returns
+    /// false or the driver is dropped.
+    pub fn spawn(
+        scheduler: Scheduler,
+        pacing: Pacing,
+        sink: impl FnMut(Output) -> bool + Send + 'static,
+    ) -> Result<Driver> {
+        let (commands, inbox) = mpsc::channel();
+        let interrupt = Arc::new(AtomicBool::new(false));
+        let occupancy = Arc::new(Mutex::new(scheduler.occupancy()));
+        let admission = scheduler.admission();
+        let thread = {
+            let interrupt = interrupt.clone();
+            let occupancy = occupancy.clone();
+            crate::runtime::device::spawn_large_stack("emlx-axon-scheduler", move || {
+                run(scheduler, pacing, inbox, &interrupt, &occupancy, sink)
+            })?
+        };
+        Ok(Driver {
+            commands,
+            interrupt,
+            admission,
+            occupancy,
+            thread: Some(thread),
+        })
+    }
+
+    /// Checks and queues a request (compiling its constraint here); its
+    /// tokens reach the sink.
+    pub fn admit(
+        &self,
+        prompt: Vec<u32>,
+        options: GenerateOptions,
+        constraint: Option<ConstraintSpec>,
+    ) -> Result<RequestId> {
+        let request = self.admission.prepare(prompt, options, constraint)?;
+        let id = request.id;
+        self.send(Command::Admit(request))?;
+        Ok(id)
+    }
+
+    /// Drops requests wherever they are, within one decode step.
+    pub fn cancel(&self, ids: Vec<RequestId>) -> Result<()> {
+        self.send(Command::Cancel(ids))
+    }
+
+    pub fn clear_prefix_cache(&self) -> Result<()> {
+        self.send(Command::ClearPrefixCache)
+    }
+
+    /// The slots' use after the last step.
+    pub fn occupancy(&self) -> Occupancy {
+        *self.occupancy.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Stops the thread and waits for it (its current step ends first), so
+    /// that the scheduler's memory is free on return.
+    pub fn stop(mut self) {
+        self.halt();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+
+    fn halt(&self) {
+        let _ = self.commands.send(Command::Stop);
+        self.interrupt.store(true, Ordering::Release);
+    }
+
+    fn send(&self, command: Command) -> Result<()> {
+        self.commands
+            .send(command)
+            .map_err(|_| Error::Released("the scheduler's thread has stopped".into()))?;
+        self.interrupt.store(true, Ordering::Release);
+        Ok(())
+    }
+}
+
+impl Drop for Driver {
+    // Not joined: a step in flight may take long, and the caller (a BEAM
+    // destructor, say) should not wait for it.
+    fn drop(&mut self) {
+        self.halt();
+    }
+}
+
+fn run(
+    mut scheduler: Scheduler,
+    pacing: Pacing,
+    inbox: Receiver<Command>,
+    interrupt: &AtomicBool,
+    occupancy: &Mutex<Occupancy>,
+    mut sink: impl FnMut(Output) -> bool,
+) {
+    let mut last = Instant::now();
+    loop {
+        // Idle: wait for a command rather than spin.
+        let first = if scheduler.is_idle() {
+            match inbox.recv() {
+                Ok(command) => {
+                    last = Instant::now();
+                    Some(command)
+                }
+                Err(_) => return,
+            }
+        } else {
+            None
+        };
+        // Cleared before the inbox is read, so that a command sent after
+        // the read interrupts the next steps.
+        interrupt.store(false, Ordering::Release);
+        for command in first.into_iter().chain(inbox.try_iter()) {
+            match command {
+                Command::Admit(request) => scheduler.queue.push_back(request),
+                Command::Cancel(ids) => {
+                    for id in ids {
+                        scheduler.cancel(id);
+                    }
+                }
+                Command::ClearPrefixCache => scheduler.clear_prefix_cache(),
+                Command::Stop => return,
+            }
+        }
+        if !scheduler.is_idle() {
+            let mut events = vec![];
+            let mut driven = Driven {
+                interrupt,
+                shared: occupancy,
+                sink: &mut sink,
+                last,
+                closed: false,
+            };
+            let deadline = pacing.budget.map(|b| Instant::now() + b);
+            let stepped = catch_unwind(AssertUnwindSafe(|| {
+                scheduler.step_here(pacing.max_steps, deadline, Some(&mut driven), &mut events)
+            }));
+            let failure = match stepped {
+                Ok(Ok(())) => None,
+                Ok(Err(error)) => Some(error),
+                Err(panic) => Some(Error::from_panic(&*panic)),
+            };
+            match failure {
+                None => driven.flush(&mut events, scheduler.occupancy()),
+                Some(error) => {
+                    // Whatever the failed step held is dropped with it.
+                    scheduler.queue.clear();
+                    scheduler.prefill = None;
+                    scheduler.slots.iter_mut().for_each(|s| *s = None);
+                    driven.closed |= !(driven.sink)(Output::Failed(error));
+                }
+            }
+            last = driven.last;
+            if driven.closed {
+                return;
+            }
+        }
+        *occupancy.lock().unwrap_or_else(|p| p.into_inner()) = scheduler.occupancy();
+    }
+}
