@@ -148,8 +148,9 @@ fn scheduler_admit(
     }))
 }
 
-/// Drops the requests wherever they are, within one decode step.
-#[rustler::nif]
+/// Drops the requests wherever they are, within one decode step. Dirty: an
+/// admission compiling a grammar holds the resource meanwhile.
+#[rustler::nif(schedule = "DirtyCpu")]
 fn scheduler_cancel(resource: ResourceArc<SchedulerResource>, ids: Vec<u64>) -> NifResult<Atom> {
     guard(|| resource.with(|d| Ok(d.cancel(ids).map(|()| atoms::ok())?)))
 }
@@ -253,7 +254,7 @@ fn occupancy_out(o: emlx_axon_engine::exec::scheduler::Occupancy) -> OccupancyOu
 
 #[rustler::nif(schedule = "DirtyCpu")]
 fn scheduler_occupancy(resource: ResourceArc<SchedulerResource>) -> NifResult<OccupancyOut> {
-    resource.with(|d| Ok(occupancy_out(d.occupancy())))
+    resource.with(|d| Ok(occupancy_out(d.occupancy()?)))
 }
 
 #[rustler::nif(schedule = "DirtyCpu")]

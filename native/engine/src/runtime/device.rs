@@ -406,20 +406,48 @@ fn spawn_companion() -> Option<mpsc::Sender<Job>> {
     Some(tx)
 }
 
-/// Starts a named thread with `LARGE_STACK_BYTES` of stack, on which
-/// `on_large_stack` runs its work in place.
-pub fn spawn_large_stack<T: Send + 'static>(
-    name: &str,
+/// Threads that ran a job of `on_pooled_thread` and wait for another.
+static IDLE_THREADS: Lazy<Mutex<Vec<mpsc::Sender<Job>>>> = Lazy::new(|| Mutex::new(Vec::new()));
+
+/// Runs `f` on a thread with `LARGE_STACK_BYTES` of stack (on which
+/// `on_large_stack` runs its work in place), reusing one an earlier job
+/// left: MLX gives each thread that evaluates a default stream of its own
+/// (on the CPU, with a thread behind it) and frees neither, so long-lived
+/// work started again and again (a scheduler restarted) must not make new
+/// threads each time. The receiver gets `f`'s result.
+pub fn on_pooled_thread<T: Send + 'static>(
     f: impl FnOnce() -> T + Send + 'static,
-) -> crate::error::Result<std::thread::JoinHandle<T>> {
+) -> crate::error::Result<mpsc::Receiver<std::thread::Result<T>>> {
+    let (done, result) = mpsc::sync_channel(1);
+    let mut job: Job = Box::new(move || {
+        let _ = done.send(catch_unwind(AssertUnwindSafe(f)));
+    });
+    let idle = || IDLE_THREADS.lock().unwrap_or_else(|p| p.into_inner()).pop();
+    while let Some(thread) = idle() {
+        match thread.send(job) {
+            Ok(()) => return Ok(result),
+            Err(refused) => job = refused.0,
+        }
+    }
+    let (tx, jobs) = mpsc::channel::<Job>();
+    let again = tx.clone();
     std::thread::Builder::new()
-        .name(name.into())
+        .name("emlx-axon-pooled".into())
         .stack_size(LARGE_STACK_BYTES)
         .spawn(move || {
             IS_COMPANION.with(|c| c.set(true));
-            f()
+            for job in jobs {
+                job();
+                IDLE_THREADS
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(again.clone());
+            }
         })
-        .map_err(|e| crate::error::Error::Unsupported(format!("starting a thread: {e}")))
+        .map_err(|e| crate::error::Error::Unsupported(format!("starting a thread: {e}")))?;
+    tx.send(job)
+        .map_err(|_| crate::error::Error::Unsupported("a new thread refused its job".into()))?;
+    Ok(result)
 }
 
 /// Runs `f` on a thread with `LARGE_STACK_BYTES` of stack and returns its

@@ -13,7 +13,6 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Mutex;
-use std::thread::JoinHandle;
 
 use super::*;
 
@@ -32,9 +31,11 @@ pub enum Output {
 }
 
 enum Command {
-    Admit(Request),
+    Admit(Box<Request>),
     Cancel(Vec<RequestId>),
     ClearPrefixCache,
+    /// Answered after the commands sent before it.
+    Occupancy(mpsc::SyncSender<Occupancy>),
     Stop,
 }
 
@@ -42,7 +43,6 @@ enum Command {
 /// step's events go to the sink.
 pub(crate) struct Driven<'a> {
     interrupt: &'a AtomicBool,
-    shared: &'a Mutex<Occupancy>,
     sink: &'a mut dyn FnMut(Output) -> bool,
     last: Instant,
     /// The sink refused an output (its receiver is gone).
@@ -56,7 +56,6 @@ impl Driven<'_> {
 
     /// Hands the events gathered so far to the sink.
     pub(crate) fn flush(&mut self, events: &mut Vec<Event>, occupancy: Occupancy) {
-        *self.shared.lock().unwrap_or_else(|p| p.into_inner()) = occupancy;
         if events.is_empty() {
             return;
         }
@@ -73,14 +72,16 @@ impl Driven<'_> {
     }
 }
 
-/// A [`Scheduler`] on its own thread. Dropping the driver stops the thread
-/// after its current step; [`stop`](Self::stop) also waits for it.
+/// A [`Scheduler`] on a thread of its own (a pooled one). Dropping the
+/// driver ends its loop after the current step; [`stop`](Self::stop) also
+/// waits for that.
 pub struct Driver {
     commands: Sender<Command>,
     interrupt: Arc<AtomicBool>,
     admission: Admission,
-    occupancy: Arc<Mutex<Occupancy>>,
-    thread: Option<JoinHandle<()>>,
+    /// Answers when the thread's loop has ended (in a mutex: a receiver is
+    /// not shared between threads, the driver is).
+    done: Mutex<Receiver<std::thread::Result<()>>>,
 }
 
 /// How long the driver's steps may hold a waiting prompt back.
@@ -104,21 +105,18 @@ impl Driver {
     ) -> Result<Driver> {
         let (commands, inbox) = mpsc::channel();
         let interrupt = Arc::new(AtomicBool::new(false));
-        let occupancy = Arc::new(Mutex::new(scheduler.occupancy()));
         let admission = scheduler.admission();
-        let thread = {
+        let done = {
             let interrupt = interrupt.clone();
-            let occupancy = occupancy.clone();
-            crate::runtime::device::spawn_large_stack("emlx-axon-scheduler", move || {
-                run(scheduler, pacing, inbox, &interrupt, &occupancy, sink)
+            crate::runtime::device::on_pooled_thread(move || {
+                run(scheduler, pacing, inbox, &interrupt, sink)
             })?
         };
         Ok(Driver {
             commands,
             interrupt,
             admission,
-            occupancy,
-            thread: Some(thread),
+            done: Mutex::new(done),
         })
     }
 
@@ -132,7 +130,7 @@ impl Driver {
     ) -> Result<RequestId> {
         let request = self.admission.prepare(prompt, options, constraint)?;
         let id = request.id;
-        self.send(Command::Admit(request))?;
+        self.send(Command::Admit(Box::new(request)))?;
         Ok(id)
     }
 
@@ -145,18 +143,19 @@ impl Driver {
         self.send(Command::ClearPrefixCache)
     }
 
-    /// The slots' use after the last step.
-    pub fn occupancy(&self) -> Occupancy {
-        *self.occupancy.lock().unwrap_or_else(|p| p.into_inner())
+    /// The slots' use once the commands sent before are applied (within
+    /// a step).
+    pub fn occupancy(&self) -> Result<Occupancy> {
+        let (reply, answer) = mpsc::sync_channel(1);
+        self.send(Command::Occupancy(reply))?;
+        answer.recv().map_err(|_| stopped())
     }
 
     /// Stops the thread and waits for it (its current step ends first), so
     /// that the scheduler's memory is free on return.
-    pub fn stop(mut self) {
+    pub fn stop(self) {
         self.halt();
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
+        let _ = self.done.lock().unwrap_or_else(|p| p.into_inner()).recv();
     }
 
     fn halt(&self) {
@@ -165,9 +164,7 @@ impl Driver {
     }
 
     fn send(&self, command: Command) -> Result<()> {
-        self.commands
-            .send(command)
-            .map_err(|_| Error::Released("the scheduler's thread has stopped".into()))?;
+        self.commands.send(command).map_err(|_| stopped())?;
         self.interrupt.store(true, Ordering::Release);
         Ok(())
     }
@@ -186,7 +183,6 @@ fn run(
     pacing: Pacing,
     inbox: Receiver<Command>,
     interrupt: &AtomicBool,
-    occupancy: &Mutex<Occupancy>,
     mut sink: impl FnMut(Output) -> bool,
 ) {
     let mut last = Instant::now();
@@ -208,13 +204,16 @@ fn run(
         interrupt.store(false, Ordering::Release);
         for command in first.into_iter().chain(inbox.try_iter()) {
             match command {
-                Command::Admit(request) => scheduler.queue.push_back(request),
+                Command::Admit(request) => scheduler.queue.push_back(*request),
                 Command::Cancel(ids) => {
                     for id in ids {
                         scheduler.cancel(id);
                     }
                 }
                 Command::ClearPrefixCache => scheduler.clear_prefix_cache(),
+                Command::Occupancy(reply) => {
+                    let _ = reply.send(scheduler.occupancy());
+                }
                 Command::Stop => return,
             }
         }
@@ -222,7 +221,6 @@ fn run(
             let mut events = vec![];
             let mut driven = Driven {
                 interrupt,
-                shared: occupancy,
                 sink: &mut sink,
                 last,
                 closed: false,
@@ -251,6 +249,9 @@ fn run(
                 return;
             }
         }
-        *occupancy.lock().unwrap_or_else(|p| p.into_inner()) = scheduler.occupancy();
     }
+}
+
+fn stopped() -> Error {
+    Error::Released("the scheduler's thread has stopped".into())
 }
