@@ -140,8 +140,8 @@ defmodule EMLXAxon.TextGeneration do
   each request. Outputs have the usual shape, without padding
   (`token_summary.padding` is 0), and `metadata` holds the request's own
   counts and timings (with `:queue_ms`, `:cached_tokens` and
-  `:constraint_ms`). `:chunk_size` and `:profile_timing` do not apply (the
-  scheduler's own `:steps_per_call` sets how often text arrives). An
+  `:constraint_ms`). `:chunk_size` and `:profile_timing` do not apply (text
+  arrives after every decode step of the scheduler). An
   `EMLXAxon.Stream` and a `state` other than the scheduler's raise
   `ArgumentError`; a full queue raises `EMLXAxon.Error` (kind
   `:overloaded`). When the call ends early (an `emit_fun` that raises, an

@@ -111,10 +111,12 @@ defmodule EMLXAxon.Scheduler.Server do
         {:noreply, state}
 
       {:error, error} ->
-        # The engine dropped every request the failed step held.
-        for {_id, request} <- state.requests do
+        # The engine dropped every request it held; those admitted since
+        # are cancelled, so every caller gets the error.
+        for {id, request} <- state.requests do
           send(request.pid, {@tag, request.ref, {:error, error}})
           Process.demonitor(request.monitor, [:flush])
+          Native.scheduler_cancel(state.resource, [id])
         end
 
         {:noreply, %{state | requests: %{}, ids: %{}}}

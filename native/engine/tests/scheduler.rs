@@ -706,21 +706,24 @@ fn driven_outputs(
     (c, deliveries)
 }
 
-/// One short request through a driver started and stopped for it.
-fn drive_once(model: &Arc<Model>, prompt: &[u32]) {
+/// A driver of 2 slots whose outputs come to the receiver.
+fn driver(model: &Arc<Model>) -> (Driver, std::sync::mpsc::Receiver<Output>) {
     let s = Scheduler::new(model.clone(), None, config(2, 4, 0)).unwrap();
     let (tx, outputs) = std::sync::mpsc::channel();
-    let driver = Driver::spawn(s, pacing(), move |o| tx.send(o).is_ok()).unwrap();
+    let pacing = Pacing {
+        max_steps: 4,
+        budget: Some(std::time::Duration::from_millis(20)),
+    };
+    let driver = Driver::spawn(s, pacing, move |o| tx.send(o).is_ok()).unwrap();
+    (driver, outputs)
+}
+
+/// One short request through a driver started and stopped for it.
+fn drive_once(model: &Arc<Model>, prompt: &[u32]) {
+    let (driver, outputs) = driver(model);
     let id = driver.admit(prompt.to_vec(), greedy(3), None).unwrap();
     driven_outputs(&outputs, &[id], Collected::default());
     driver.stop();
-}
-
-fn pacing() -> Pacing {
-    Pacing {
-        max_steps: 4,
-        budget: Some(std::time::Duration::from_millis(20)),
-    }
 }
 
 #[test]
@@ -728,9 +731,7 @@ fn a_driven_scheduler_streams_every_step_and_equals_solo_runs() {
     let _g = serial();
     let model = model();
     let p = prompts();
-    let s = Scheduler::new(model.clone(), None, config(2, 4, 0)).unwrap();
-    let (tx, outputs) = std::sync::mpsc::channel();
-    let driver = Driver::spawn(s, pacing(), move |o| tx.send(o).is_ok()).unwrap();
+    let (driver, outputs) = driver(&model);
     let seeded = GenerateOptions {
         sampler: SamplerConfig {
             kind: SamplerKind::TopPGpu,
@@ -777,9 +778,7 @@ fn a_driven_row_is_cancelled_within_a_step_and_stopping_frees_the_cache() {
     // behind: a driver run first warms the pooled thread the next one takes.
     drive_once(&model, &p[1]);
     let baseline = settled_active_memory();
-    let s = Scheduler::new(model.clone(), None, config(2, 4, 0)).unwrap();
-    let (tx, outputs) = std::sync::mpsc::channel();
-    let driver = Driver::spawn(s, pacing(), move |o| tx.send(o).is_ok()).unwrap();
+    let (driver, outputs) = driver(&model);
     let long = driver.admit(p[0].clone(), greedy(200), None).unwrap();
     let mut seen = 0;
     while seen < 5 {
@@ -817,9 +816,7 @@ fn a_driver_whose_sink_is_gone_stops_and_refuses_requests() {
     let _g = serial();
     let model = model();
     let p = prompts();
-    let s = Scheduler::new(model.clone(), None, config(2, 4, 0)).unwrap();
-    let (tx, outputs) = std::sync::mpsc::channel();
-    let driver = Driver::spawn(s, pacing(), move |o| tx.send(o).is_ok()).unwrap();
+    let (driver, outputs) = driver(&model);
     drop(outputs);
     driver.admit(p[0].clone(), greedy(50), None).unwrap();
     // The first output finds the sink closed and the thread ends.

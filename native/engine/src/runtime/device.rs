@@ -392,14 +392,29 @@ thread_local! {
 }
 
 fn spawn_companion() -> Option<mpsc::Sender<Job>> {
-    let (tx, rx) = mpsc::channel::<Job>();
+    job_thread("emlx-axon-mlx", false)
+}
+
+/// A thread with `LARGE_STACK_BYTES` of stack that runs the jobs sent to
+/// it (and `on_large_stack`'s in place). `pooled`: after each job it offers
+/// itself in `IDLE_THREADS`, holding a sender to itself, so it never ends;
+/// otherwise it ends with its last sender.
+fn job_thread(name: &str, pooled: bool) -> Option<mpsc::Sender<Job>> {
+    let (tx, jobs) = mpsc::channel::<Job>();
+    let again = pooled.then(|| tx.clone());
     std::thread::Builder::new()
-        .name("emlx-axon-mlx".into())
+        .name(name.into())
         .stack_size(LARGE_STACK_BYTES)
         .spawn(move || {
             IS_COMPANION.with(|c| c.set(true));
-            for job in rx {
+            for job in jobs {
                 job();
+                if let Some(again) = &again {
+                    IDLE_THREADS
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push(again.clone());
+                }
             }
         })
         .ok()?;
@@ -409,9 +424,7 @@ fn spawn_companion() -> Option<mpsc::Sender<Job>> {
 /// Threads that ran a job of `on_pooled_thread` and wait for another.
 static IDLE_THREADS: Lazy<Mutex<Vec<mpsc::Sender<Job>>>> = Lazy::new(|| Mutex::new(Vec::new()));
 
-/// Runs `f` on a thread with `LARGE_STACK_BYTES` of stack (on which
-/// `on_large_stack` runs its work in place), reusing one an earlier job
-/// left: MLX gives each thread that evaluates a default stream of its own
+/// Runs `f` on a `job_thread`, reusing one an earlier job left: MLX gives each thread that evaluates a default stream of its own
 /// (on the CPU, with a thread behind it) and frees neither, so long-lived
 /// work started again and again (a scheduler restarted) must not make new
 /// threads each time. The receiver gets `f`'s result.
@@ -429,23 +442,10 @@ pub fn on_pooled_thread<T: Send + 'static>(
             Err(refused) => job = refused.0,
         }
     }
-    let (tx, jobs) = mpsc::channel::<Job>();
-    let again = tx.clone();
-    std::thread::Builder::new()
-        .name("emlx-axon-pooled".into())
-        .stack_size(LARGE_STACK_BYTES)
-        .spawn(move || {
-            IS_COMPANION.with(|c| c.set(true));
-            for job in jobs {
-                job();
-                IDLE_THREADS
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push(again.clone());
-            }
-        })
-        .map_err(|e| crate::error::Error::Unsupported(format!("starting a thread: {e}")))?;
-    tx.send(job)
+    let thread = job_thread("emlx-axon-pooled", true)
+        .ok_or_else(|| crate::error::Error::Unsupported("could not start a thread".into()))?;
+    thread
+        .send(job)
         .map_err(|_| crate::error::Error::Unsupported("a new thread refused its job".into()))?;
     Ok(result)
 }
