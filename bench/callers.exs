@@ -5,12 +5,19 @@
 # call; the ratio is the callers' aggregate rate over the batch's.
 #
 #   mix run bench/callers.exs -- [--model DIR] [--callers N] [--prompt-len L]
-#       [--tokens T] [--rounds R] [--steps-per-call S] [--ragged]
+#       [--tokens T] [--rounds R] [--steps-per-call S] [--ragged] [--sampled]
+#       [--serving]
 #
 # --ragged: prompts of L - N + 1 .. L tokens, so that the batch is
 # left-padded and attends through a mask, as the scheduler's rows always do.
-# Greedy, EOS ignored. Run it in several fresh VMs: a GPU process can land
-# in a slower state for its whole life.
+# --sampled: Qwen3's recommended sampling (temperature 0.6, top_p 0.95,
+# top_k 20) on the device's sampler, each caller with its own seed, and the
+# batch with seed 0 (the ids are then not compared). --serving: the callers
+# go through the default Nx.Serving (`EMLXAxon.TextGeneration.serving/3`,
+# continuous batching through its own scheduler, batch_size N) with
+# `%{input_ids: ...}` inputs, as users call it; needs Nx. Greedy otherwise,
+# EOS ignored. Run it in several fresh VMs: a GPU process can land in a
+# slower state for its whole life.
 
 defmodule EMLXAxon.CallersBench do
   alias EMLXAxon.Scheduler
@@ -23,7 +30,9 @@ defmodule EMLXAxon.CallersBench do
     tokens: :integer,
     rounds: :integer,
     steps_per_call: :integer,
-    ragged: :boolean
+    ragged: :boolean,
+    sampled: :boolean,
+    serving: :boolean
   ]
 
   def main(argv) do
@@ -42,30 +51,45 @@ defmodule EMLXAxon.CallersBench do
         Enum.map(1..own, fn _ -> :rand.uniform(20_000) end)
       end
 
-    gen_opts = [max_new_tokens: tokens, ignore_eos: true]
-    steps = Keyword.take(opts, [:steps_per_call])
+    sampling =
+      if opts[:sampled],
+        do: [sampler: :top_p_gpu, temperature: 0.6, top_p: 0.95, top_k: 20],
+        else: []
 
-    {:ok, server} = Scheduler.start_link([model: state, slots: n, prefix_cache_bytes: 0] ++ steps)
+    gen_opts = [max_new_tokens: tokens, ignore_eos: true] ++ sampling
+    steps = Keyword.take(opts, [:steps_per_call])
+    seeded = fn i -> if opts[:sampled], do: [seed: i], else: [] end
+
+    call =
+      if opts[:serving] do
+        serving(model, state, n, gen_opts, steps)
+      else
+        {:ok, server} =
+          Scheduler.start_link([model: state, slots: n, prefix_cache_bytes: 0] ++ steps)
+
+        fn {p, i} ->
+          {:ok, r} = Scheduler.generate(server, p, gen_opts ++ seeded.(i))
+          r.ids
+        end
+      end
 
     IO.puts(
       "model #{model} (#{state.config.dtype}), #{EMLXAxon.mlx_info().default_device}, " <>
         "#{n} callers, prompts of #{Enum.min(Enum.map(prompts, &length/1))}-#{len} tokens, " <>
-        "#{tokens} new tokens, steps per call #{Keyword.get(steps, :steps_per_call, "default")}"
+        "#{tokens} new tokens, steps per call #{Keyword.get(steps, :steps_per_call, "default")}, " <>
+        "#{if opts[:sampled], do: "Qwen3 sampling", else: "greedy"}, " <>
+        "callers through #{if opts[:serving], do: "the default Nx.Serving", else: "a scheduler"}"
     )
 
     batch = fn ->
-      {:ok, rows} = Generate.generate(state, prompts, gen_opts)
+      {:ok, rows} = Generate.generate(state, prompts, gen_opts ++ seeded.(0))
       Enum.map(rows, & &1.token_ids)
     end
 
     callers = fn ->
       prompts
-      |> Enum.map(fn p ->
-        Task.async(fn ->
-          {:ok, r} = Scheduler.generate(server, p, gen_opts)
-          r.ids
-        end)
-      end)
+      |> Enum.with_index(1)
+      |> Enum.map(&Task.async(fn -> call.(&1) end))
       |> Task.await_many(:infinity)
     end
 
@@ -81,8 +105,29 @@ defmodule EMLXAxon.CallersBench do
       IO.puts(
         "round #{round}: batch #{rate.(tb)} tok/s (#{round(tb)} ms), " <>
           "callers #{rate.(tc)} tok/s (#{round(tc)} ms); ratio #{Float.round(tb / tc, 3)}; " <>
-          "same greedy ids: #{ids_b == ids_c}"
+          if(opts[:sampled], do: "sampled", else: "same greedy ids: #{ids_b == ids_c}")
       )
+    end
+  end
+
+  # The default serving, as users start it; each caller's call.
+  defp serving(model, state, n, gen_opts, steps) do
+    unless Code.ensure_loaded?(Nx.Serving), do: raise("--serving needs Nx")
+    {:ok, _} = Application.ensure_all_started(:nx)
+    {:ok, tokenizer} = EMLXAxon.Tokenizer.load(model)
+    scheduler = if steps == [], do: [], else: [scheduler_options: steps]
+    serving = EMLXAxon.TextGeneration.serving(tokenizer, state, gen_opts ++ scheduler)
+
+    {:ok, _} = Nx.Serving.start_link(serving: serving, name: CallersBench.Serving, batch_size: n)
+
+    fn {p, i} ->
+      input =
+        if Keyword.has_key?(gen_opts, :sampler),
+          do: %{input_ids: p, seed: i},
+          else: %{input_ids: p}
+
+      %{results: [r]} = Nx.Serving.batched_run(CallersBench.Serving, input)
+      r.token_ids
     end
   end
 
