@@ -113,11 +113,12 @@ defmodule EMLXAxon.Scheduler.Server do
       {:error, error} ->
         # The engine dropped every request it held; those admitted since
         # are cancelled, so every caller gets the error.
-        for {id, request} <- state.requests do
+        for {_id, request} <- state.requests do
           send(request.pid, {@tag, request.ref, {:error, error}})
           Process.demonitor(request.monitor, [:flush])
-          Native.scheduler_cancel(state.resource, [id])
         end
+
+        Native.scheduler_cancel(state.resource, Map.keys(state.requests))
 
         {:noreply, %{state | requests: %{}, ids: %{}}}
     end

@@ -57,6 +57,15 @@ pub enum Error {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// A caught panic's message (a `panic!` carries a `String` or a `&str`).
+pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
 impl Error {
     /// A stable, machine-readable name for the error's class.
     pub fn kind(&self) -> &'static str {
@@ -84,12 +93,7 @@ impl Error {
 
     /// An error for a caught panic, with the panic's message.
     pub(crate) fn from_panic(panic: &(dyn std::any::Any + Send)) -> Self {
-        let message = panic
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_else(|| "unknown panic".into());
-        Error::Panic(message)
+        Error::Panic(panic_message(panic))
     }
 
     pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {

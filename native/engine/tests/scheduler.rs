@@ -58,7 +58,11 @@ struct Collected {
 
 impl Collected {
     fn step(&mut self, s: &mut Scheduler, steps: usize) {
-        for e in s.step(steps).unwrap() {
+        self.take(s.step(steps).unwrap());
+    }
+
+    fn take(&mut self, events: Vec<emlx_axon_engine::Event>) {
+        for e in events {
             self.ids.entry(e.id).or_default().extend(&e.delta.ids);
             if let Some(f) = e.delta.finish {
                 assert!(
@@ -694,14 +698,10 @@ fn driven_outputs(
         let Output::Events { events, .. } = output else {
             panic!("a driven step failed")
         };
-        for e in events {
+        for e in &events {
             *deliveries.entry(e.id).or_insert(0) += 1;
-            c.ids.entry(e.id).or_default().extend(&e.delta.ids);
-            if let Some(f) = e.delta.finish {
-                assert!(c.finish.insert(e.id, f).is_none(), "finished twice");
-                assert_eq!(e.stats.expect("stats").generated_tokens, c.ids[&e.id].len());
-            }
         }
+        c.take(events);
     }
     (c, deliveries)
 }

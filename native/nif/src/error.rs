@@ -36,11 +36,9 @@ impl Encoder for NifError {
 /// Runs `f`, turning a panic into an error value instead of unwinding.
 pub fn guard<T>(f: impl FnOnce() -> NifResult<T>) -> NifResult<T> {
     catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|panic| {
-        let message = panic
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_else(|| "unknown panic".into());
-        Err(NifError::new("panic", message))
+        Err(NifError::new(
+            "panic",
+            emlx_axon_engine::error::panic_message(&*panic),
+        ))
     })
 }

@@ -37,7 +37,7 @@ impl<T> Slot<T> {
 
     /// Drops the value now.
     pub fn free(&self) {
-        self.lock().take();
+        self.take();
     }
 
     /// Takes the value out, leaving the slot freed.

@@ -466,7 +466,6 @@ impl Scheduler {
 
 /// Checks a request against a scheduler's model and slots and prepares it
 /// (its sampler, its compiled constraint, its id).
-#[derive(Clone)]
 struct Admission {
     model: Arc<Model>,
     tokenizer: Option<Arc<Tokenizer>>,
