@@ -231,7 +231,9 @@ defmodule EMLXAxon.TextGeneration do
   scheduler has a free slot. `:max_queue` bounds the requests waiting for a
   slot (past it a caller gets `EMLXAxon.Error`, kind `:overloaded`, at
   once), and `:scheduler_options` sets the schedulers' `:slots`,
-  `:capacity` and steps.
+  `:capacity` and steps. Without `:slots` a serving's own scheduler decodes
+  `compile: [batch_size: n]`'s n rows together (8 without it), as a static
+  execution would.
 
   With `scheduler: false` an execution generates its whole batch before the
   serving (or its partition) takes the next one, so a request that comes

@@ -29,7 +29,10 @@ if Code.ensure_loaded?(Nx.Serving) do
 
       start_supervised!(
         {Nx.Serving,
-         [serving: serving, name: name, batch_size: 8, batch_timeout: 10] ++ process_opts},
+         Keyword.merge(
+           [serving: serving, name: name, batch_size: 8, batch_timeout: 10],
+           process_opts
+         )},
         id: name
       )
 
@@ -51,6 +54,19 @@ if Code.ensure_loaded?(Nx.Serving) do
         fn -> Enum.all?(schedulers(name), &(is_pid(&1) and &1 not in old)) end,
         2_000
       )
+    end
+
+    test "the serving's own scheduler has the serving's batch size in slots", ctx do
+      sized = [compile: [batch_size: 3]]
+      [three] = schedulers(start_serving(ctx, sized, batch_size: 3))
+      assert %{slots: 3} = EMLXAxon.Scheduler.occupancy(three)
+
+      given = sized ++ [scheduler_options: [slots: 2]]
+      [given] = schedulers(start_serving(ctx, given, batch_size: 3))
+
+      assert %{slots: 2} = EMLXAxon.Scheduler.occupancy(given)
+      [default] = schedulers(start_serving(ctx, []))
+      assert %{slots: 8} = EMLXAxon.Scheduler.occupancy(default)
     end
 
     test "the serving's scheduler killed under its callers: errors within a second, then service",

@@ -126,7 +126,8 @@ defmodule EMLXAxon.TextGeneration.Config do
       default: [],
       doc:
         "options of the serving's own schedulers (`EMLXAxon.Scheduler.start_link/1`'s " <>
-          "`#{Enum.map_join(@scheduler_keys, "`, `", &inspect/1)}`)"
+          "`#{Enum.map_join(@scheduler_keys, "`, `", &inspect/1)}`); without `:slots`, " <>
+          "each has `compile: [batch_size: n]`'s n slots (8 without it)"
     ],
     stream_done: [
       type: :boolean,

@@ -56,11 +56,20 @@ defmodule EMLXAxon.TextGeneration.Serving.Scheduled do
       for index <- 0..(count - 1) do
         %{
           id: index,
-          start: {Scheduler, :start_link, [scheduler_options(state, tokenizer, opts, nil)]}
+          start:
+            {Scheduler, :start_link, [scheduler_options(state, tokenizer, opts, slots(opts))]}
         }
       end
 
     Supervisor.start_link(children, strategy: :one_for_one, max_restarts: 10, max_seconds: 10)
+  end
+
+  # A serving's own scheduler decodes as many rows together as one of its
+  # executions takes (`compile: [batch_size: n]`, the serving's batch
+  # size), unless :scheduler_options sets :slots; nil: the scheduler's
+  # default.
+  defp slots(opts) do
+    Keyword.get(opts.scheduler_options, :slots) || (opts.compile || [])[:batch_size]
   end
 
   defp scheduler_options(state, tokenizer, opts, slots) do
@@ -110,7 +119,7 @@ defmodule EMLXAxon.TextGeneration.Serving.Scheduled do
 
   def with_scheduler(:temporary, arg, fun) do
     # One slot per input of the run, at most the configured slots.
-    slots = min(arg.rows, Keyword.get(arg.opts.scheduler_options, :slots, 8))
+    slots = min(arg.rows, slots(arg.opts) || 8)
 
     options = scheduler_options(arg.state, arg.tokenizer, arg.opts, max(slots, 1))
     {guardian, pid} = start_temporary(options)
