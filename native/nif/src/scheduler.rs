@@ -143,8 +143,13 @@ fn scheduler_admit(
             kv_dtype: crate::generation::kv_dtype(o.kv_dtype.as_deref())?,
             ..GenerateOptions::default()
         };
-        // Compiling a grammar evaluates no MLX graph, but can recurse deeply.
-        resource.with(|d| Ok(on_large_stack(|| d.admit(prompt, options, constraint))?))
+        // Outside the resource's lock: compiling a grammar can take long,
+        // and cancellations should not wait for it. It evaluates no MLX
+        // graph, but can recurse deeply.
+        let intake = resource.with(|d| Ok(d.intake()))?;
+        Ok(on_large_stack(|| {
+            intake.admit(prompt, options, constraint)
+        })?)
     }))
 }
 

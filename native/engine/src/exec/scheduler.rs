@@ -50,7 +50,7 @@ use crate::text::constraint::{ConstraintSpec, RowConstraint};
 use crate::text::tokenizer::Tokenizer;
 
 use driver::Driven;
-pub use driver::{Driver, Output, Pacing};
+pub use driver::{Driver, Intake, Output, Pacing};
 
 pub type RequestId = u64;
 
@@ -466,6 +466,7 @@ impl Scheduler {
 
 /// Checks a request against a scheduler's model and slots and prepares it
 /// (its sampler, its compiled constraint, its id).
+#[derive(Clone)]
 struct Admission {
     model: Arc<Model>,
     tokenizer: Option<Arc<Tokenizer>>,

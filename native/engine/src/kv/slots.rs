@@ -135,8 +135,8 @@ impl SlotCache {
         Ok(le(&keys, self.positions.reshape(&[self.rows, 1, 1, 1])?)?)
     }
 
-    /// Copies a prompt's keys and values (per layer `[1, kv_heads, len,
-    /// head_dim]`) into positions `0..len` of `slot`.
+    /// Copies `n` prompts' keys and values (per layer `[n, kv_heads, len,
+    /// head_dim]`) into positions `0..len` of slots `slot..slot + n`.
     pub fn write_prompt(&mut self, slot: i32, prompt: &[(Array, Array)]) -> Result<()> {
         if prompt.len() != self.layers.len() {
             return Err(Error::invalid(
@@ -148,10 +148,14 @@ impl SlotCache {
             if len > self.capacity {
                 return Err(Error::invalid("a prompt is longer than a slot"));
             }
-            keys.try_index_mut((slot..slot + 1, .., 0..len, ..), k)
+            let rows = k.dim(0);
+            if slot + rows > self.slots {
+                return Err(Error::invalid("prompt caches past the last slot"));
+            }
+            keys.try_index_mut((slot..slot + rows, .., 0..len, ..), k)
                 .map_err(|e| Error::Mlx(e.to_string()))?;
             values
-                .try_index_mut((slot..slot + 1, .., 0..len, ..), v)
+                .try_index_mut((slot..slot + rows, .., 0..len, ..), v)
                 .map_err(|e| Error::Mlx(e.to_string()))?;
         }
         Ok(())

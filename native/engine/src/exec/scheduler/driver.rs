@@ -76,12 +76,42 @@ impl Driven<'_> {
 /// driver ends its loop after the current step; [`stop`](Self::stop) also
 /// waits for that.
 pub struct Driver {
-    commands: Sender<Command>,
-    interrupt: Arc<AtomicBool>,
-    admission: Admission,
+    intake: Intake,
     /// Answers when the thread's loop has ended (in a mutex: a receiver is
     /// not shared between threads, the driver is).
     done: Mutex<Receiver<std::thread::Result<()>>>,
+}
+
+/// A driver's way in for commands, which works apart from the driver: a
+/// caller that keeps the driver behind a lock takes a copy out and admits
+/// through it, so that a slow grammar's compilation holds no lock.
+#[derive(Clone)]
+pub struct Intake {
+    commands: Sender<Command>,
+    interrupt: Arc<AtomicBool>,
+    admission: Admission,
+}
+
+impl Intake {
+    /// Checks and queues a request (compiling its constraint here); its
+    /// tokens reach the driver's sink. Fails once the driver has stopped.
+    pub fn admit(
+        &self,
+        prompt: Vec<u32>,
+        options: GenerateOptions,
+        constraint: Option<ConstraintSpec>,
+    ) -> Result<RequestId> {
+        let request = self.admission.prepare(prompt, options, constraint)?;
+        let id = request.id;
+        self.send(Command::Admit(Box::new(request)))?;
+        Ok(id)
+    }
+
+    fn send(&self, command: Command) -> Result<()> {
+        self.commands.send(command).map_err(|_| stopped())?;
+        self.interrupt.store(true, Ordering::Release);
+        Ok(())
+    }
 }
 
 /// How long the driver's steps may hold a waiting prompt back.
@@ -113,25 +143,28 @@ impl Driver {
             })?
         };
         Ok(Driver {
-            commands,
-            interrupt,
-            admission,
+            intake: Intake {
+                commands,
+                interrupt,
+                admission,
+            },
             done: Mutex::new(done),
         })
     }
 
-    /// Checks and queues a request (compiling its constraint here); its
-    /// tokens reach the sink.
+    /// See [`Intake::admit`].
     pub fn admit(
         &self,
         prompt: Vec<u32>,
         options: GenerateOptions,
         constraint: Option<ConstraintSpec>,
     ) -> Result<RequestId> {
-        let request = self.admission.prepare(prompt, options, constraint)?;
-        let id = request.id;
-        self.send(Command::Admit(Box::new(request)))?;
-        Ok(id)
+        self.intake.admit(prompt, options, constraint)
+    }
+
+    /// A copy of the driver's way in, for admitting apart from it.
+    pub fn intake(&self) -> Intake {
+        self.intake.clone()
     }
 
     /// Drops requests wherever they are, within one decode step.
@@ -159,14 +192,11 @@ impl Driver {
     }
 
     fn halt(&self) {
-        let _ = self.commands.send(Command::Stop);
-        self.interrupt.store(true, Ordering::Release);
+        let _ = self.intake.send(Command::Stop);
     }
 
     fn send(&self, command: Command) -> Result<()> {
-        self.commands.send(command).map_err(|_| stopped())?;
-        self.interrupt.store(true, Ordering::Release);
-        Ok(())
+        self.intake.send(command)
     }
 }
 
@@ -199,10 +229,14 @@ fn run(
         } else {
             None
         };
+        let mut commands: Vec<Command> = first.into_iter().collect();
+        if matches!(commands.first(), Some(Command::Admit(_))) {
+            gather(&inbox, &mut commands);
+        }
         // Cleared before the inbox is read, so that a command sent after
         // the read interrupts the next steps.
         interrupt.store(false, Ordering::Release);
-        for command in first.into_iter().chain(inbox.try_iter()) {
+        for command in commands.into_iter().chain(inbox.try_iter()) {
             match command {
                 Command::Admit(request) => scheduler.queue.push_back(*request),
                 Command::Cancel(ids) => {
@@ -252,6 +286,79 @@ fn run(
     }
 }
 
+/// Requests that callers submit at once reach an idle driver a fraction of
+/// a millisecond apart. Seated as they come, the first would be prefilled
+/// alone and the others after it, a prefill later; so an idle driver given
+/// a request takes the commands that follow while they keep coming, each
+/// within `GATHER_GAP` of the last and all within `GATHER_MAX`, and seats
+/// the requests together. A lone request waits `GATHER_GAP` once.
+const GATHER_GAP: Duration = Duration::from_micros(250);
+const GATHER_MAX: Duration = Duration::from_millis(2);
+
+fn gather(inbox: &Receiver<Command>, commands: &mut Vec<Command>) {
+    let until = Instant::now() + GATHER_MAX;
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        match inbox.recv_timeout(GATHER_GAP.min(left)) {
+            Ok(command) => {
+                // These want an answer or the end now.
+                let urgent = matches!(command, Command::Occupancy(_) | Command::Stop);
+                commands.push(command);
+                if urgent {
+                    return;
+                }
+            }
+            Err(_) => return,
+        }
+    }
+}
+
 fn stopped() -> Error {
     Error::Released("the scheduler's thread has stopped".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gathering_takes_what_keeps_coming_and_stops_at_an_urgent_command() {
+        let (send, inbox) = mpsc::channel();
+        for _ in 0..3 {
+            send.send(Command::ClearPrefixCache).unwrap();
+        }
+        let mut commands = vec![];
+        let started = Instant::now();
+        gather(&inbox, &mut commands);
+        assert_eq!(commands.len(), 3);
+        // It waited one gap past the last before giving up.
+        assert!(started.elapsed() >= GATHER_GAP);
+
+        send.send(Command::Cancel(vec![1])).unwrap();
+        send.send(Command::Stop).unwrap();
+        send.send(Command::ClearPrefixCache).unwrap();
+        let mut commands = vec![];
+        gather(&inbox, &mut commands);
+        assert!(matches!(
+            commands.as_slice(),
+            [Command::Cancel(_), Command::Stop]
+        ));
+        assert_eq!(inbox.try_iter().count(), 1);
+
+        // A sender that never stops is cut off after GATHER_MAX.
+        let sender = std::thread::spawn(move || {
+            let until = Instant::now() + GATHER_MAX * 100;
+            while Instant::now() < until {
+                if send.send(Command::ClearPrefixCache).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_micros(20));
+            }
+        });
+        let started = Instant::now();
+        gather(&inbox, &mut vec![]);
+        assert!(started.elapsed() < GATHER_MAX * 25);
+        drop(inbox);
+        sender.join().unwrap();
+    }
 }

@@ -70,7 +70,7 @@ impl Scheduler {
     /// offered to the prefix cache when `reusable`) and its first token.
     pub(super) fn seat(
         &mut self,
-        mut request: Request,
+        request: Request,
         token: u32,
         prompt_kv: Vec<(Array, Array)>,
         reusable: bool,
@@ -82,6 +82,16 @@ impl Scheduler {
         if reusable && self.config.prefix_cache_bytes > 0 {
             self.prefix.insert(&request.prompt, prompt_kv);
         }
+        self.seat_written(slot, request, token)
+    }
+
+    /// Seats a request whose prompt's keys and values are in `slot` already.
+    pub(super) fn seat_written(
+        &mut self,
+        slot: usize,
+        mut request: Request,
+        token: u32,
+    ) -> Result<Event> {
         let delta = request.accept(token, self.tokenizer.as_deref())?;
         let len = request.prompt.len() as i32;
         Ok(self.finish_or_keep(slot, request, len, token, delta))

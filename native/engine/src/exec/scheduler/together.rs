@@ -11,7 +11,7 @@ use std::time::Instant;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{transforms, Array};
 
-use super::{constrain, push, sample_one, Event, Request, Scheduler};
+use super::{constrain, push, sample_one_lazy, Event, Request, Scheduler};
 use crate::error::Result;
 use crate::kv::cache::KvCache;
 use crate::model::AttentionMask;
@@ -86,14 +86,35 @@ impl Scheduler {
         let logits = logits.reshape(&[n as i32, logits.dim(-1)])?;
         let mut rows: Vec<Option<&mut Request>> = group.iter_mut().map(Some).collect();
         let logits = constrain::mask_logits(logits, &mut rows, &mut self.masks)?;
-        let mut tokens = Vec::with_capacity(n);
+        // Drawn lazily and read back together with the cache: one wait on
+        // the device for the group, not one per row.
+        let mut drawn = Vec::with_capacity(n);
         for (i, r) in group.iter_mut().enumerate() {
             let i = i as i32;
-            tokens.push(sample_one(&mut r.sampler, &logits.index((i..i + 1, ..)))?);
+            drawn.push(sample_one_lazy(
+                &mut r.sampler,
+                &logits.index((i..i + 1, ..)),
+            )?);
         }
-        transforms::eval(cache.arrays())?;
+        transforms::eval(drawn.iter().chain(cache.arrays()))?;
+        let tokens: Vec<u32> = drawn.iter().map(|t| t.as_slice::<u32>()[0]).collect();
         let kv = cache.prefix(longest as i32)?;
         let mut events = Vec::with_capacity(n);
+        // The rows take the lowest free slots. Where those follow one
+        // another (an idle batch's do), the group's keys and values go in
+        // with one write a layer, not one a row and layer; a row's padding
+        // lands past its end, which its mask hides until it writes there.
+        let free: Vec<usize> = (0..self.slots.len())
+            .filter(|&s| self.slots[s].is_none())
+            .take(n)
+            .collect();
+        if free.len() == n && free.windows(2).all(|w| w[1] == w[0] + 1) {
+            self.cache.write_prompt(free[0] as i32, &kv)?;
+            for ((request, token), slot) in group.into_iter().zip(tokens).zip(free) {
+                events.push(self.seat_written(slot, request, token)?);
+            }
+            return Ok(events);
+        }
         for (i, (request, token)) in group.into_iter().zip(tokens).enumerate() {
             let (i, len) = (i as i32, request.prompt.len() as i32);
             let row: Vec<(Array, Array)> = kv
