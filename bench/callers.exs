@@ -32,7 +32,8 @@ defmodule EMLXAxon.CallersBench do
     steps_per_call: :integer,
     ragged: :boolean,
     sampled: :boolean,
-    serving: :boolean
+    serving: :boolean,
+    trace: :boolean
   ]
 
   def main(argv) do
@@ -67,9 +68,13 @@ defmodule EMLXAxon.CallersBench do
         {:ok, server} =
           Scheduler.start_link([model: state, slots: n, prefix_cache_bytes: 0] ++ steps)
 
-        fn {p, i} ->
-          {:ok, r} = Scheduler.generate(server, p, gen_opts ++ seeded.(i))
-          r.ids
+        if opts[:trace] do
+          fn {p, i} -> traced(server, p, gen_opts ++ seeded.(i)) end
+        else
+          fn {p, i} ->
+            {:ok, r} = Scheduler.generate(server, p, gen_opts ++ seeded.(i))
+            r.ids
+          end
         end
       end
 
@@ -99,7 +104,9 @@ defmodule EMLXAxon.CallersBench do
 
     for round <- 1..(opts[:rounds] || 3) do
       {tb, ids_b} = timed(batch)
+      Process.put(:round_started, System.monotonic_time(:microsecond))
       {tc, ids_c} = timed(callers)
+      ids_c = if opts[:trace], do: report_trace(ids_c), else: ids_c
       rate = fn ms -> Float.round(n * tokens / ms * 1000, 1) end
 
       IO.puts(
@@ -116,7 +123,10 @@ defmodule EMLXAxon.CallersBench do
     {:ok, _} = Application.ensure_all_started(:nx)
     {:ok, tokenizer} = EMLXAxon.Tokenizer.load(model)
     scheduler = if steps == [], do: [], else: [scheduler_options: steps]
-    serving = EMLXAxon.TextGeneration.serving(tokenizer, state, gen_opts ++ scheduler)
+    # As Bumblebee's servings are configured: the serving's batch size given
+    # to the serving (its scheduler's slots) and to Nx.Serving.
+    sized = [compile: [batch_size: n]] ++ scheduler
+    serving = EMLXAxon.TextGeneration.serving(tokenizer, state, gen_opts ++ sized)
 
     {:ok, _} = Nx.Serving.start_link(serving: serving, name: CallersBench.Serving, batch_size: n)
 
@@ -129,6 +139,47 @@ defmodule EMLXAxon.CallersBench do
       %{results: [r]} = Nx.Serving.batched_run(CallersBench.Serving, input)
       r.token_ids
     end
+  end
+
+  # A caller through the scheduler's messages, with the times (from the
+  # round's start) at which it submitted, got its first token and its last.
+  defp traced(server, prompt, opts) do
+    at = fn -> System.monotonic_time(:microsecond) end
+    submitted = at.()
+    {:ok, ref} = Scheduler.submit(server, prompt, opts)
+    admitted = at.()
+    collect_traced(ref, [], nil, {submitted, admitted})
+  end
+
+  defp collect_traced(ref, ids, first, times) do
+    receive do
+      {Scheduler, ^ref, {:tokens, new, _text}} ->
+        first = first || System.monotonic_time(:microsecond)
+        collect_traced(ref, ids ++ new, first, times)
+
+      {Scheduler, ^ref, {:done, _reason, stats}} ->
+        {submitted, admitted} = times
+        done = System.monotonic_time(:microsecond)
+        {ids, %{times: {submitted, admitted, first, done}, queue_ms: stats[:queue_ms]}}
+    end
+  end
+
+  # Prints, per caller in submission order, when it submitted, was
+  # answered, got its first token and its last (ms from the round's start);
+  # returns the ids.
+  defp report_trace(results) do
+    started = Process.get(:round_started)
+    ms = fn t -> Float.round((t - started) / 1000, 1) end
+
+    results
+    |> Enum.sort_by(fn {_ids, %{times: {s, _, _, _}}} -> s end)
+    |> Enum.each(fn {_ids, %{times: {s, a, f, d}, queue_ms: q}} ->
+      IO.puts(
+        "  trace: submit #{ms.(s)} answered #{ms.(a)} first #{ms.(f)} done #{ms.(d)} queue_ms #{q}"
+      )
+    end)
+
+    Enum.map(results, &elem(&1, 0))
   end
 
   defp timed(fun) do
