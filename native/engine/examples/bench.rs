@@ -633,7 +633,7 @@ impl Bench {
             let mut options = self.options(1, longest, n);
             let constraint = options.rows.pop().and_then(|row| row.constraint);
             options.sampler.seed = options.sampler.seed.map(|s| s + i as u64);
-            driver.admit(prompt.clone(), options, constraint)?;
+            driver.intake().admit(prompt.clone(), options, constraint)?;
         }
         let mut generated = 0;
         let mut started_rows = std::collections::HashSet::new();

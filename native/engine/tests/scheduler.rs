@@ -721,7 +721,10 @@ fn driver(model: &Arc<Model>) -> (Driver, std::sync::mpsc::Receiver<Output>) {
 /// One short request through a driver started and stopped for it.
 fn drive_once(model: &Arc<Model>, prompt: &[u32]) {
     let (driver, outputs) = driver(model);
-    let id = driver.admit(prompt.to_vec(), greedy(3), None).unwrap();
+    let id = driver
+        .intake()
+        .admit(prompt.to_vec(), greedy(3), None)
+        .unwrap();
     driven_outputs(&outputs, &[id], Collected::default());
     driver.stop();
 }
@@ -743,15 +746,24 @@ fn a_driven_scheduler_streams_every_step_and_equals_solo_runs() {
         },
         ..greedy(12)
     };
-    let a = driver.admit(p[0].clone(), greedy(20), None).unwrap();
+    let a = driver
+        .intake()
+        .admit(p[0].clone(), greedy(20), None)
+        .unwrap();
     // Wait until the first row decodes, then add two more: one waits for
     // a slot and takes the first one freed.
     let Output::Events { events, .. } = outputs.recv().unwrap() else {
         panic!("a driven step failed")
     };
     assert_eq!(events[0].id, a);
-    let b = driver.admit(p[1].clone(), seeded.clone(), None).unwrap();
-    let cc = driver.admit(p[2].clone(), greedy(9), None).unwrap();
+    let b = driver
+        .intake()
+        .admit(p[1].clone(), seeded.clone(), None)
+        .unwrap();
+    let cc = driver
+        .intake()
+        .admit(p[2].clone(), greedy(9), None)
+        .unwrap();
     let mut first = Collected::default();
     first.ids.insert(a, events[0].delta.ids.clone());
     let (c, deliveries) = driven_outputs(&outputs, &[a, b, cc], first);
@@ -779,7 +791,10 @@ fn a_driven_row_is_cancelled_within_a_step_and_stopping_frees_the_cache() {
     drive_once(&model, &p[1]);
     let baseline = settled_active_memory();
     let (driver, outputs) = driver(&model);
-    let long = driver.admit(p[0].clone(), greedy(200), None).unwrap();
+    let long = driver
+        .intake()
+        .admit(p[0].clone(), greedy(200), None)
+        .unwrap();
     let mut seen = 0;
     while seen < 5 {
         if let Output::Events { events, .. } = outputs.recv().unwrap() {
@@ -798,7 +813,10 @@ fn a_driven_row_is_cancelled_within_a_step_and_stopping_frees_the_cache() {
     assert!(after <= 2, "{after} outputs after the cancellation");
     assert_eq!(driver.occupancy().unwrap().running, 0);
     // The next request takes the freed slot.
-    let short = driver.admit(p[1].clone(), greedy(6), None).unwrap();
+    let short = driver
+        .intake()
+        .admit(p[1].clone(), greedy(6), None)
+        .unwrap();
     let (c, _) = driven_outputs(&outputs, &[short], Collected::default());
     assert_eq!(c.ids[&short], solo(&model, &p[1], greedy(6)));
     driver.stop();
@@ -818,11 +836,14 @@ fn a_driver_whose_sink_is_gone_stops_and_refuses_requests() {
     let p = prompts();
     let (driver, outputs) = driver(&model);
     drop(outputs);
-    driver.admit(p[0].clone(), greedy(50), None).unwrap();
+    driver
+        .intake()
+        .admit(p[0].clone(), greedy(50), None)
+        .unwrap();
     // The first output finds the sink closed and the thread ends.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     let refused = loop {
-        match driver.admit(p[1].clone(), greedy(4), None) {
+        match driver.intake().admit(p[1].clone(), greedy(4), None) {
             Err(e) => break e,
             Ok(_) if std::time::Instant::now() < deadline => {
                 std::thread::sleep(std::time::Duration::from_millis(10))
@@ -832,7 +853,7 @@ fn a_driver_whose_sink_is_gone_stops_and_refuses_requests() {
     };
     assert_eq!(refused.kind(), "released");
     // A bad request is the caller's error at once, checked on its thread.
-    let e = driver.admit(vec![], greedy(4), None).unwrap_err();
+    let e = driver.intake().admit(vec![], greedy(4), None).unwrap_err();
     assert_eq!(e.kind(), "invalid_argument");
     driver.stop();
 }

@@ -146,7 +146,7 @@ fn scheduler_admit(
         // Outside the resource's lock: compiling a grammar can take long,
         // and cancellations should not wait for it. It evaluates no MLX
         // graph, but can recurse deeply.
-        let intake = resource.with(|d| Ok(d.intake()))?;
+        let intake = resource.with(|d| Ok(d.intake().clone()))?;
         Ok(on_large_stack(|| {
             intake.admit(prompt, options, constraint)
         })?)

@@ -152,19 +152,10 @@ impl Driver {
         })
     }
 
-    /// See [`Intake::admit`].
-    pub fn admit(
-        &self,
-        prompt: Vec<u32>,
-        options: GenerateOptions,
-        constraint: Option<ConstraintSpec>,
-    ) -> Result<RequestId> {
-        self.intake.admit(prompt, options, constraint)
-    }
-
-    /// A copy of the driver's way in, for admitting apart from it.
-    pub fn intake(&self) -> Intake {
-        self.intake.clone()
+    /// The driver's way in for requests (cloned, it admits apart from the
+    /// driver).
+    pub fn intake(&self) -> &Intake {
+        &self.intake
     }
 
     /// Drops requests wherever they are, within one decode step.
