@@ -6,7 +6,7 @@
 #
 #   mix run bench/callers.exs -- [--model DIR] [--callers N] [--prompt-len L]
 #       [--tokens T] [--rounds R] [--steps-per-call S] [--ragged] [--sampled]
-#       [--serving]
+#       [--serving] [--trace]
 #
 # --ragged: prompts of L - N + 1 .. L tokens, so that the batch is
 # left-padded and attends through a mask, as the scheduler's rows always do.
@@ -16,8 +16,9 @@
 # go through the default Nx.Serving (`EMLXAxon.TextGeneration.serving/3`,
 # continuous batching through its own scheduler, batch_size N) with
 # `%{input_ids: ...}` inputs, as users call it; needs Nx. Greedy otherwise,
-# EOS ignored. Run it in several fresh VMs: a GPU process can land in a
-# slower state for its whole life.
+# EOS ignored. --trace (through a scheduler only): each caller's times of
+# submission, answer, first and last token. Run it in several fresh VMs: a
+# GPU process can land in a slower state for its whole life.
 
 defmodule EMLXAxon.CallersBench do
   alias EMLXAxon.Scheduler
@@ -60,6 +61,9 @@ defmodule EMLXAxon.CallersBench do
     gen_opts = [max_new_tokens: tokens, ignore_eos: true] ++ sampling
     steps = Keyword.take(opts, [:steps_per_call])
     seeded = fn i -> if opts[:sampled], do: [seed: i], else: [] end
+
+    if opts[:serving] && opts[:trace],
+      do: raise(ArgumentError, "--trace follows callers through a scheduler, not --serving")
 
     call =
       if opts[:serving] do
@@ -104,9 +108,9 @@ defmodule EMLXAxon.CallersBench do
 
     for round <- 1..(opts[:rounds] || 3) do
       {tb, ids_b} = timed(batch)
-      Process.put(:round_started, System.monotonic_time(:microsecond))
+      started = System.monotonic_time(:microsecond)
       {tc, ids_c} = timed(callers)
-      ids_c = if opts[:trace], do: report_trace(ids_c), else: ids_c
+      ids_c = if opts[:trace], do: report_trace(ids_c, started), else: ids_c
       rate = fn ms -> Float.round(n * tokens / ms * 1000, 1) end
 
       IO.puts(
@@ -167,8 +171,7 @@ defmodule EMLXAxon.CallersBench do
   # Prints, per caller in submission order, when it submitted, was
   # answered, got its first token and its last (ms from the round's start);
   # returns the ids.
-  defp report_trace(results) do
-    started = Process.get(:round_started)
+  defp report_trace(results, started) do
     ms = fn t -> Float.round((t - started) / 1000, 1) end
 
     results
