@@ -826,6 +826,24 @@ def profile_section(s, settings):
                        f"{fmt(mlx_step['eval_ms'])} ms, so its graph, not the host, decides the ratio here.")
                 )
             out.append("")
+    replay = next((r for r in profiles.get("rust", []) if r.get("measure") == "profile_replay"), None)
+    if replay and replay.get("kernels"):
+        alone = replay["kernels_alone_us"]
+        header = ["kernel", "launches a step", "us a step (each alone)", "share"]
+        rows = [[k["kernel"], str(k["launches"]), fmt(k["us"], 1), f"{k['us'] / alone * 100:.1f}%"]
+                for k in sorted(replay["kernels"], key=lambda k: -k["us"])]
+        out += [
+            f"The replayed decode step's kernels ({replay['launches']} launches after a "
+            f"{replay['prompt_tokens']}-token prompt), each launched alone after the one before it had finished, "
+            "median of 9 runs of each (engine's `bench --measures profile`):",
+            "",
+            table(header, rows),
+            "",
+            f"Alone they add up to {fmt(alone)} us; the replayed step took {fmt(replay['step_us'])} us a token in a "
+            "decode of the same prompt. Timed alone, each kernel also carries its launch and the device's ramp up "
+            "and down, which a graph of back-to-back kernels partly hides.",
+            "",
+        ]
     for pre in (r for r in profiles.get("mlx-lm", []) if r.get("measure") == "profile_prefill"):
         out.append(
             f"Prefill, {pre['prompt_tokens']}-token prompt, in mlx-lm (median of {pre['runs']}): running the whole "

@@ -32,8 +32,9 @@
 //!            that output to the last
 //!   profile  a hand-run decode loop timing graph construction, evaluation
 //!            and sampling separately, the same loop queued as Generation
-//!            runs it (construction, queuing, waiting), and each
-//!            decode-shaped kernel alone;
+//!            runs it (construction, queuing, waiting), each
+//!            decode-shaped kernel alone, and on a CUDA GPU each kernel of
+//!            a replayed decode step alone (`profile_replay`);
 //!            with BENCH_DOT=FILE, one decode step's graph as Graphviz
 //! Each measure reports the peak RSS while it ran (VmHWM, reset through
 //! /proc/self/clear_refs) and MLX's own peak memory.
@@ -725,7 +726,66 @@ impl Bench {
             own.stream().run(|| self.profile_queued(&workers))?;
         }
         own.stream()
-            .run(|| self.profile_kernels(self.prompts().decode.len() + self.args.tokens / 2))
+            .run(|| self.profile_kernels(self.prompts().decode.len() + self.args.tokens / 2))?;
+        self.profile_replay()
+    }
+
+    /// On a CUDA GPU, where decode steps are replayed: each kernel of a
+    /// replayed step alone (launched after the one before has finished),
+    /// summed by kernel, against the step's time in a second decode of the
+    /// decode prompt (the first one's includes the timing); the difference
+    /// is what running them back to back costs or saves.
+    fn profile_replay(&self) -> AnyResult<()> {
+        use emlx_axon_engine::backend::cuda::replay;
+        if !gpu_available() {
+            return Ok(());
+        }
+        replay::time_next();
+        let n = self.args.tokens;
+        let prompt = std::slice::from_ref(&self.prompts().decode);
+        self.generate(prompt, n)?;
+        let t = self.generate(prompt, n)?;
+        let Some(times) = replay::kernel_times() else {
+            self.emit(
+                "profile_replay",
+                None,
+                json!({"skipped": "no replayed step", "notices": emlx_axon_engine::backend::notices()}),
+            );
+            return Ok(());
+        };
+        let mut by_kernel: Vec<(String, usize, f64)> = Vec::new();
+        for (name, us) in &times {
+            match by_kernel.iter_mut().find(|(k, _, _)| k == name) {
+                Some(entry) => {
+                    entry.1 += 1;
+                    entry.2 += f64::from(*us);
+                }
+                None => by_kernel.push((name.clone(), 1, f64::from(*us))),
+            }
+        }
+        let alone: f64 = times.iter().map(|(_, us)| f64::from(*us)).sum();
+        let step_us = t.decode_ms * 1e3 / (n - 1) as f64;
+        self.emit(
+            "profile_replay",
+            None,
+            json!({
+                "prompt_tokens": self.prompts().decode.len(),
+                "tokens": n,
+                "launches": times.len(),
+                "kernels_alone_us": round(alone, 1),
+                "step_us": round(step_us, 1),
+                "kernels": by_kernel
+                    .iter()
+                    .map(|(k, count, us)| json!({"kernel": k, "launches": count, "us": round(*us, 1)}))
+                    .collect::<Vec<_>>(),
+                "first_launches": times
+                    .iter()
+                    .take(12)
+                    .map(|(k, us)| json!({"kernel": k, "us": round(f64::from(*us), 1)}))
+                    .collect::<Vec<_>>(),
+            }),
+        );
+        Ok(())
     }
 
     /// A cache for the decode prompt and `tokens` more, the prompt through

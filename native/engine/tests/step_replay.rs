@@ -87,6 +87,33 @@ fn replayed_steps_give_the_tokens_of_mlx_steps() {
     }
 }
 
+/// Timing a replay's kernels (the bench's profile) reruns them on the
+/// step's buffers: the generation's tokens stay MLX's, and every kernel of
+/// the step gets a time.
+#[test]
+fn timing_a_replays_kernels_leaves_its_tokens_alone() {
+    use emlx_axon_engine::backend::cuda::replay::{kernel_times, time_next};
+    let model = load(FIXTURE, &LoadOptions::default());
+    let rows = vec![prompts().swap_remove(0)];
+    let (want, _) = run(&model, None, &rows, false);
+    time_next();
+    let (got, on) = run(&model, None, &rows, true);
+    assert_eq!(got, want);
+    let times = kernel_times();
+    assert_eq!(times.is_some(), on, "{times:?}");
+    if let Some(times) = times {
+        // The fixture's layers, a few kernels each, and its sampling.
+        assert!(times.len() > model.config.num_layers, "{times:?}");
+        for (name, us) in &times {
+            assert!(
+                name.starts_with("emlx_axon_") && *us > 0.0 && *us < 1e5,
+                "{name}: {us}"
+            );
+        }
+    }
+    assert!(kernel_times().is_none(), "taken once");
+}
+
 #[test]
 fn short_generations_keep_mlx_steps() {
     // Too few steps left to repay building a replay.

@@ -454,7 +454,9 @@ static bool takes_product(const mx::array& X, const mx::array& Wq, const mx::arr
   if (X.dtype() != mx::float32 || Wq.dtype() != mx::uint32 ||
       (S.dtype() != mx::float32 && S.dtype() != mx::bfloat16) || B.dtype() != S.dtype())
     return false;
-  if (X.ndim() < 1 || Wq.ndim() != rank || S.ndim() != rank || B.shape() != S.shape()) return false;
+  if (rank < 1 || X.ndim() < 1 || Wq.ndim() != static_cast<size_t>(rank) ||
+      S.ndim() != static_cast<size_t>(rank) || B.shape() != S.shape())
+    return false;
   const long K = X.shape(-1), N = Wq.shape(-2);
   if (K <= 0 || N <= 0 || X.size() == 0 || K % group != 0) return false;
   if (Wq.shape(-1) != K * bits / 32 || S.shape(-2) != N || S.shape(-1) != K / group) return false;

@@ -10,6 +10,7 @@
 // time, as the kernel glue does, so that CPU builds link too.
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -70,6 +71,8 @@ struct Driver {
       CUstream,
       void**,
       void**);
+  // For timing launches alone, where found.
+  CUresult (*event_elapsed)(float*, CUevent, CUevent) = nullptr;
   CUresult (*begin_capture)(CUstream, int);
   CUresult (*end_capture)(CUstream, CUgraph*);
   CUresult (*instantiate)(CUgraphExec*, CUgraph, unsigned long long);
@@ -85,6 +88,7 @@ struct Driver {
 
   // Whether every entry point is here (each set where found).
   bool load() {
+    bind(event_elapsed, "cuEventElapsedTime_v2") || bind(event_elapsed, "cuEventElapsedTime");
     return bind(device_get, "cuDeviceGet") &&
         bind(retain, "cuDevicePrimaryCtxRetain") &&
         bind(release, "cuDevicePrimaryCtxRelease_v2") &&
@@ -413,6 +417,24 @@ extern "C" int emlx_cuda_step_add(
 
 namespace {
 
+// One launch, after everything queued before it.
+bool launch_plain(Step& step, Launch& l) {
+  return step.ok(
+      step.cu.launch(
+          l.function,
+          l.grid[0],
+          l.grid[1],
+          l.grid[2],
+          l.block[0],
+          l.block[1],
+          l.block[2],
+          0,
+          step.stream,
+          l.params.data(),
+          nullptr),
+      "cuLaunchKernel");
+}
+
 // The launches of part `p` (0 the head, 1 the tail; with no split, part 1
 // is the whole step).
 bool launch_part(Step& step, int p) {
@@ -420,20 +442,7 @@ bool launch_part(Step& step, int p) {
   size_t to = p == 0 ? step.split : step.launches.size();
   for (size_t i = from; i < to; i++) {
     auto& l = step.launches[i];
-    if (!step.ok(
-            step.cu.launch(
-                l.function,
-                l.grid[0],
-                l.grid[1],
-                l.grid[2],
-                l.block[0],
-                l.block[1],
-                l.block[2],
-                0,
-                step.stream,
-                l.params.data(),
-                nullptr),
-            "cuLaunchKernel")) {
+    if (!launch_plain(step, l)) {
       return false;
     }
   }
@@ -614,6 +623,69 @@ extern "C" int emlx_cuda_step_wait(
     const volatile unsigned* slot = step->ring + (n % slots) * step->rows;
     for (int r = 0; r < step->rows; r++) {
       tokens[r] = slot[r];
+    }
+    return 0;
+  });
+}
+
+// Each of the first `count` launches alone, after the one before it has
+// finished, `reps` times: the median of each one's device time in
+// microseconds into `us`. The launches run again on the step's buffers, so
+// `count` must leave out any whose rerun is not harmless (the one that
+// moves the positions on).
+extern "C" int emlx_cuda_step_time(
+    void* handle,
+    int reps,
+    size_t count,
+    float* us,
+    char** error) {
+  auto* step = static_cast<Step*>(handle);
+  return guarded(error, [&] {
+    if (step->cu.event_elapsed == nullptr) {
+      *error = copy_out("the CUDA driver has no cuEventElapsedTime");
+      return 1;
+    }
+    if (count > step->launches.size() || reps < 1) {
+      *error = copy_out("more launches than the step has, or no repetitions");
+      return 1;
+    }
+    CUevent start = nullptr, end = nullptr;
+    bool timed = step->in_context([&] {
+      // 1: CU_EVENT_BLOCKING_SYNC, timing kept.
+      if (!step->ok(step->cu.event_create(&start, 1), "cuEventCreate") ||
+          !step->ok(step->cu.event_create(&end, 1), "cuEventCreate") ||
+          !step->ok(step->cu.stream_sync(step->stream), "cuStreamSynchronize")) {
+        return false;
+      }
+      std::vector<float> times(static_cast<size_t>(reps));
+      for (size_t i = 0; i < count; i++) {
+        for (int r = 0; r < reps; r++) {
+          float ms = 0.f;
+          if (!step->ok(step->cu.event_record(start, step->stream), "cuEventRecord") ||
+              !launch_plain(*step, step->launches[i]) ||
+              !step->ok(step->cu.event_record(end, step->stream), "cuEventRecord") ||
+              !step->ok(step->cu.event_sync(end), "cuEventSynchronize") ||
+              !step->ok(step->cu.event_elapsed(&ms, start, end), "cuEventElapsedTime")) {
+            return false;
+          }
+          times[r] = ms * 1000.f;
+        }
+        std::sort(times.begin(), times.end());
+        us[i] = times[times.size() / 2];
+      }
+      return true;
+    });
+    step->in_context([&] {
+      for (CUevent e : {start, end}) {
+        if (e != nullptr) {
+          step->cu.event_destroy(e);
+        }
+      }
+      return true;
+    });
+    if (!timed) {
+      *error = copy_out(step->error);
+      return 1;
     }
     return 0;
   });

@@ -139,6 +139,13 @@ extern "C" {
         step: *mut ::std::os::raw::c_void,
         error: *mut *mut ::std::os::raw::c_char,
     ) -> ::std::os::raw::c_int;
+    pub fn emlx_cuda_step_time(
+        step: *mut ::std::os::raw::c_void,
+        reps: ::std::os::raw::c_int,
+        count: usize,
+        us: *mut f32,
+        error: *mut *mut ::std::os::raw::c_char,
+    ) -> ::std::os::raw::c_int;
     pub fn emlx_cuda_step_wait(
         step: *mut ::std::os::raw::c_void,
         n: u64,
@@ -265,6 +272,16 @@ mod no_cuda {
         1
     }
     pub unsafe fn emlx_cuda_step_launch(_: *mut c_void, error: *mut *mut c_char) -> c_int {
+        *error = std::ptr::null_mut();
+        1
+    }
+    pub unsafe fn emlx_cuda_step_time(
+        _: *mut c_void,
+        _: c_int,
+        _: usize,
+        _: *mut f32,
+        error: *mut *mut c_char,
+    ) -> c_int {
         *error = std::ptr::null_mut();
         1
     }

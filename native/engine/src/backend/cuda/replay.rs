@@ -26,6 +26,7 @@
 //! took 0.70 ms where MLX's took 1.0-1.9 ms, and building a replay 8-12 ms
 //! (bench/RESULTS-gpu.md).
 
+use std::cell::{Cell, RefCell};
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -40,6 +41,25 @@ use crate::error::{Error, Result};
 /// recur (a kernel that is not deterministic, or a fault in the recording),
 /// so later generations keep MLX's steps.
 static DIFFERED: AtomicBool = AtomicBool::new(false);
+
+thread_local! {
+    /// Asked for by [`time_next`], and what it gave.
+    static TIME_NEXT: Cell<bool> = const { Cell::new(false) };
+    static TIMES: RefCell<Option<Vec<(String, f32)>>> = const { RefCell::new(None) };
+}
+
+/// Has the next replay built on this thread time each of its kernels
+/// alone, once (the bench's profile): see [`kernel_times`].
+pub fn time_next() {
+    TIME_NEXT.with(|t| t.set(true));
+}
+
+/// The kernels of the last replay timed on this thread, in launch order,
+/// and each one's device time alone in microseconds (the median of a few
+/// runs); `None` where none was.
+pub fn kernel_times() -> Option<Vec<(String, f32)>> {
+    TIMES.with(|t| t.borrow_mut().take())
+}
 
 /// Whether steps may be replayed here: asked for, and the CUDA layers too.
 pub fn wanted() -> bool {
@@ -122,6 +142,9 @@ fn advance_binary() -> Result<&'static (Vec<u8>, String)> {
     })
 }
 
+/// Runs of each kernel that [`time_next`]'s timing takes the median of.
+const TIMING_RUNS: i32 = 9;
+
 /// Elements of the replay's own small buffers at least: MLX puts arrays of
 /// up to 8 bytes in host-resident managed memory, which every kernel
 /// reading them would reach over the bus.
@@ -195,7 +218,7 @@ pub(crate) struct StepReplay {
     launched: u64,
     /// Every array the launches read or write, and the binaries.
     _held: Vec<Array>,
-    _kernels: Vec<Arc<Compiled>>,
+    kernels: Vec<Arc<Compiled>>,
 }
 
 // SAFETY: the handle is used by one owner at a time; the shim makes the
@@ -333,7 +356,7 @@ impl StepReplay {
             mask: mask_at,
             launched: 0,
             _held: Vec::new(),
-            _kernels: Vec::new(),
+            kernels: Vec::new(),
         };
         let mut earlier: Vec<(u64, u64)> = Vec::new();
         for l in &rec.launches {
@@ -431,7 +454,13 @@ impl StepReplay {
             .chain(starts_slot)
             .chain(mask_slot)
             .collect();
-        replay._kernels = rec.launches.iter().map(|l| l.kernel.clone()).collect();
+        replay.kernels = rec.launches.iter().map(|l| l.kernel.clone()).collect();
+        if TIME_NEXT.with(|t| t.replace(false)) {
+            match replay.time_kernels(TIMING_RUNS) {
+                Ok(times) => TIMES.with(|t| *t.borrow_mut() = Some(times)),
+                Err(e) => crate::backend::notice(format!("timing the replay's kernels: {e}")),
+            }
+        }
         Ok(Built::Ready(replay))
     }
 
@@ -493,6 +522,30 @@ impl StepReplay {
         }
         self.launched += 1;
         Ok(self.launched - 1)
+    }
+
+    /// Each recorded kernel alone, `runs` times, after everything queued:
+    /// its name and median device time in microseconds. The kernels rerun
+    /// on the step's buffers and inputs, which rewrites the same values;
+    /// the advance kernel, which would move the positions on, is left out.
+    fn time_kernels(&self, runs: i32) -> Result<Vec<(String, f32)>> {
+        let count = self.kernels.len();
+        let mut us = vec![0f32; count];
+        let mut error: *mut c_char = std::ptr::null_mut();
+        // SAFETY: a live handle; `us` holds `count` values, which are the
+        // first launches (the advance kernel was added after them).
+        let status = unsafe {
+            mlx_sys::emlx_cuda_step_time(self.handle, runs, count, us.as_mut_ptr(), &mut error)
+        };
+        if status != 0 {
+            return Err(take_error(error, "timing a replayed step's kernels"));
+        }
+        Ok(self
+            .kernels
+            .iter()
+            .map(|k| k.name().to_string())
+            .zip(us)
+            .collect())
     }
 
     /// Step `n`'s tokens, one a row, once it is done.
