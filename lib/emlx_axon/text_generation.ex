@@ -235,6 +235,12 @@ defmodule EMLXAxon.TextGeneration do
   `compile: [batch_size: n]`'s n rows together (8 without it), as a static
   execution would.
 
+  Since an execution only routes rows, `Nx.Serving`'s `:batch_timeout` is
+  then most of what a request that finds the serving idle waits before its
+  prompt starts: keep it small (a few milliseconds). Callers that submit
+  within a fraction of a millisecond of each other are still seated in
+  the scheduler's batch together.
+
   With `scheduler: false` an execution generates its whole batch before the
   serving (or its partition) takes the next one, so a request that comes
   while a long batch decodes waits for all of it; an execution whose callers
@@ -282,7 +288,7 @@ defmodule EMLXAxon.TextGeneration do
       %{results: [%{text: text}]} = Nx.Serving.run(serving, "Hello")
 
       children = [
-        {Nx.Serving, serving: serving, name: MyApp.LLM, batch_size: 8, batch_timeout: 50}
+        {Nx.Serving, serving: serving, name: MyApp.LLM, batch_size: 8, batch_timeout: 5}
       ]
 
       Nx.Serving.batched_run(MyApp.LLM, [%{role: "user", content: "Hi!"}])
