@@ -764,7 +764,7 @@ impl Bench {
             }
         }
         let alone: f64 = times.iter().map(|(_, us)| f64::from(*us)).sum();
-        let step_us = t.decode_ms * 1e3 / (n - 1) as f64;
+        let step_us = t.decode_ms * 1e3 / n.saturating_sub(1).max(1) as f64;
         self.emit(
             "profile_replay",
             None,
