@@ -835,7 +835,7 @@ def profile_section(s, settings):
         out += [
             f"The replayed decode step's kernels ({replay['launches']} launches after a "
             f"{replay['prompt_tokens']}-token prompt), each launched alone after the one before it had finished, "
-            "median of 9 runs of each (engine's `bench --measures profile`):",
+            f"median of {replay['runs']} runs of each (engine's `bench --measures profile`):",
             "",
             table(header, rows),
             "",

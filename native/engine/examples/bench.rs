@@ -772,6 +772,7 @@ impl Bench {
                 "prompt_tokens": self.prompts().decode.len(),
                 "tokens": n,
                 "launches": times.len(),
+                "runs": replay::TIMING_RUNS,
                 "kernels_alone_us": round(alone, 1),
                 "step_us": round(step_us, 1),
                 "kernels": by_kernel

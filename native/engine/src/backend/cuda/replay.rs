@@ -143,7 +143,7 @@ fn advance_binary() -> Result<&'static (Vec<u8>, String)> {
 }
 
 /// Runs of each kernel that [`time_next`]'s timing takes the median of.
-const TIMING_RUNS: i32 = 9;
+pub const TIMING_RUNS: i32 = 9;
 
 /// Elements of the replay's own small buffers at least: MLX puts arrays of
 /// up to 8 bytes in host-resident managed memory, which every kernel
