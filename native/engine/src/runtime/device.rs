@@ -389,6 +389,9 @@ thread_local! {
     static COMPANION: std::cell::RefCell<Option<mpsc::Sender<Job>>> =
         const { std::cell::RefCell::new(None) };
     static IS_COMPANION: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// On a pooled `job_thread`: the way to send it another job.
+    static POOLED_SELF: std::cell::RefCell<Option<mpsc::Sender<Job>>> =
+        const { std::cell::RefCell::new(None) };
 }
 
 fn spawn_companion() -> Option<mpsc::Sender<Job>> {
@@ -396,9 +399,9 @@ fn spawn_companion() -> Option<mpsc::Sender<Job>> {
 }
 
 /// A thread with `LARGE_STACK_BYTES` of stack that runs the jobs sent to
-/// it (and `on_large_stack`'s in place). `pooled`: after each job it offers
-/// itself in `IDLE_THREADS`, holding a sender to itself, so it never ends;
-/// otherwise it ends with its last sender.
+/// it (and `on_large_stack`'s in place). `pooled`: it holds a sender to
+/// itself, so it never ends, and each job of `on_pooled_thread` offers it
+/// in `IDLE_THREADS` again; otherwise it ends with its last sender.
 fn job_thread(name: &str, pooled: bool) -> Option<mpsc::Sender<Job>> {
     let (tx, jobs) = mpsc::channel::<Job>();
     let again = pooled.then(|| tx.clone());
@@ -407,18 +410,27 @@ fn job_thread(name: &str, pooled: bool) -> Option<mpsc::Sender<Job>> {
         .stack_size(LARGE_STACK_BYTES)
         .spawn(move || {
             IS_COMPANION.with(|c| c.set(true));
+            POOLED_SELF.with(|s| *s.borrow_mut() = again);
             for job in jobs {
                 job();
-                if let Some(again) = &again {
-                    IDLE_THREADS
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .push(again.clone());
-                }
             }
         })
         .ok()?;
     Some(tx)
+}
+
+/// Offers the pooled thread this runs on for the next job, before the
+/// current one hands back its result: whoever receives that result and
+/// starts more pooled work at once finds this thread idle, not a new one.
+fn offer_this_thread() {
+    POOLED_SELF.with(|s| {
+        if let Some(again) = s.borrow().as_ref() {
+            IDLE_THREADS
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(again.clone());
+        }
+    });
 }
 
 /// Threads that ran a job of `on_pooled_thread` and wait for another.
@@ -433,7 +445,9 @@ pub fn on_pooled_thread<T: Send + 'static>(
 ) -> crate::error::Result<mpsc::Receiver<std::thread::Result<T>>> {
     let (done, result) = mpsc::sync_channel(1);
     let mut job: Job = Box::new(move || {
-        let _ = done.send(catch_unwind(AssertUnwindSafe(f)));
+        let outcome = catch_unwind(AssertUnwindSafe(f));
+        offer_this_thread();
+        let _ = done.send(outcome);
     });
     let idle = || IDLE_THREADS.lock().unwrap_or_else(|p| p.into_inner()).pop();
     while let Some(thread) = idle() {
