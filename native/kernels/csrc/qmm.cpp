@@ -72,12 +72,26 @@ constexpr int kChunksPerThread = 8;
 // 2 cores than two, despite the uneven finish when MLX preempts a thread.
 constexpr int kGemvChunksPerThread = 1;
 
+// x as the SIMD matrix products read it: panels of `p` rows, each k-major
+// (xp[(q * K + k) * p + j] = x[q * p + j, k]), zeros past the last row.
+void pack_panels(const QmmArgs& a, int p, int q0, int q1, float* xp) {
+  for (int q = q0; q < q1; ++q) {
+    float* out = xp + (long)q * a.K * p;
+    const int rows = std::min(p, a.M - q * p);
+    for (int k = 0; k < a.K; ++k) {
+      const float* x = a.x + (long)q * p * a.K + k;
+      for (int j = 0; j < rows; ++j) out[(long)k * p + j] = x[(long)j * a.K];
+      for (int j = rows; j < p; ++j) out[(long)k * p + j] = 0.0f;
+    }
+  }
+}
+
 }  // namespace
 
 void qmm(const QmmArgs& a, Isa isa, int max_threads) {
   const Kernels k = kernels_for(isa);
   // Decode-sized inputs use the fused matrix-vector form; larger ones the
-  // tiled matrix product, which dequantizes each weight block once per tile.
+  // matrix product over packed panels of x.
   const bool gemv = a.M <= k.gemv_rows;
   std::vector<float> xsum;
   if (gemv) {
@@ -105,6 +119,21 @@ void qmm(const QmmArgs& a, Isa isa, int max_threads) {
   // half per thread would leave one waiting for the other.
   const int tasks =
       threads == 1 ? 1 : std::min(units, threads * (gemv ? kGemvChunksPerThread : kChunksPerThread));
+  // Packed once for every thread: each reads all of x.
+  std::vector<float> panels;
+  if (!gemv && k.panel > 0) {
+    const int count = (a.M + k.panel - 1) / k.panel;
+    panels.resize((size_t)count * k.panel * a.K);
+    const int packers = std::min(threads, count);
+    auto pack = [&](int t) {
+      pack_panels(a, k.panel, count * t / packers, count * (t + 1) / packers, panels.data());
+    };
+    if (packers == 1)
+      pack(0);
+    else
+      pool.run(packers, pack);
+  }
+  const float* xp = panels.empty() ? nullptr : panels.data();
   const float* xs = xsum.data();
   auto task = [&](int t) {
     const int n0 = std::min(a.N, (int)((long)units * t / tasks) * kRowAlign);
@@ -113,7 +142,7 @@ void qmm(const QmmArgs& a, Isa isa, int max_threads) {
     if (gemv)
       k.gemv(a, xs, n0, n1);
     else
-      k.gemm(a, n0, n1);
+      k.gemm(a, xp, n0, n1);
   };
   if (threads == 1) {
     task(0);

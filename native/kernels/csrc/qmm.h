@@ -75,8 +75,9 @@ static inline void prefetch_params(const QmmArgs& a, long row, int rows) {
 
 // Rows n0..n1 of y, for every m. Each variant computes every output with a
 // fixed summation order that does not depend on n0/n1, so splitting rows
-// across threads never changes a result.
-using RowsFn = void (*)(const QmmArgs&, int n0, int n1);
+// across threads never changes a result. `xp` is x packed in panels of
+// `Kernels::panel` rows (see `pack_panels`), null where that is 0.
+using RowsFn = void (*)(const QmmArgs&, const float* xp, int n0, int n1);
 
 // Matrix-vector form: per row, per group, s * sum(q * x) + b * sum(x).
 // `xsum` holds the group sums of x, [M, K / group].
@@ -89,6 +90,8 @@ struct Kernels {
   // unpacks each weight once for several rows (decode batches, short
   // prompts); the others would unpack it again for every row.
   int gemv_rows = 2;
+  // Rows of x per panel of the matrix product's packed x; 0: x as given.
+  int panel = 0;
 };
 
 Kernels scalar_kernels();

@@ -11,9 +11,9 @@
 namespace emlx {
 namespace avx2 {
 
-// 3 x 4 accumulators + 4 weight vectors + 1 x vector fit the 16 registers.
-#define MR 3
-#define NR 4
+// 6 x 2 accumulators, the panel's two vectors and a broadcast fit the 16
+// registers.
+#define GR 6
 #include "vec_avx2.inc"
 
 struct F16 {
@@ -35,7 +35,7 @@ static inline F16 cvt16(__m128i b) {
 
 }  // namespace avx2
 
-Kernels avx2_kernels() { return Kernels{avx2::gemv_any, avx2::gemm_any}; }
+Kernels avx2_kernels() { return Kernels{avx2::gemv_any, avx2::gemm_any, 2, 16}; }
 GemmColsFn avx2_gemm() { return avx2::gemm_cols; }
 GemmColsFn avx2_gemm_small() { return avx2::gemm_small; }
 

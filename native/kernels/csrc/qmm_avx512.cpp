@@ -14,8 +14,9 @@
 namespace emlx {
 namespace avx512 {
 
-#define MR 4
-#define NR 4
+// 12 x 2 accumulators, the panel's two vectors and a broadcast fit the
+// 32 registers.
+#define GR 12
 #include "vec_avx512.inc"
 
 struct F16 {
@@ -181,7 +182,7 @@ static void gemv_best(const emlx::QmmArgs& a, const float* xsum, int n0, int n1)
 
 }  // namespace avx512
 
-Kernels avx512_kernels() { return Kernels{avx512::gemv_best, avx512::gemm_any, 8}; }
+Kernels avx512_kernels() { return Kernels{avx512::gemv_best, avx512::gemm_any, 8, 32}; }
 GemmColsFn avx512_gemm() { return avx512::gemm_cols; }
 GemmColsFn avx512_gemm_small() { return avx512::gemm_small; }
 

@@ -33,7 +33,7 @@ void gemv(const QmmArgs& a, const float* xsum, int n0, int n1) {
   }
 }
 
-void gemm(const QmmArgs& a, int n0, int n1) {
+void gemm(const QmmArgs& a, const float* /*xp: not packed*/, int n0, int n1) {
   const long row_bytes = (long)a.K * a.bits / 8;
   const int groups = a.K / a.group;
   for (int m = 0; m < a.M; ++m) {

@@ -322,18 +322,36 @@ impl Attention {
         } else {
             self.scale.multiply(&q)?
         };
-        let scores = matmul(&q, keys.swap_axes(-1, -2)?)?;
-        let weights = if causal {
-            match emlx_axon_kernels::causal_softmax(&scores, l)
-                .map_err(|e| crate::error::Error::Mlx(e.to_string()))?
-            {
-                Some(w) => w,
+        let out = if causal && l > QUERY_BLOCK {
+            // [B, nkv, rep, L, hd]: a block's queries are a slice of L.
+            let rep = nq / nkv;
+            let q = q.reshape(&[b, nkv, rep, l, hd])?;
+            let s = keys.dim(2);
+            let mut blocks = Vec::new();
+            for at in (0..l).step_by(QUERY_BLOCK as usize) {
+                let lb = QUERY_BLOCK.min(l - at);
+                let qb = q
+                    .index((.., .., .., at..at + lb, ..))
+                    .reshape(&[b, nkv, rep * lb, hd])?;
+                // The block's last query sees keys up to here.
+                let end = s - l + at + lb;
+                let keys = keys.index((.., .., ..end, ..));
+                let values = values.index((.., .., ..end, ..));
+                let Some(out) = causal_attend(&qb, &keys, &values, lb)? else {
+                    return Ok(None);
+                };
+                blocks.push(out.reshape(&[b, nkv, rep, lb, hd])?);
+            }
+            concatenate(&blocks, 3)?
+        } else if causal {
+            match causal_attend(&q, keys, values, l)? {
+                Some(out) => out,
                 None => return Ok(None),
             }
         } else {
-            softmax_axis(&scores, -1, true)?
+            let scores = matmul(&q, keys.swap_axes(-1, -2)?)?;
+            matmul(&softmax_axis(&scores, -1, true)?, values)?
         };
-        let out = matmul(&weights, values)?;
         Ok(Some(if l == 1 {
             out.reshape(&[b, 1, nq * hd])?
         } else {
@@ -342,6 +360,23 @@ impl Attention {
                 .reshape(&[b, l, nq * hd])?
         }))
     }
+}
+
+/// Queries a prompt chunk attends at a time on CPU: a block's scores end at
+/// its last query's key, so the masked keys past it are never multiplied,
+/// and its score buffers are a fraction of the chunk's (whose allocation and
+/// first touch cost as much as a tenth of a long prompt's time).
+const QUERY_BLOCK: i32 = 128;
+
+/// `q` `[B, nkv, rep * l, hd]` (each query head's `l` positions in turn, the
+/// last `l` of the keys' positions) against `keys`/`values` `[B, nkv, S,
+/// hd]`, causally: our softmax kernel gives the masked keys weight 0 as
+/// MLX's mask does. `None` where the kernel does not take it.
+fn causal_attend(q: &Array, keys: &Array, values: &Array, l: i32) -> Result<Option<Array>> {
+    let scores = matmul(q, keys.swap_axes(-1, -2)?)?;
+    let weights = emlx_axon_kernels::causal_softmax(&scores, l)
+        .map_err(|e| crate::error::Error::Mlx(e.to_string()))?;
+    weights.map(|w| Ok(matmul(&w, values)?)).transpose()
 }
 
 /// Attention over a quantized cache as mlx-lm computes it
