@@ -34,7 +34,8 @@
 //!            and sampling separately, the same loop queued as Generation
 //!            runs it (construction, queuing, waiting), each
 //!            decode-shaped kernel alone, and on a CUDA GPU each kernel of
-//!            a replayed decode step alone (`profile_replay`);
+//!            a generation's last replayed decode step alone
+//!            (`profile_replay`);
 //!            with BENCH_DOT=FILE, one decode step's graph as Graphviz
 //! Each measure reports the peak RSS while it ran (VmHWM, reset through
 //! /proc/self/clear_refs) and MLX's own peak memory.
@@ -730,8 +731,9 @@ impl Bench {
         self.profile_replay()
     }
 
-    /// On a CUDA GPU, where decode steps are replayed: each kernel of a
-    /// replayed step alone (launched after the one before has finished),
+    /// On a CUDA GPU, where decode steps are replayed: each kernel of the
+    /// first decode's last step alone (launched after the one before has
+    /// finished, on that step's values),
     /// summed by kernel, against the step's time in a second decode of the
     /// decode prompt (the first one's includes the timing); the difference
     /// is what running them back to back costs or saves.

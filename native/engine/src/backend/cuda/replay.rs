@@ -49,7 +49,8 @@ thread_local! {
 }
 
 /// Has the next replay built on this thread time each of its kernels
-/// alone, once (the bench's profile): see [`kernel_times`].
+/// alone, once, when it is dropped after its generation's last step (the
+/// bench's profile): see [`kernel_times`].
 pub fn time_next() {
     TIME_NEXT.with(|t| t.set(true));
 }
@@ -219,6 +220,8 @@ pub(crate) struct StepReplay {
     /// Every array the launches read or write, and the binaries.
     _held: Vec<Array>,
     kernels: Vec<Arc<Compiled>>,
+    /// Asked by [`time_next`]: times its kernels when dropped.
+    timed: bool,
 }
 
 // SAFETY: the handle is used by one owner at a time; the shim makes the
@@ -234,6 +237,15 @@ pub(crate) enum Built {
 
 impl Drop for StepReplay {
     fn drop(&mut self) {
+        // Timed at the end, on the last step's buffers: kernels whose time
+        // depends on the values (the sampling kernel's gathered candidates)
+        // see the generation's own, not the prompt's.
+        if self.timed {
+            match self.time_kernels(TIMING_RUNS) {
+                Ok(times) => TIMES.with(|t| *t.borrow_mut() = Some(times)),
+                Err(e) => crate::backend::notice(format!("timing the replay's kernels: {e}")),
+            }
+        }
         // SAFETY: made by `emlx_cuda_step_new`, freed once; waits for the
         // stream before the held arrays go.
         unsafe { mlx_sys::emlx_cuda_step_free(self.handle) };
@@ -357,6 +369,7 @@ impl StepReplay {
             launched: 0,
             _held: Vec::new(),
             kernels: Vec::new(),
+            timed: false,
         };
         let mut earlier: Vec<(u64, u64)> = Vec::new();
         for l in &rec.launches {
@@ -455,12 +468,7 @@ impl StepReplay {
             .chain(mask_slot)
             .collect();
         replay.kernels = rec.launches.iter().map(|l| l.kernel.clone()).collect();
-        if TIME_NEXT.with(|t| t.replace(false)) {
-            match replay.time_kernels(TIMING_RUNS) {
-                Ok(times) => TIMES.with(|t| *t.borrow_mut() = Some(times)),
-                Err(e) => crate::backend::notice(format!("timing the replay's kernels: {e}")),
-            }
-        }
+        replay.timed = TIME_NEXT.with(|t| t.replace(false));
         Ok(Built::Ready(replay))
     }
 
