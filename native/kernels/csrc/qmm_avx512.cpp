@@ -175,8 +175,8 @@ static void gemv_best(const emlx::QmmArgs& a, const float* xsum, int n0, int n1)
     gemv_any(a, xsum, n0, n1);
 }
 
-// 6 x 2 accumulators + the B vectors + a broadcast fit the registers.
-#define SMR 6
+// 12 x 2 accumulators + the B vectors + a broadcast fit the registers.
+#define SMR 12
 #define SNR 32
 #include "sgemm_simd.inc"
 
