@@ -90,8 +90,8 @@ void pack_panels(const QmmArgs& a, int p, int q0, int q1, float* xp) {
 
 void qmm(const QmmArgs& a, Isa isa, int max_threads) {
   const Kernels k = kernels_for(isa);
-  // Decode-sized inputs use the fused matrix-vector form; larger ones the
-  // matrix product over packed panels of x.
+  // Decode-sized inputs use the fused matrix-vector form; larger ones a
+  // matrix product (over packed panels of x from a panel's rows on).
   const bool gemv = a.M <= k.gemv_rows;
   std::vector<float> xsum;
   if (gemv) {
@@ -119,9 +119,10 @@ void qmm(const QmmArgs& a, Isa isa, int max_threads) {
   // half per thread would leave one waiting for the other.
   const int tasks =
       threads == 1 ? 1 : std::min(units, threads * (gemv ? kGemvChunksPerThread : kChunksPerThread));
-  // Packed once for every thread: each reads all of x.
+  // Packed once for every thread: each reads all of x. Fewer rows than a
+  // panel would leave most of it padding: the dot-product form takes them.
   std::vector<float> panels;
-  if (!gemv && k.panel > 0) {
+  if (!gemv && k.panel > 0 && a.M >= k.panel) {
     const int count = (a.M + k.panel - 1) / k.panel;
     panels.resize((size_t)count * k.panel * a.K);
     const int packers = std::min(threads, count);

@@ -90,7 +90,8 @@ struct Kernels {
   // unpacks each weight once for several rows (decode batches, short
   // prompts); the others would unpack it again for every row.
   int gemv_rows = 2;
-  // Rows of x per panel of the matrix product's packed x; 0: x as given.
+  // Rows of x per panel of the matrix product's packed x (from this many
+  // rows of x on); 0: x as given.
   int panel = 0;
 };
 

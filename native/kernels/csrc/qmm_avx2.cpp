@@ -14,6 +14,10 @@ namespace avx2 {
 // 6 x 2 accumulators, the panel's two vectors and a broadcast fit the 16
 // registers.
 #define GR 6
+// The dot-product tile for a few rows of x: 3 x 4 accumulators, 4 weight
+// vectors and 1 x vector fit the 16 registers.
+#define MR 3
+#define NR 4
 #include "vec_avx2.inc"
 
 struct F16 {

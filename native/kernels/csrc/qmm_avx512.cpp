@@ -17,6 +17,9 @@ namespace avx512 {
 // 12 x 2 accumulators, the panel's two vectors and a broadcast fit the
 // 32 registers.
 #define GR 12
+// The dot-product tile for a few rows of x: 4 x 4 accumulators.
+#define MR 4
+#define NR 4
 #include "vec_avx512.inc"
 
 struct F16 {
