@@ -76,7 +76,8 @@ static inline void prefetch_params(const QmmArgs& a, long row, int rows) {
 // Rows n0..n1 of y, for every m. Each variant computes every output with a
 // fixed summation order that does not depend on n0/n1, so splitting rows
 // across threads never changes a result. `xp` is x packed in panels of
-// `Kernels::panel` rows (see `pack_panels`), null where that is 0.
+// `Kernels::panel` rows (see `pack_panels`), or null where `qmm` did not
+// pack it (no panels, or fewer rows of x than one).
 using RowsFn = void (*)(const QmmArgs&, const float* xp, int n0, int n1);
 
 // Matrix-vector form: per row, per group, s * sum(q * x) + b * sum(x).
