@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "pool.h"
@@ -121,20 +122,21 @@ void qmm(const QmmArgs& a, Isa isa, int max_threads) {
       threads == 1 ? 1 : std::min(units, threads * (gemv ? kGemvChunksPerThread : kChunksPerThread));
   // Packed once for every thread: each reads all of x. Fewer rows than a
   // panel would leave most of it padding: the dot-product form takes them.
-  std::vector<float> panels;
+  // Not zeroed first: packing writes every element, padding included.
+  std::unique_ptr<float[]> panels;
   if (!gemv && k.panel > 0 && a.M >= k.panel) {
     const int count = (a.M + k.panel - 1) / k.panel;
-    panels.resize((size_t)count * k.panel * a.K);
+    panels.reset(new float[(size_t)count * k.panel * a.K]);
     const int packers = std::min(threads, count);
     auto pack = [&](int t) {
-      pack_panels(a, k.panel, count * t / packers, count * (t + 1) / packers, panels.data());
+      pack_panels(a, k.panel, count * t / packers, count * (t + 1) / packers, panels.get());
     };
     if (packers == 1)
       pack(0);
     else
       pool.run(packers, pack);
   }
-  const float* xp = panels.empty() ? nullptr : panels.data();
+  const float* xp = panels.get();
   const float* xs = xsum.data();
   auto task = [&](int t) {
     const int n0 = std::min(a.N, (int)((long)units * t / tasks) * kRowAlign);
