@@ -127,6 +127,11 @@ AttendFn attend_fn(Isa isa, int hd, int bits, int group);
 // of `hd` values).
 bool attend_takes(int hd, int bits, int group);
 
+// How many rows ahead of the one it reads the AVX-512 one-token attention
+// prefetches a float16 cache: the prefetcher alone leaves that loop waiting
+// on memory (a float32 row's loop, and the AVX2 variant, did not gain).
+constexpr int kAhead = 8;
+
 // The attention variants' middle step: each of the G rows of scores [G, n]
 // softmaxed in place, and out [G, hd] zeroed for the weighted values.
 void attention_weights(SoftmaxRowFn softmax_row, float* scores, float* out, int G, int n,

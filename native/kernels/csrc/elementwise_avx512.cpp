@@ -95,6 +95,7 @@ struct F32Rows {
   __m512 load16(long j, int e, __mmask16 m) const {
     return _mm512_maskz_loadu_ps(m, p + j * hd + e);
   }
+  void ahead(long) const {}
 };
 struct F16Rows {
   const uint16_t* p;
@@ -102,12 +103,18 @@ struct F16Rows {
   __m512 load16(long j, int e, __mmask16) const {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j * hd + e)));
   }
+  // Row j's cache lines (see kAhead).
+  void ahead(long j) const {
+    const char* r = reinterpret_cast<const char*>(p + j * hd);
+    for (int b = 0; b < hd * 2; b += 64) _mm_prefetch(r + b, _MM_HINT_T0);
+  }
 };
 
 template <typename Rows>
 void attend_avx512_t(const float* q, const Rows& k, const Rows& v, float* scores, float* out,
                      int G, int n, int hd) {
   for (int j = 0; j < n; ++j) {
+    if (j + kAhead < n) k.ahead(j + kAhead);
     for (int g = 0; g < G; ++g) {
       const float* qg = q + (long)g * hd;
       __m512 acc = _mm512_setzero_ps();
@@ -120,6 +127,7 @@ void attend_avx512_t(const float* q, const Rows& k, const Rows& v, float* scores
   }
   attention_weights(softmax_row_avx512, scores, out, G, n, hd);
   for (int j = 0; j < n; ++j) {
+    if (j + kAhead < n) v.ahead(j + kAhead);
     for (int g = 0; g < G; ++g) {
       const __m512 p = _mm512_set1_ps(scores[(long)g * n + j]);
       float* og = out + (long)g * hd;

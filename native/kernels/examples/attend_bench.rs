@@ -1,0 +1,128 @@
+//! Throughput of the decode layer's one-token attention as a step reads it:
+//! every key head of every layer its own keys and values in memory, float32
+//! and float16 caches, 1 and 2 threads (each thread its share of the heads).
+//!
+//! cargo run --release -p emlx_axon_kernels --example attend_bench -- [--context N]
+//!     [--layers L] [--reps R] [--isa scalar|avx2|avx512]
+//!
+//! Defaults are the Qwen3-0.6B shape (8 key heads of 128, 2 query heads per
+//! key head, 28 layers) after 2,048 tokens. Prints, per cache dtype and
+//! thread count, the milliseconds one step's attention takes and the GB/s of
+//! keys and values read.
+
+use std::time::Instant;
+
+use emlx_axon_kernels::{attend_with, Isa, KeysValues};
+
+const HD: usize = 128;
+const G: usize = 2;
+
+fn arg(args: &[String], name: &str, default: usize) -> usize {
+    args.iter()
+        .position(|a| a == name)
+        .map(|i| {
+            args.get(i + 1)
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("{name} takes a number"))
+        })
+        .unwrap_or(default)
+}
+
+/// Deterministic values in [-1, 1).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+fn to_half(x: f32) -> u16 {
+    let bits = x.to_bits();
+    let sign = ((bits >> 16) & 0x8000) as u16;
+    let exp = ((bits >> 23) & 0xff) as i32 - 127 + 15;
+    if exp <= 0 {
+        return sign;
+    }
+    sign | ((exp as u32) << 10 | ((bits & 0x7f_ffff) >> 13)) as u16
+}
+
+enum Cache {
+    F32(Vec<f32>, Vec<f32>),
+    F16(Vec<u16>, Vec<u16>),
+}
+
+impl Cache {
+    fn head(&self, h: usize, len: usize) -> KeysValues<'_> {
+        let r = h * len..(h + 1) * len;
+        match self {
+            Cache::F32(k, v) => KeysValues::F32(&k[r.clone()], &v[r]),
+            Cache::F16(k, v) => KeysValues::F16(&k[r.clone()], &v[r]),
+        }
+    }
+    fn bytes(&self) -> usize {
+        match self {
+            Cache::F32(k, v) => (k.len() + v.len()) * 4,
+            Cache::F16(k, v) => (k.len() + v.len()) * 2,
+        }
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let context = arg(&args, "--context", 2048);
+    let layers = arg(&args, "--layers", 28);
+    let reps = arg(&args, "--reps", 5);
+    let heads = layers * 8;
+    let len = context * HD;
+    let q: Vec<f32> = values(G * HD, 1).iter().map(|x| x * 0.09).collect();
+    let k = values(heads * len, 2);
+    let v = values(heads * len, 3);
+    let half = |x: &[f32]| x.iter().map(|&a| to_half(a)).collect::<Vec<u16>>();
+    let f16 = Cache::F16(half(&k), half(&v));
+    let caches = [("float32", Cache::F32(k, v)), ("float16", f16)];
+    let isa = match args
+        .iter()
+        .position(|a| a == "--isa")
+        .map(|i| args.get(i + 1))
+    {
+        None => Isa::selected(),
+        Some(name) => *Isa::ALL
+            .iter()
+            .find(|i| Some(&i.name().to_string()) == name)
+            .expect("--isa takes scalar, avx2 or avx512"),
+    };
+    for (name, cache) in &caches {
+        for threads in [1usize, 2] {
+            let mut times = Vec::new();
+            for _ in 0..reps {
+                let t = Instant::now();
+                std::thread::scope(|s| {
+                    for part in 0..threads {
+                        let (cache, q) = (&cache, &q);
+                        s.spawn(move || {
+                            let mut out = vec![0f32; G * HD];
+                            for h in (part..heads).step_by(threads) {
+                                attend_with(isa, q, cache.head(h, len), HD, &mut out)
+                                    .expect("attend");
+                            }
+                        });
+                    }
+                });
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+            let best = times.iter().copied().fold(f64::INFINITY, f64::min);
+            let list: Vec<String> = times.iter().map(|t| format!("{t:.2}")).collect();
+            println!(
+                "{} {name} context {context} threads {threads}: best {best:.2} ms ({:.1} GB/s), all [{}]",
+                isa.name(),
+                cache.bytes() as f64 / best / 1e6,
+                list.join(", ")
+            );
+        }
+    }
+}
