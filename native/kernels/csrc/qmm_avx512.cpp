@@ -65,7 +65,8 @@ static void gemv_lanes(const emlx::QmmArgs& a, const float* xsum, int n0, int n1
   const __m512i vmask = _mm512_set1_epi32((1 << BITS) - 1);
   const __m512 nibbles = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   float* xr = (float*)aligned_alloc(64, ((size_t)a.M * K * sizeof(float) + 63) / 64 * 64);
-  if (!xr) return;
+  // Without its buffer, the portable kernel, which needs none.
+  if (!xr) return emlx::scalar_kernels().gemv(a, xsum, n0, n1);
   for (int m = 0; m < a.M; ++m) {
     const float* x = a.x + (long)m * K;
     float* xm = xr + (long)m * K;

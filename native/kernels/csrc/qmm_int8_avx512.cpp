@@ -181,9 +181,10 @@ static void gemv_int8_4bit(const emlx::QmmArgs& a, const emlx::Int8Activations& 
   int8_t* xeo = (int8_t*)aligned_alloc(64, (size_t)K);
   float* sw = (float*)aligned_alloc(64, 2 * param_bytes);
   if (!xeo || !sw) {
+    // Without its buffers, the portable kernel, which needs none.
     free(xeo);
     free(sw);
-    return;
+    return emlx::scalar_int8_kernels().gemm(a, xa, n0, n1);
   }
   float* sb = sw + param_bytes / sizeof(float);
   int8_t* xe = xeo;
