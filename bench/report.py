@@ -24,7 +24,7 @@ from make_checkpoint import sparse_layers
 
 ROOT = Path(__file__).resolve().parent.parent
 
-PEER_ORDER = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-structured-1t", "rust-kv16", "rust-kv8", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "rust-int8-kv16", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream",
+PEER_ORDER = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-structured-1t", "rust-kv16", "rust-kv32", "rust-kv8", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "rust-int8-kv16", "elixir", "elixir-textgen", "mlx-lm", "mlx-lm-stream",
               "mlx-lm-cli", "llama.cpp", "llama.cpp-kv8"]
 PEER_NAMES = {
     "rust": "Rust engine",
@@ -36,6 +36,7 @@ PEER_NAMES = {
     "rust-structured": "Rust engine, structured output (JSON Schema)",
     "rust-structured-1t": "Rust engine, structured output, masks on 1 thread",
     "rust-kv16": "Rust engine, float16 KV cache",
+    "rust-kv32": "Rust engine, float32 KV cache",
     "rust-kv8": "Rust engine, 8-bit KV cache",
     "llama.cpp-kv8": "llama.cpp, q8_0 KV cache",
     "rust-ops": "Rust engine, layers from MLX's ops (fused GPU layer kernels off)",
@@ -50,10 +51,10 @@ PEER_NAMES = {
     "elixir-textgen": "Elixir (TextGeneration.stream)",
     "mlx-lm": "mlx-lm",
 }
-OURS = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-structured-1t", "rust-kv16", "rust-kv8", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "rust-int8-kv16", "elixir", "elixir-textgen"]
+OURS = ["rust", "rust-mlx-steps", "rust-mlx-prompt", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-structured-1t", "rust-kv16", "rust-kv32", "rust-kv8", "rust-baseline", "rust-ops", "rust-mlx-products", "rust-1t", "rust-int8", "rust-int8-kv16", "elixir", "elixir-textgen"]
 MLX_LM = ["mlx-lm", "mlx-lm-stream", "mlx-lm-cli"]
 # The engine under its GPU-relevant settings, each set against the mlx-lm paths.
-ENGINE_VARIANTS = ["rust", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-structured-1t", "rust-kv16", "rust-kv8", "rust-baseline", "rust-mlx-steps", "rust-mlx-prompt", "rust-ops", "rust-mlx-products"]
+ENGINE_VARIANTS = ["rust", "rust-sampled", "rust-sampled-device", "rust-structured", "rust-structured-1t", "rust-kv16", "rust-kv32", "rust-kv8", "rust-baseline", "rust-mlx-steps", "rust-mlx-prompt", "rust-ops", "rust-mlx-products"]
 BEST_MLX = "best mlx-lm path"
 
 
@@ -353,6 +354,12 @@ def model_section(name, folder, settings):
     if any(paths.values()):
         lines.append("Paths that ran (decode/prefill), as the engine reported them: " + "; ".join(
             f"{PEER_NAMES.get(p, p)}: {', '.join(v)}" for p, v in paths.items() if v) + ".")
+    # And the dtype its KV cache was made in (the default differs by device).
+    kv = {p: sorted({r["kv_dtype"] for reps in runs.get(p, {}).values() for r in reps if "kv_dtype" in r})
+          for p in ENGINE_VARIANTS}
+    if any(kv.values()):
+        lines.append("KV cache dtype, as the engine reported it: " + "; ".join(
+            f"{PEER_NAMES.get(p, p)}: {', '.join(v)}" for p, v in kv.items() if v) + ".")
     # And whether its fused GPU layer kernels were built and passed their check.
     fused = {p: sorted({str(r["gpu_layer_kernels"]).lower() for reps in runs.get(p, {}).values()
                         for r in reps if "gpu_layer_kernels" in r}) for p in ("rust", "rust-ops", "rust-mlx-products")}

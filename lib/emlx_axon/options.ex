@@ -125,10 +125,12 @@ defmodule EMLXAxon.Options do
       type: {:or, [nil, {:in, @kv_dtypes}]},
       default: nil,
       doc:
-        "the KV cache's dtype (`nil`: the model's). `:float16` under a float32 model (the " <>
-          "CPU's default) halves what a long context's decode step reads, its keys and " <>
-          "values rounded to float16. A scheduler's slots have the dtype it was started " <>
-          "with (a serving gives its own schedulers this one); not with `:kv_bits`"
+        "the KV cache's dtype. `nil`: `:float16` under a float32 model on the CPU (the " <>
+          "CPU's default dtype), as llama.cpp keeps its cache, since reading the cache " <>
+          "bounds a long context's decode step there; the model's dtype elsewhere and for " <>
+          "`:kv_bits` or `:max_kv_size`. `:float32` keeps keys and values unrounded. A " <>
+          "scheduler's slots have the dtype it was started with (a serving gives its own " <>
+          "schedulers this one); not with `:kv_bits`"
     ]
   ]
 
@@ -160,7 +162,7 @@ defmodule EMLXAxon.Options do
     [type: :non_neg_integer, default: 64, doc: doc]
   end
 
-  @doc "A KV cache dtype as the NIF takes it (`nil`: the model's)."
+  @doc "A KV cache dtype as the NIF takes it (`nil`: the engine's default)."
   def native_kv_dtype(nil), do: nil
   def native_kv_dtype(dtype) when dtype in @kv_dtypes, do: Atom.to_string(dtype)
 

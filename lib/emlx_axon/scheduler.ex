@@ -139,9 +139,9 @@ defmodule EMLXAxon.Scheduler do
       type: {:or, [nil, {:in, Options.kv_dtypes()}]},
       default: nil,
       doc:
-        "the slots' keys and values dtype (`nil`: the model's); `:float16` under a float32 " <>
-          "model halves what a long context's decode step reads. A request naming another " <>
-          "`:kv_dtype` fails"
+        "the slots' keys and values dtype (`nil`: `:float16` under a float32 model on the " <>
+          "CPU, which halves what a long context's decode step reads there, the model's " <>
+          "dtype elsewhere). A request naming another `:kv_dtype` fails"
     ],
     name: [
       type: {:custom, {__MODULE__, :name_option}, "nil or a GenServer name"},

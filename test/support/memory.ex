@@ -65,9 +65,13 @@ defmodule EMLXAxon.TestMemory do
     end
   end
 
-  @doc "KV cache bytes of a generation of `batch` rows and `positions` positions."
+  @doc """
+  KV cache bytes of a generation of `batch` rows and `positions` positions,
+  in the cache's default dtype: float16 under a float32 model on the CPU,
+  the model's elsewhere.
+  """
   def kv_bytes(%{config: c}, batch, positions) do
-    element = if c.dtype == "float32", do: 4, else: 2
+    element = if c.dtype == "float32" and EMLXAxon.TestFixtures.gpu?(), do: 4, else: 2
     2 * c.num_layers * batch * c.num_kv_heads * positions * c.head_dim * element
   end
 

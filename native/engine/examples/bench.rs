@@ -355,6 +355,8 @@ struct Timed {
     decode_path: &'static str,
     prefill_path: &'static str,
     fallbacks: Vec<String>,
+    /// The dtype the generation's KV cache was made in.
+    kv_dtype: Dtype,
 }
 
 impl Bench {
@@ -440,6 +442,7 @@ impl Bench {
             decode_path: stats.paths.main_name(Work::Decode),
             prefill_path: stats.paths.main_name(Work::Prefill),
             fallbacks: stats.paths.fallbacks.clone(),
+            kv_dtype: stats.kv_dtype.unwrap_or(self.model.dtype),
         })
     }
 
@@ -521,7 +524,7 @@ impl Bench {
             "engine_decode_tok_s".into(),
             json!(round(t.engine_decode_tok_s, 3)),
         );
-        fields.insert("kv_bytes".into(), json!(self.kv_bytes(1, prompt.len() + n)));
+        self.kv_fields(&mut fields, &t, 1, prompt.len() + n);
         fields.insert("ids".into(), json!(t.ids));
         fields.insert("decode_path".into(), json!(t.decode_path));
         fields.insert("prefill_path".into(), json!(t.prefill_path));
@@ -564,7 +567,7 @@ impl Bench {
             "prompt_kernels".into(),
             json!(emlx_axon_engine::backend::cuda::prefill::checked()),
         );
-        fields.insert("kv_bytes".into(), json!(self.kv_bytes(1, prompt.len() + 2)));
+        self.kv_fields(&mut fields, &t, 1, prompt.len() + 2);
         Memory::record(&mut fields);
         self.emit("prefill", Some(run), Value::Object(fields));
         Ok(())
@@ -586,10 +589,7 @@ impl Bench {
         );
         fields.insert("ttft_ms".into(), json!(round(t.ttft_ms, 2)));
         fields.insert("decode_ms".into(), json!(round(t.decode_ms, 2)));
-        fields.insert(
-            "kv_bytes".into(),
-            json!(self.kv_bytes(batch, prompts[0].len() + n)),
-        );
+        self.kv_fields(&mut fields, &t, batch, prompts[0].len() + n);
         fields.insert("decode_path".into(), json!(t.decode_path));
         fields.insert("prefill_path".into(), json!(t.prefill_path));
         fields.insert("fallbacks".into(), json!(t.fallbacks));
@@ -696,15 +696,18 @@ impl Bench {
     /// Bytes of the engine's preallocated KV cache for `rows` x `positions`:
     /// with `--kv-bits`, its packed values and a scale and a bias per group
     /// in the model's dtype.
-    fn kv_bytes(&self, rows: usize, positions: usize) -> usize {
+    /// The dtype `t`'s KV cache was made in, and its bytes at `positions`.
+    fn kv_fields(&self, fields: &mut Map<String, Value>, t: &Timed, rows: usize, positions: usize) {
         let c = &self.model.config;
-        let item = dtype_bytes(self.args.kv_dtype.unwrap_or(self.model.dtype));
+        let item = dtype_bytes(t.kv_dtype);
         let values =
             2 * c.num_layers * rows * c.num_kv_heads as usize * positions * c.head_dim as usize;
-        match self.args.kv_bits {
+        let bytes = match self.args.kv_bits {
             Some(bits) => values * bits as usize / 8 + values / KV_GROUP as usize * 2 * item,
             None => values * item,
-        }
+        };
+        fields.insert("kv_dtype".into(), json!(format!("{:?}", t.kv_dtype)));
+        fields.insert("kv_bytes".into(), json!(bytes));
     }
 
     /// Where a decode step's time goes: a decode loop run by hand, timing
@@ -1145,9 +1148,6 @@ fn run(args: Args) -> AnyResult<()> {
     let device = if gpu_available() { "gpu" } else { "cpu" };
     let mut common = Map::new();
     common.insert("peer".into(), json!(args.label));
-    if let Some(d) = args.kv_dtype {
-        common.insert("kv_dtype".into(), json!(format!("{d:?}")));
-    }
     if let Some(bits) = args.kv_bits {
         common.insert("kv_bits".into(), json!(bits));
     }

@@ -67,7 +67,8 @@ pub struct SchedulerConfig {
     /// Shortest prompt prefix worth storing and reusing.
     pub prefix_min_tokens: usize,
     /// The dtype of the slots' keys and values (and of the prompts' and the
-    /// prefix cache's), `None`: the model's (see `GenerateOptions::kv_dtype`).
+    /// prefix cache's), `None`: as `GenerateOptions::kv_dtype`'s default has
+    /// it. A started scheduler's `config()` holds the dtype its slots took.
     pub kv_dtype: Option<mlx_rs::Dtype>,
 }
 
@@ -239,7 +240,7 @@ impl Scheduler {
     pub fn new(
         model: Arc<Model>,
         tokenizer: Option<Arc<Tokenizer>>,
-        config: SchedulerConfig,
+        mut config: SchedulerConfig,
     ) -> Result<Self> {
         if config.slots == 0 || config.slots > 1024 {
             return Err(Error::invalid("slots must be between 1 and 1024"));
@@ -256,7 +257,13 @@ impl Scheduler {
         if let Some(dtype) = config.kv_dtype {
             crate::exec::generate::check_kv_dtype(dtype)?;
         }
-        let kv_shape = model.kv_shape().in_dtype(config.kv_dtype);
+        // The slots' dtype, reported by `config()`.
+        let on_cpu = DeviceKind::default_kind() == DeviceKind::Cpu;
+        let kv_shape = match config.kv_dtype {
+            Some(_) => model.kv_shape().in_dtype(config.kv_dtype),
+            None => model.kv_shape().by_default(on_cpu),
+        };
+        config.kv_dtype = Some(kv_shape.dtype);
         crate::runtime::memory::ensure_fits(
             slot_cache_bytes(&kv_shape, config.slots, config.capacity),
             &format!(
@@ -264,7 +271,7 @@ impl Scheduler {
                 config.slots, config.capacity
             ),
         )?;
-        let workers = if model.parallel_ways > 1 && DeviceKind::default_kind() == DeviceKind::Cpu {
+        let workers = if model.parallel_ways > 1 && on_cpu {
             Lease::workers(DeviceKind::Cpu, model.parallel_ways)?
         } else {
             vec![]

@@ -103,6 +103,17 @@ impl KvShape {
             ..self
         }
     }
+
+    /// The shape of a growing float cache whose dtype nobody asked for,
+    /// on the CPU or not: float16 under a float32 model on the CPU, the
+    /// model's dtype elsewhere. A step of a long context on the CPU is bound
+    /// by reading the cache, the layer nodes read float16 rows, and
+    /// llama.cpp keeps its cache in float16 too; `kv_dtype: float32` keeps
+    /// the model's.
+    pub fn by_default(self, on_cpu: bool) -> KvShape {
+        let half = on_cpu && self.dtype == mlx_rs::Dtype::Float32;
+        self.in_dtype(half.then_some(mlx_rs::Dtype::Float16))
+    }
 }
 
 /// `k` and `v` in a cache buffer's `dtype` (a `kv_dtype` other than the

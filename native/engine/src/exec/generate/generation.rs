@@ -9,7 +9,7 @@ use mlx_rs::ops::{arange, ge, logical_and};
 use mlx_rs::{transforms, Array};
 
 use super::constrained::{Constraints, Rules};
-use super::options::{cache_capacity, validate, KV_KEEP};
+use super::options::{cache_capacity, cache_shape, validate, KV_KEEP};
 use super::rows::Row;
 use super::{FinishReason, GenerateOptions, RowDelta, Stats};
 use crate::backend::cuda::kernel::{mark, Role};
@@ -38,6 +38,8 @@ pub struct Generation {
     options: GenerateOptions,
     sampler: Sampler,
     cache: KvCache,
+    /// The dtype `cache` was made in.
+    kv_dtype: mlx_rs::Dtype,
     rows: Vec<Row>,
     constraints: Constraints,
     /// What rows produced before the first `next` call (forced tokens at
@@ -81,7 +83,11 @@ impl Generation {
             .iter()
             .any(|p| p.len() != longest)
             .then(|| prompts.iter().map(|p| (longest - p.len()) as i32).collect());
-        let capacity = cache_capacity(&model, prompts.len(), longest, &options)?;
+        let kind = stream
+            .as_ref()
+            .map_or_else(DeviceKind::default_kind, |s| s.kind);
+        let kv_shape = cache_shape(&model, &options, kind == DeviceKind::Cpu);
+        let capacity = cache_capacity(&model, &kv_shape, prompts.len(), longest, &options)?;
         let row_seeds: Vec<Option<u64>> = if options.rows.is_empty() {
             vec![None; prompts.len()]
         } else {
@@ -89,15 +95,11 @@ impl Generation {
         };
         let sampler = Sampler::new(options.sampler.clone(), &row_seeds)?;
         let constraints = Constraints::new(tokenizer.as_deref(), &options, prompts.len())?;
-        let kind = stream
-            .as_ref()
-            .map_or_else(DeviceKind::default_kind, |s| s.kind);
         let workers = if model.parallel_ways > 1 && kind == DeviceKind::Cpu {
             Lease::workers(DeviceKind::Cpu, model.parallel_ways)?
         } else {
             vec![]
         };
-        let kv_shape = model.kv_shape().in_dtype(options.kv_dtype);
         let cache = MlxStream::run_on(stream.as_ref(), || match options.max_kv_size {
             Some(size) => KvCache::rotating(&kv_shape, size as i32, KV_KEEP as i32),
             None => KvCache::new(&kv_shape, prompts.len() as i32, capacity),
@@ -110,6 +112,7 @@ impl Generation {
             paths: Default::default(),
             sampler,
             cache,
+            kv_dtype: kv_shape.dtype,
             rows: prompts.iter().map(|p| Row::new(p.len())).collect(),
             constraints,
             carry: None,
@@ -478,6 +481,7 @@ impl Generation {
             prefill_ms: self.timing.prefill_ms,
             constraint_ms: self.constraints.ms,
             paths: self.paths.clone(),
+            kv_dtype: Some(self.kv_dtype),
             ..Stats::default()
         };
         if let (true, Some(first), Some(last)) = (

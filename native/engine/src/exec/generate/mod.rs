@@ -83,6 +83,9 @@ pub struct Stats {
     /// Which paths ran the forward passes (and replayed steps), and why
     /// faster ones declined.
     pub paths: crate::backend::Paths,
+    /// The dtype the KV cache was made in (before any `kv_bits`
+    /// quantization): `kv_dtype`, or its default.
+    pub kv_dtype: Option<mlx_rs::Dtype>,
 }
 
 /// Result of a whole single-prompt generation.

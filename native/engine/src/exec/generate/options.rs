@@ -2,7 +2,7 @@
 //! model and the prompts, and the KV cache they need.
 
 use crate::error::{Error, Result};
-use crate::kv::cache::KvQuant;
+use crate::kv::cache::{KvQuant, KvShape};
 use crate::model::Model;
 use crate::sample::SamplerConfig;
 use crate::text::constraint::ConstraintSpec;
@@ -50,10 +50,12 @@ pub struct GenerateOptions {
     /// long the generation, and tokens past the window are forgotten.
     /// Attention then runs MLX's ops instead of the fused layers.
     pub max_kv_size: Option<usize>,
-    /// The dtype of a float KV cache (`None`: the model's). A float16 cache
-    /// under a float32 model reads half the bytes a step of a long context
-    /// reads on the CPU, where that reading bounds the step; its keys and
-    /// values are rounded to float16 as they are stored.
+    /// The dtype of a float KV cache. `None`: float16 under a float32 model
+    /// on the CPU, the model's dtype elsewhere (and for a quantized or
+    /// rotating cache). A float16 cache under a float32 model reads half the
+    /// bytes a step of a long context reads on the CPU, where that reading
+    /// bounds the step; its keys and values are rounded to float16 as they
+    /// are stored. `Float32` keeps them whole.
     pub kv_dtype: Option<mlx_rs::Dtype>,
 }
 
@@ -188,12 +190,26 @@ fn check_kv_quant(model: &Model, q: KvQuant) -> Result<()> {
     Ok(())
 }
 
+/// The cache a generation keeps: in `kv_dtype` where it is asked for; a
+/// growing cache nobody chose a dtype for as [`KvShape::by_default`] has it
+/// (`on_cpu`: the generation runs on the CPU); a quantized or rotating one
+/// starts in the model's dtype, as mlx-lm's do.
+pub(super) fn cache_shape(model: &Model, o: &GenerateOptions, on_cpu: bool) -> KvShape {
+    let shape = model.kv_shape();
+    match o.kv_dtype {
+        Some(_) => shape.in_dtype(o.kv_dtype),
+        None if o.kv_quant.is_none() && o.max_kv_size.is_none() => shape.by_default(on_cpu),
+        None => shape,
+    }
+}
+
 /// The KV cache's length: the longest prompt plus what may be generated.
 /// Refused when MLX cannot address it (shapes are i32: a silently wrapped
 /// length would end decoding early with no finish reason) or when the cache,
 /// with the attention scores of a prefill chunk, cannot fit in memory.
 pub(super) fn cache_capacity(
     model: &Model,
+    kv: &KvShape,
     batch: usize,
     longest: usize,
     o: &GenerateOptions,
@@ -219,30 +235,16 @@ pub(super) fn cache_capacity(
         .checked_next_multiple_of(bucket)
         .map_or(positions, |p| p.min(i32::MAX as usize).max(positions));
     let capacity = i32::try_from(positions).map_err(|_| too_long())?;
-    let c = &model.config;
-    let element = if model.dtype == mlx_rs::Dtype::Float32 {
-        4
-    } else {
-        2
-    };
-    let kv = [
-        batch,
-        2 * c.num_layers,
-        c.num_kv_heads as usize,
-        positions,
-        c.head_dim as usize,
-        element,
-    ];
+    let kv = crate::kv::slots::slot_cache_bytes(kv, batch, positions);
     let scores = [
         batch,
-        c.num_heads as usize,
+        model.config.num_heads as usize,
         longest.min(o.prefill_chunk.max(1)),
         positions,
         4,
     ];
-    let product = |dims: &[usize]| dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
-    let bytes = product(&kv)
-        .zip(product(&scores))
+    let bytes = kv
+        .zip(scores.iter().try_fold(1usize, |a, &d| a.checked_mul(d)))
         .and_then(|(kv, scores)| kv.checked_add(scores));
     crate::runtime::memory::ensure_fits(
         bytes,
