@@ -127,9 +127,10 @@ AttendFn attend_fn(Isa isa, int hd, int bits, int group);
 // of `hd` values).
 bool attend_takes(int hd, int bits, int group);
 
-// How many rows ahead of the one it reads the AVX-512 one-token attention
-// prefetches a float16 cache: the prefetcher alone leaves that loop waiting
-// on memory (a float32 row's loop, and the AVX2 variant, did not gain).
+// How many rows ahead of the one it reads the one-token attention prefetches
+// quantized rows (AVX-512 and AVX2) and float16 rows (AVX-512): the
+// prefetcher alone leaves those loops waiting on memory. Float32 rows, and
+// the AVX2 variant's float16 rows, did not gain.
 constexpr int kAhead = 8;
 
 // The attention variants' middle step: each of the G rows of scores [G, n]

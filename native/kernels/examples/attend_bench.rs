@@ -1,6 +1,7 @@
 //! Throughput of the decode layer's one-token attention as a step reads it:
-//! every key head of every layer its own keys and values in memory, float32
-//! and float16 caches, 1 and 2 threads (each thread its share of the heads).
+//! every key head of every layer its own keys and values in memory, float32,
+//! float16, 8-bit and 4-bit caches (groups of 64), 1 and 2 threads (each
+//! thread its share of the heads).
 //!
 //! cargo run --release -p emlx_axon_kernels --example attend_bench -- [--context N]
 //!     [--layers L] [--reps R] [--isa scalar|avx2|avx512]
@@ -54,7 +55,11 @@ fn to_half(x: f32) -> u16 {
 enum Cache {
     F32(Vec<f32>, Vec<f32>),
     F16(Vec<u16>, Vec<u16>),
+    /// `bits` bits in groups of 64: keys' and values' words, scales and biases.
+    Quantized(i32, [(Vec<u32>, Vec<f32>, Vec<f32>); 2]),
 }
+
+const QUANT_GROUP: usize = 64;
 
 impl Cache {
     fn head(&self, h: usize, len: usize) -> KeysValues<'_> {
@@ -62,12 +67,29 @@ impl Cache {
         match self {
             Cache::F32(k, v) => KeysValues::F32(&k[r.clone()], &v[r]),
             Cache::F16(k, v) => KeysValues::F16(&k[r.clone()], &v[r]),
+            Cache::Quantized(bits, [k, v]) => {
+                let words = len * *bits as usize / 32;
+                let (w, p) = (
+                    h * words..(h + 1) * words,
+                    r.start / QUANT_GROUP..r.end / QUANT_GROUP,
+                );
+                KeysValues::Quantized {
+                    keys: (&k.0[w.clone()], &k.1[p.clone()], &k.2[p.clone()]),
+                    values: (&v.0[w], &v.1[p.clone()], &v.2[p]),
+                    bits: *bits,
+                    group_size: QUANT_GROUP as i32,
+                }
+            }
         }
     }
     fn bytes(&self) -> usize {
         match self {
             Cache::F32(k, v) => (k.len() + v.len()) * 4,
             Cache::F16(k, v) => (k.len() + v.len()) * 2,
+            Cache::Quantized(_, c) => c
+                .iter()
+                .map(|(w, s, b)| (w.len() + s.len() + b.len()) * 4)
+                .sum(),
         }
     }
 }
@@ -84,7 +106,23 @@ fn main() {
     let v = values(heads * len, 3);
     let half = |x: &[f32]| x.iter().map(|&a| to_half(a)).collect::<Vec<u16>>();
     let f16 = Cache::F16(half(&k), half(&v));
-    let caches = [("float32", Cache::F32(k, v)), ("float16", f16)];
+    let quantized = |x: &[f32], bits: usize, seed| {
+        let groups = x.len() / QUANT_GROUP;
+        let words = values(x.len() * bits / 32, seed)
+            .iter()
+            .map(|w| (w.to_bits() ^ (w.to_bits() >> 7)).wrapping_mul(2_654_435_761))
+            .collect();
+        let scales = values(groups, seed + 1).iter().map(|s| s * 0.01).collect();
+        (words, scales, values(groups, seed + 2))
+    };
+    let q8 = Cache::Quantized(8, [quantized(&k, 8, 4), quantized(&v, 8, 7)]);
+    let q4 = Cache::Quantized(4, [quantized(&k, 4, 4), quantized(&v, 4, 7)]);
+    let caches = [
+        ("float32", Cache::F32(k, v)),
+        ("float16", f16),
+        ("8-bit", q8),
+        ("4-bit", q4),
+    ];
     let isa = match args
         .iter()
         .position(|a| a == "--isa")
