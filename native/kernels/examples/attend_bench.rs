@@ -42,14 +42,12 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-fn to_half(x: f32) -> u16 {
+/// Float16 bits of magnitudes 2^-5 to 2^-1, either sign, from `x`'s
+/// bits: values to read, no more.
+fn as_half(x: f32) -> u16 {
     let bits = x.to_bits();
-    let sign = ((bits >> 16) & 0x8000) as u16;
-    let exp = ((bits >> 23) & 0xff) as i32 - 127 + 15;
-    if exp <= 0 {
-        return sign;
-    }
-    sign | ((exp as u32) << 10 | ((bits & 0x7f_ffff) >> 13)) as u16
+    let exponent = 10 + (bits >> 10) % 5;
+    ((bits >> 16) & 0x8000 | exponent << 10 | bits & 0x3ff) as u16
 }
 
 enum Cache {
@@ -104,7 +102,7 @@ fn main() {
     let q: Vec<f32> = values(G * HD, 1).iter().map(|x| x * 0.09).collect();
     let k = values(heads * len, 2);
     let v = values(heads * len, 3);
-    let half = |x: &[f32]| x.iter().map(|&a| to_half(a)).collect::<Vec<u16>>();
+    let half = |x: &[f32]| x.iter().map(|&a| as_half(a)).collect::<Vec<u16>>();
     let f16 = Cache::F16(half(&k), half(&v));
     let quantized = |x: &[f32], bits: usize, seed| {
         let groups = x.len() / QUANT_GROUP;
