@@ -23,8 +23,8 @@ defmodule Mix.Tasks.EmlxAxon.Generate do
     * `--max-kv-size N` - a rotating KV cache of at most N positions, as
       mlx-lm's `--max-kv-size`
     * `--kv-dtype float32|bfloat16|float16` - the KV cache's dtype (default:
-      the compute dtype; `float16` on the CPU halves what a long context's
-      steps read)
+      `float16` under the CPU's float32, which halves what a long context's
+      steps read there; the compute dtype elsewhere)
     * `--sampler greedy|top_p_cpu|top_p_gpu` - default `greedy`
     * `--seed N`, `--temperature F`, `--top-p F`, `--top-k N`
     * `--json` - print exactly one JSON object instead, with the keys

@@ -259,10 +259,10 @@ impl Scheduler {
         }
         // The slots' dtype, reported by `config()`.
         let on_cpu = DeviceKind::default_kind() == DeviceKind::Cpu;
-        let kv_shape = match config.kv_dtype {
-            Some(_) => model.kv_shape().in_dtype(config.kv_dtype),
-            None => model.kv_shape().by_default(on_cpu),
-        };
+        let kv_shape = model
+            .kv_shape()
+            .by_default(on_cpu)
+            .in_dtype(config.kv_dtype);
         config.kv_dtype = Some(kv_shape.dtype);
         crate::runtime::memory::ensure_fits(
             slot_cache_bytes(&kv_shape, config.slots, config.capacity),

@@ -196,11 +196,13 @@ fn check_kv_quant(model: &Model, q: KvQuant) -> Result<()> {
 /// starts in the model's dtype, as mlx-lm's do.
 pub(super) fn cache_shape(model: &Model, o: &GenerateOptions, on_cpu: bool) -> KvShape {
     let shape = model.kv_shape();
-    match o.kv_dtype {
-        Some(_) => shape.in_dtype(o.kv_dtype),
-        None if o.kv_quant.is_none() && o.max_kv_size.is_none() => shape.by_default(on_cpu),
-        None => shape,
-    }
+    let growing = o.kv_quant.is_none() && o.max_kv_size.is_none();
+    let shape = if growing {
+        shape.by_default(on_cpu)
+    } else {
+        shape
+    };
+    shape.in_dtype(o.kv_dtype)
 }
 
 /// The KV cache's length: the longest prompt plus what may be generated.
