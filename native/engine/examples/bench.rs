@@ -693,10 +693,9 @@ impl Bench {
         Ok(())
     }
 
-    /// Bytes of the engine's preallocated KV cache for `rows` x `positions`:
-    /// with `--kv-bits`, its packed values and a scale and a bias per group
-    /// in the model's dtype.
-    /// The dtype `t`'s KV cache was made in, and its bytes at `positions`.
+    /// The dtype `t`'s KV cache was made in, and the bytes of that
+    /// preallocated cache for `rows` x `positions`: with `--kv-bits`, its
+    /// packed values and a scale and a bias per group in that dtype.
     fn kv_fields(&self, fields: &mut Map<String, Value>, t: &Timed, rows: usize, positions: usize) {
         let c = &self.model.config;
         let item = dtype_bytes(t.kv_dtype);
