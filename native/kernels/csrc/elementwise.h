@@ -133,6 +133,12 @@ bool attend_takes(int hd, int bits, int group);
 // the AVX2 variant's float16 rows, did not gain.
 constexpr int kAhead = 8;
 
+// Asks for the cache lines of `bytes` bytes from `p` (a row kAhead ahead).
+static inline void prefetch_lines(const void* p, long bytes) {
+  const char* r = static_cast<const char*>(p);
+  for (long b = 0; b < bytes; b += 64) __builtin_prefetch(r + b, 0, 3);
+}
+
 // The attention variants' middle step: each of the G rows of scores [G, n]
 // softmaxed in place, and out [G, hd] zeroed for the weighted values.
 void attention_weights(SoftmaxRowFn softmax_row, float* scores, float* out, int G, int n,

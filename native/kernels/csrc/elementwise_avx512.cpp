@@ -104,10 +104,7 @@ struct F16Rows {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j * hd + e)));
   }
   // Row j's cache lines (see kAhead).
-  void ahead(long j) const {
-    const char* r = reinterpret_cast<const char*>(p + j * hd);
-    for (int b = 0; b < hd * 2; b += 64) _mm_prefetch(r + b, _MM_HINT_T0);
-  }
+  void ahead(long j) const { prefetch_lines(p + j * hd, hd * 2L); }
 };
 
 template <typename Rows>
