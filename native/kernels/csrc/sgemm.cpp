@@ -53,34 +53,58 @@ constexpr long kMinParallelWork = 1L << 16;
 // where each thread keeps whole cache lines of B's rows (wide column chunks).
 constexpr long kMinParallelSmall = 1L << 21;
 constexpr int kSmallColAlign = 256;
+// Rows per unit of a split by rows (a multiple of every variant's tile).
+constexpr int kRowAlign = 12;
 
 }  // namespace
 
 void sgemm(const GemmArgs& g, int isa, int max_threads) {
   if (g.M <= 0 || g.N <= 0) return;
-  for (int i = 0; i < g.M; ++i) {
-    float* c = g.c + (long)i * g.ldc;
-    if (g.beta == 0.0f)
-      std::fill(c, c + g.N, 0.0f);  // BLAS: C is not read when beta is 0
-    else if (g.beta != 1.0f)
-      for (int j = 0; j < g.N; ++j) c[j] *= g.beta;
-  }
-  if (g.K <= 0 || g.alpha == 0.0f) return;
   const bool small = g.M <= kSmallRows;
   const GemmColsFn fn = gemm_for(isa, small);
+  // beta applied by each part to its own block of C, not in a pass over all
+  // of C on one thread first (BLAS: C is not read when beta is 0).
+  auto scale_c = [&g](int i0, int i1, int n0, int n1) {
+    for (int i = i0; i < i1; ++i) {
+      float* c = g.c + (long)i * g.ldc;
+      if (g.beta == 0.0f)
+        std::fill(c + n0, c + n1, 0.0f);
+      else if (g.beta != 1.0f)
+        for (int j = n0; j < n1; ++j) c[j] *= g.beta;
+    }
+  };
+  const bool product = g.K > 0 && g.alpha != 0.0f;
   Pool& pool = Pool::shared();
   int threads = pool.size();
   if (max_threads > 0) threads = std::min(threads, max_threads);
-  if ((long)g.M * g.N * g.K < (small ? kMinParallelSmall : kMinParallelWork)) threads = 1;
-  const int align = small ? kSmallColAlign : kColAlign;
-  const int units = (g.N + align - 1) / align;
+  if (!product || (long)g.M * g.N * g.K < (small ? kMinParallelSmall : kMinParallelWork))
+    threads = 1;
+  // Each part of a split packs the whole of the operand it shares, so a
+  // packed product is split along the longer side: a prompt's weighted
+  // values (many rows, 128 columns) by rows, its scores by columns.
+  const bool by_rows = !small && g.M > g.N;
+  const int align = by_rows ? kRowAlign : small ? kSmallColAlign : kColAlign;
+  const int units = ((by_rows ? g.M : g.N) + align - 1) / align;
   threads = std::max(1, std::min(threads, units));
-  // Chunks taken in turn by whichever thread is free (see qmm).
-  const int tasks = threads == 1 ? 1 : std::min(units, threads * 4);
+  // Chunks taken in turn by whichever thread is free (see qmm); a split by
+  // rows, whose parts each pack all of B, one part per thread.
+  const int tasks = threads == 1 || by_rows ? threads : std::min(units, threads * 4);
   auto task = [&](int t) {
-    const int n0 = std::min(g.N, (int)((long)units * t / tasks) * align);
-    const int n1 = std::min(g.N, (int)((long)units * (t + 1) / tasks) * align);
-    if (n0 < n1) fn(g, n0, n1);
+    const int extent = by_rows ? g.M : g.N;
+    const int p0 = std::min(extent, (int)((long)units * t / tasks) * align);
+    const int p1 = std::min(extent, (int)((long)units * (t + 1) / tasks) * align);
+    if (p0 >= p1) return;
+    if (!by_rows) {
+      scale_c(0, g.M, p0, p1);
+      if (product) fn(g, p0, p1);
+      return;
+    }
+    scale_c(p0, p1, 0, g.N);
+    GemmArgs part = g;
+    part.M = p1 - p0;
+    part.a = g.trans_a ? g.a + p0 : g.a + (long)p0 * g.lda;
+    part.c = g.c + (long)p0 * g.ldc;
+    if (product) fn(part, 0, g.N);
   };
   if (tasks == 1)
     task(0);

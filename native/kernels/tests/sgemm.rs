@@ -17,6 +17,8 @@ fn every_variant_matches_a_float64_reference() {
         (37, 70, 300),
         (130, 96, 129),
         (64, 513, 40),
+        // Taller than wide: split by rows.
+        (301, 40, 260),
         // Few rows (decode attention), unpacked: K and N off the vector
         // widths, and both sides of the row threshold.
         (1, 200, 128),
@@ -135,14 +137,17 @@ fn beta_zero_ignores_what_c_held() {
     .is_err());
 }
 
-/// A few-row product split over threads (large enough to be split) gives the
-/// same bits as on one thread: each element is summed in one fixed order.
+/// A product split over threads (large enough to be split) gives the same
+/// bits as on one thread: each element is summed in one fixed order,
+/// whether the split is by columns (few rows, unpacked; or a packed product
+/// wider than tall) or by rows (a packed product taller than wide).
 #[test]
-fn few_rows_give_the_same_bits_on_any_thread_count() {
+fn products_give_the_same_bits_on_any_thread_count() {
     // Over the size where the product is split (a few million multiply-adds).
-    let (n, k) = (4100, 523);
+    let mut shapes: Vec<(usize, usize, usize)> = (1..=4).map(|m| (m, 4100, 523)).collect();
+    shapes.extend([(40, 600, 300), (301, 40, 523)]);
     for isa in Isa::ALL.into_iter().filter(|i| i.supported()) {
-        for m in 1..=4 {
+        for &(m, n, k) in &shapes {
             for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
                 let (lda, ldb) = (if ta { m } else { k } + 1, if tb { k } else { n } + 5);
                 let a = data(if ta { k } else { m } * lda, 21);
