@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "pool.h"
+#include "sgemm.h"
 
 namespace emlx {
 
@@ -219,19 +220,6 @@ void split(long units, long elements, int max_threads, long chunks, const Part& 
 
 }  // namespace
 
-void softmax(const SoftmaxArgs& a, Isa isa, int max_threads) {
-  if (a.rows <= 0 || a.S <= 0) return;
-  const SoftmaxRowFn fn = row_fn(isa);
-  auto rows = [&](long r0, long r1) {
-    for (long r = r0; r < r1; ++r) {
-      const int seen = a.L > 0 ? a.S - a.L + (int)(r % a.L) + 1 : a.S;
-      fn(a.x + r * a.S, a.y + r * a.S, std::max(1, std::min(seen, a.S)), a.S);
-    }
-  };
-  // Causal rows grow in length: many small chunks balance the threads.
-  split(a.rows, a.rows * a.S, max_threads, 16, rows);
-}
-
 void swiglu(const SwigluArgs& a, Isa isa, int max_threads) {
   if (a.rows <= 0 || a.F <= 0) return;
   const SwigluRowFn fn = swiglu_fn(isa);
@@ -290,6 +278,73 @@ void rms_norm(const RmsNormArgs& a, Isa isa, int max_threads) {
       fn(a.x + r * a.D, a.w + (r % a.R) * (long)a.D, a.y + r * a.D, a.D, a.eps);
   };
   split(a.rows, a.rows * a.D, max_threads, 4, rows);
+}
+
+namespace {
+
+// A block's scores buffer holds at most this many floats (8 MB), which
+// bounds the queries of a block at long contexts.
+constexpr long kPromptScores = 1L << 21;
+// Queries per block at most: the products' rows are G times as many.
+constexpr int kPromptQueries = 128;
+
+}  // namespace
+
+void prompt_attention(const PromptAttentionArgs& a, Isa isa) {
+  if (a.B <= 0 || a.nkv <= 0 || a.G <= 0 || a.L <= 0 || a.S < a.L || a.hd <= 0) return;
+  const SoftmaxRowFn softmax_row = row_fn(isa);
+  const int qb = (int)std::max<long>(
+      1, std::min<long>(kPromptQueries, kPromptScores / ((long)a.G * a.S)));
+  const int blocks = (a.L + qb - 1) / qb;
+  const long rows_per_head = (long)a.G * a.L;
+  const size_t elem = a.bits == 16 ? 2 : 4;
+  // Unit u: a block of one key head; the later blocks (more keys) first,
+  // so that the threads finish together.
+  auto unit = [&](int u) {
+    const int blk = blocks - 1 - u % blocks, head = u / blocks;
+    const int b = head / a.nkv, h = head % a.nkv;
+    const int at = blk * qb, lb = std::min(qb, a.L - at), rows = a.G * lb;
+    const int end = a.S - a.L + at + lb;  // keys the block's last query sees
+    thread_local std::vector<float> qs, scores, os;
+    qs.resize((size_t)rows * a.hd);
+    scores.resize((size_t)rows * end);
+    os.resize((size_t)rows * a.hd);
+    const float* q = a.q + (size_t)head * rows_per_head * a.hd;
+    for (int g = 0; g < a.G; ++g)
+      std::memcpy(qs.data() + (size_t)g * lb * a.hd, q + ((size_t)g * a.L + at) * a.hd,
+                  sizeof(float) * lb * a.hd);
+    const size_t first = (size_t)b * a.batch_stride + (size_t)h * a.head_stride;
+    const void* keys = static_cast<const uint8_t*>(a.keys) + first * elem;
+    const void* values = static_cast<const uint8_t*>(a.values) + first * elem;
+    auto operand_b = [&](GemmArgs& g, const void* p) {
+      if (a.bits == 16)
+        g.b16 = static_cast<const uint16_t*>(p);
+      else
+        g.b = static_cast<const float*>(p);
+    };
+    GemmArgs s{false, true, rows, end, a.hd, 1.0f, qs.data(), a.hd,
+               nullptr, a.hd, 0.0f, scores.data(), end};
+    operand_b(s, keys);
+    sgemm(s, isa, 1);
+    for (int r = 0; r < rows; ++r) {
+      float* row = scores.data() + (size_t)r * end;
+      softmax_row(row, row, a.S - a.L + at + r % lb + 1, end);
+    }
+    GemmArgs o{false, false, rows, a.hd, end, 1.0f, scores.data(), end,
+               nullptr, a.hd, 0.0f, os.data(), a.hd};
+    operand_b(o, values);
+    sgemm(o, isa, 1);
+    float* out = a.out + (size_t)head * rows_per_head * a.hd;
+    for (int g = 0; g < a.G; ++g)
+      std::memcpy(out + ((size_t)g * a.L + at) * a.hd, os.data() + (size_t)g * lb * a.hd,
+                  sizeof(float) * lb * a.hd);
+  };
+  const int units = a.B * a.nkv * blocks;
+  Pool& pool = Pool::shared();
+  if (pool.size() == 1 || units == 1)
+    for (int u = 0; u < units; ++u) unit(u);
+  else
+    pool.run(units, unit);
 }
 
 }  // namespace emlx

@@ -1,7 +1,7 @@
 // Elementwise float32 work of a forward pass that MLX's CPU backend runs on
-// one thread with a scalar exp, threaded over rows here: the causal softmax
-// of a prompt's attention, the MLP's SwiGLU and RMSNorm (which MLX's CPU
-// backend expands into seven nodes).
+// one thread with a scalar exp, threaded over rows here: the MLP's SwiGLU
+// and RMSNorm (which MLX's CPU backend expands into seven nodes); and the
+// attention built on the softmax rows, one token's and a prompt chunk's.
 #pragma once
 
 #include <cstddef>
@@ -11,17 +11,6 @@
 
 namespace emlx {
 
-struct SoftmaxArgs {
-  const float* x;  // [rows, S]
-  float* y;  // [rows, S]
-  long rows;
-  int S;
-  // Causal: row r is query r % L of L, which sees keys 0..S - L + r % L
-  // (the prompt's positions follow the S - L cached ones); the keys after
-  // it get weight 0. L = 0: every key is seen.
-  int L;
-};
-
 // Row r: y = exp(x - max) / sum over its seen keys, 0 for the others.
 using SoftmaxRowFn = void (*)(const float* x, float* y, int seen, int S);
 
@@ -29,8 +18,6 @@ void softmax_row_scalar(const float* x, float* y, int seen, int S);
 #if defined(__x86_64__)
 void softmax_row_avx512(const float* x, float* y, int seen, int S);
 #endif
-
-void softmax(const SoftmaxArgs& a, Isa isa, int max_threads);
 
 // y[r, i] = silu(x[r, i]) * x[r, F + i] for x [rows, 2F] (the gate and up
 // projections side by side), silu(g) = g * sigmoid(g), in MLX's order.
@@ -138,6 +125,23 @@ static inline void prefetch_lines(const void* p, long bytes) {
   const char* r = static_cast<const char*>(p);
   for (long b = 0; b < bytes; b += 64) __builtin_prefetch(r + b, 0, 3);
 }
+
+// A prompt chunk's causal attention, per key head: its G query heads' L
+// positions (the last L of S) against the S cached keys and values, in
+// blocks of queries whose scores stay in a per-thread buffer (no graph
+// node's fresh allocation, no float32 copy of a float16 cache). Each block
+// is two sgemm products and the softmax of each row over the keys it sees.
+struct PromptAttentionArgs {
+  const float* q;  // [B, nkv, G * L, hd], scaled; head g's L positions in turn
+  const void* keys;  // rows of hd float32 or float16 (bits), element strides:
+  const void* values;  // batch, head (a row's hd values contiguous)
+  long batch_stride, head_stride;
+  int bits;  // 32 or 16
+  int B, nkv, G, L, S, hd;
+  float* out;  // [B, nkv, G * L, hd]
+};
+
+void prompt_attention(const PromptAttentionArgs& a, Isa isa);
 
 // The attention variants' middle step: each of the G rows of scores [G, n]
 // softmaxed in place, and out [G, hd] zeroed for the weighted values.

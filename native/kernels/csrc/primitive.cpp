@@ -220,29 +220,63 @@ class GatheredQuantizedLinear : public KernelPrimitive {
   int bits_;
 };
 
-// Softmax over the last axis of a float32 array, causal over its rows when
-// `L` > 0 (see softmax.h). MLX's CPU softmax runs on one thread with a
-// scalar exp; a prompt's attention weights are most of its elementwise work.
-class CausalSoftmax : public KernelPrimitive {
+// A prompt chunk's causal attention (see PromptAttentionArgs): q [B, nkv,
+// G * L, hd] float32, scaled, and the cache's keys and values [B, nkv, S,
+// hd] (float32 or float16) -> [B, nkv, G * L, hd]. The keys and values are
+// read where they lie, a slice of the cache's buffers: only a view whose
+// rows are not contiguous is copied first.
+class PromptAttention : public KernelPrimitive {
  public:
-  CausalSoftmax(mx::Stream stream, int L) : KernelPrimitive(stream, "causal softmax"), L_(L) {}
+  PromptAttention(mx::Stream stream, int L) : KernelPrimitive(stream, "prompt attention"), L_(L) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    SoftmaxArgs args;
-    args.S = inputs[0].shape(-1);
-    args.rows = (long)(inputs[0].size() / args.S);
-    args.L = L_;
-    dispatch(inputs, out, [args](const Inputs& in, float* y) mutable {
-      args.x = floats(in[0]);
-      args.y = y;
-      softmax(args, selected_isa(), 0);
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    const int L = L_;
+    encoder.dispatch([inputs, L, y = out.data<float>()]() {
+      const auto& Q = inputs[0];
+      const auto& K = inputs[1];
+      std::vector<uint8_t> q_held, k_held, v_held;
+      if (!Q.flags().row_contiguous) q_held = packed(Q);
+      PromptAttentionArgs a;
+      a.q = q_held.empty() ? Q.data<float>() : reinterpret_cast<const float*>(q_held.data());
+      a.B = K.shape(0);
+      a.nkv = K.shape(1);
+      a.S = K.shape(2);
+      a.hd = K.shape(3);
+      a.G = Q.shape(2) / L;
+      a.L = L;
+      a.bits = K.dtype() == mx::float16 ? 16 : 32;
+      // Rows of hd contiguous values at the same strides in both, or copies.
+      auto rows_in_place = [&](const mx::array& x) {
+        const auto& st = x.strides();
+        return st[3] == 1 && (st[2] == a.hd || x.shape(2) == 1) &&
+               st == inputs[1].strides() && st == inputs[2].strides();
+      };
+      if (rows_in_place(K) && rows_in_place(inputs[2])) {
+        a.keys = K.data<uint8_t>();
+        a.values = inputs[2].data<uint8_t>();
+        a.batch_stride = K.strides()[0];
+        a.head_stride = K.strides()[1];
+      } else {
+        k_held = packed(K);
+        v_held = packed(inputs[2]);
+        a.keys = k_held.data();
+        a.values = v_held.data();
+        a.head_stride = (long)a.S * a.hd;
+        a.batch_stride = a.head_stride * a.nkv;
+      }
+      a.out = y;
+      prompt_attention(a, selected_isa());
     });
   }
 
-  const char* name() const override { return "CausalSoftmax"; }
+  const char* name() const override { return "PromptAttention"; }
 
   bool is_equivalent(const mx::Primitive& other) const override {
-    return L_ == static_cast<const CausalSoftmax&>(other).L_;
+    return L_ == static_cast<const PromptAttention&>(other).L_;
   }
 
  private:
@@ -546,25 +580,34 @@ int emlx_kernels_rows_to_ids(emlx_mlx_array* out, emlx_mlx_array x, emlx_rows_fn
       });
 }
 
-// Builds the softmax of `x` over its last axis (causal over `L` queries when
-// `L` > 0) with our primitive into *out. Returns 1 when built, 0 when not
-// ours (GPU stream, kernels off, not float32, shapes), -1 on an error.
-int emlx_kernels_causal_softmax(emlx_mlx_array* out, emlx_mlx_array x, int L,
-                                emlx_mlx_stream stream, char* err, size_t err_len) {
+// Builds a prompt chunk's causal attention with our primitive into *out:
+// q [B, nkv, G * L, hd] float32 (scaled; query head g's L positions in
+// turn, the last L of the S positions), keys and values [B, nkv, S, hd]
+// float32 or float16. Returns 1 when built, 0 when not ours (GPU stream,
+// kernels off, dtypes, shapes), -1 on an error.
+int emlx_kernels_prompt_attention(emlx_mlx_array* out, emlx_mlx_array q, emlx_mlx_array keys,
+                                  emlx_mlx_array values, int L, emlx_mlx_stream stream, char* err,
+                                  size_t err_len) {
   return emlx::build_node(
-      "causal softmax", out, x.ctx, stream, err, err_len,
+      "prompt attention", out, q.ctx && keys.ctx && values.ctx, stream, err, err_len,
       [&](const mx::Stream& s) -> std::optional<mx::array> {
-        const auto& X = emlx::array_of(x);
-        if (X.dtype() != mx::float32 || X.ndim() < 1 || X.size() == 0) return {};
-        const long S = X.shape(-1);
-        const long rows = (long)(X.size() / S);
-        if (L < 0 || L > S || (L > 0 && rows % L != 0) || S > (1L << 30)) return {};
-        return mx::array(X.shape(), mx::float32, std::make_shared<emlx::CausalSoftmax>(s, L), {X});
+        const auto& Q = emlx::array_of(q);
+        const auto& K = emlx::array_of(keys);
+        const auto& V = emlx::array_of(values);
+        if (Q.dtype() != mx::float32 || Q.ndim() != 4 || K.ndim() != 4 || V.shape() != K.shape() ||
+            V.dtype() != K.dtype() || (K.dtype() != mx::float32 && K.dtype() != mx::float16))
+          return {};
+        if (L <= 0 || Q.shape(0) != K.shape(0) || Q.shape(1) != K.shape(1) ||
+            Q.shape(3) != K.shape(3) || Q.shape(2) % L != 0 || K.shape(2) < L ||
+            (long)K.shape(2) * Q.shape(2) / L > (1L << 30) || Q.size() == 0)
+          return {};
+        return mx::array(Q.shape(), mx::float32, std::make_shared<emlx::PromptAttention>(s, L),
+                         {Q, K, V});
       });
 }
 
 // Builds silu(x[..., :F]) * x[..., F:] for x [..., 2F] with our primitive
-// into *out; returns as emlx_kernels_causal_softmax does.
+// into *out; returns as emlx_kernels_prompt_attention does.
 int emlx_kernels_swiglu(emlx_mlx_array* out, emlx_mlx_array x, emlx_mlx_stream stream, char* err,
                         size_t err_len) {
   return emlx::build_node(
@@ -648,10 +691,28 @@ int emlx_kernels_swiglu_raw(const float* x, float* y, long rows, int F, int isa,
   });
 }
 
-// The softmax on plain buffers with a chosen variant and thread count.
-int emlx_kernels_softmax(const float* x, float* y, long rows, int S, int L, int isa, int threads) {
+// A prompt chunk's attention on plain buffers (q [B, nkv, G * L, hd], keys
+// and values [B, nkv, S, hd], float32 or float16 by `bits`) with a chosen
+// variant.
+int emlx_kernels_prompt_attention_raw(const float* q, const void* keys, const void* values,
+                                      int bits, float* out, int B, int nkv, int G, int L, int S,
+                                      int hd, int isa) {
   return emlx::run_raw(isa, [&](emlx::Isa v) {
-    emlx::softmax(emlx::SoftmaxArgs{x, y, rows, S, L}, v, threads);
+    emlx::PromptAttentionArgs a;
+    a.q = q;
+    a.keys = keys;
+    a.values = values;
+    a.head_stride = (long)S * hd;
+    a.batch_stride = a.head_stride * nkv;
+    a.bits = bits;
+    a.B = B;
+    a.nkv = nkv;
+    a.G = G;
+    a.L = L;
+    a.S = S;
+    a.hd = hd;
+    a.out = out;
+    emlx::prompt_attention(a, v);
   });
 }
 

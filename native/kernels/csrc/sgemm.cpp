@@ -61,7 +61,8 @@ constexpr int kRowAlign = 12;
 void sgemm(const GemmArgs& g, int isa, int max_threads) {
   if (g.M <= 0 || g.N <= 0) return;
   const bool small = g.M <= kSmallRows;
-  const GemmColsFn fn = gemm_for(isa, small);
+  // The unpacked few-row kernels read float32 B only.
+  const GemmColsFn fn = g.b16 && small ? gemm_reference : gemm_for(isa, small);
   // beta applied by each part to its own block of C, not in a pass over all
   // of C on one thread first (BLAS: C is not read when beta is 0).
   auto scale_c = [&g](int i0, int i1, int n0, int n1) {

@@ -22,11 +22,12 @@
 //! ones, unchanged.
 //! See [`Activations`] and `csrc/qmm_int8.cpp` for the algebra.
 //!
-//! Two elementwise steps that MLX's CPU backend runs on one thread with a
-//! scalar exp are primitives here too, threaded and vectorized:
-//! [`causal_softmax`] (a prompt's attention weights) and [`swiglu`] (the
-//! MLP's activation); [`rms_norm`] and [`norm_rope`] are one node each
-//! where MLX builds seven and about ten. A one-token step's whole layer is
+//! A prompt chunk's causal attention is one node, [`prompt_attention`]
+//! (blocks of queries through the dense product and a vectorized softmax,
+//! reading a float16 cache as stored). [`swiglu`] (the MLP's activation),
+//! which MLX's CPU backend runs on one thread with a scalar exp, is a
+//! threaded, vectorized primitive too; [`rms_norm`] and [`norm_rope`] are
+//! one node each where MLX builds seven and about ten. A one-token step's whole layer is
 //! two nodes, [`decode_qkv`] and [`decode_layer_rest`], around the cache's
 //! update.
 
@@ -140,9 +141,11 @@ extern "C" {
         isa: c_int,
         threads: c_int,
     ) -> c_int;
-    fn emlx_kernels_causal_softmax(
+    fn emlx_kernels_prompt_attention(
         out: *mut Handle,
-        x: Handle,
+        q: Handle,
+        keys: Handle,
+        values: Handle,
         queries: c_int,
         stream: Handle,
         err: *mut c_char,
@@ -165,14 +168,20 @@ extern "C" {
         hd: c_int,
         isa: c_int,
     ) -> c_int;
-    fn emlx_kernels_softmax(
-        x: *const f32,
-        y: *mut f32,
-        rows: std::ffi::c_long,
+    #[allow(clippy::too_many_arguments)]
+    fn emlx_kernels_prompt_attention_raw(
+        q: *const f32,
+        keys: *const std::ffi::c_void,
+        values: *const std::ffi::c_void,
+        bits: c_int,
+        out: *mut f32,
+        b: c_int,
+        nkv: c_int,
+        g: c_int,
+        l: c_int,
         s: c_int,
-        queries: c_int,
+        hd: c_int,
         isa: c_int,
-        threads: c_int,
     ) -> c_int;
     #[allow(clippy::too_many_arguments)]
     fn emlx_kernels_rows_to_ids(
@@ -463,19 +472,34 @@ pub fn gathered_quantized_linear(
     })
 }
 
-/// Softmax of `x` (float32) over its last axis as a lazy MLX array computed
-/// by our kernels (threaded over rows, vectorized exp), on the calling
-/// thread's default stream. `queries` > 0 makes it causal: `x`'s rows are
-/// groups of `queries` consecutive query positions that follow
-/// `S - queries` earlier keys (`S` the last axis), and row `i` of a group
-/// sees keys `0..=S - queries + i`; the keys after get weight 0, as MLX's
-/// attention with a causal mask gives them. `Ok(None)` when the case is not
-/// ours (kernels turned off, a GPU stream, another dtype, `queries` not
-/// dividing the rows): the caller then uses MLX's ops.
-pub fn causal_softmax(x: &Array, queries: i32) -> Result<Option<Array>, KernelError> {
+/// A prompt chunk's causal attention as a lazy MLX array computed by our
+/// kernels, on the calling thread's default stream: `q` `[B, kv_heads,
+/// G * queries, head_dim]` float32, already scaled (each of a key head's
+/// `G` query heads' `queries` positions in turn, the last `queries` of the
+/// cache's `S`), `keys`/`values` `[B, kv_heads, S, head_dim]` float32 or
+/// float16 (a slice of the cache's buffers, read in place) ->
+/// `[B, kv_heads, G * queries, head_dim]`. Query `i` sees keys `0..=S -
+/// queries + i`, as MLX's attention with a causal mask. `Ok(None)` when the
+/// case is not ours (kernels turned off, a GPU stream, dtypes, shapes): the
+/// caller then uses MLX's ops.
+pub fn prompt_attention(
+    q: &Array,
+    keys: &Array,
+    values: &Array,
+    queries: i32,
+) -> Result<Option<Array>, KernelError> {
     // SAFETY: see `node`.
     node(|out, stream, err, n| unsafe {
-        emlx_kernels_causal_softmax(out, handle(x), queries, stream, err, n)
+        emlx_kernels_prompt_attention(
+            out,
+            handle(q),
+            handle(keys),
+            handle(values),
+            queries,
+            stream,
+            err,
+            n,
+        )
     })
 }
 
@@ -1049,43 +1073,84 @@ pub fn attend_with(
     ran(status, isa, Some("attend"))
 }
 
-/// [`causal_softmax`] on plain buffers (`x` and `y` of `rows * keys`) with a
-/// chosen variant and at most `max_threads` threads (0: the whole pool);
-/// `queries` 0 for a plain softmax. For tests and benchmarks.
-pub fn softmax_with(
+/// The shape of a [`prompt_attention_with`] call: `batch` rows of
+/// `kv_heads` key heads, `group` query heads per key head, `queries` query
+/// positions (the last of `keys`), heads of `head_dim`.
+#[derive(Debug, Clone, Copy)]
+pub struct PromptShape {
+    pub batch: usize,
+    pub kv_heads: usize,
+    pub group: usize,
+    pub queries: usize,
+    pub keys: usize,
+    pub head_dim: usize,
+}
+
+/// [`prompt_attention`] on plain buffers with a chosen variant: `q`
+/// `[batch, kv_heads, group * queries, head_dim]` (already scaled), keys and
+/// values [`KeysValues::F32`] or [`KeysValues::F16`] `[batch, kv_heads,
+/// keys, head_dim]`, `out` shaped as `q`. For tests and benchmarks.
+pub fn prompt_attention_with(
     isa: Isa,
-    max_threads: usize,
-    x: &[f32],
-    keys: usize,
-    queries: usize,
-    y: &mut [f32],
+    q: &[f32],
+    kv: KeysValues<'_>,
+    shape: PromptShape,
+    out: &mut [f32],
 ) -> Result<(), KernelError> {
-    if keys == 0 || !x.len().is_multiple_of(keys) || y.len() != x.len() {
+    let PromptShape {
+        batch,
+        kv_heads,
+        group,
+        queries,
+        keys,
+        head_dim,
+    } = shape;
+    let (k, v, _, bits, _, len) = match kv {
+        KeysValues::F32(k, v) => plain_kv(k, v, 32),
+        KeysValues::F16(k, v) => plain_kv(k, v, 16),
+        KeysValues::Quantized { .. } => {
+            return Err(KernelError(
+                "prompt attention: float32 or float16 keys and values only".into(),
+            ))
+        }
+    };
+    let rows = batch * kv_heads * group * queries * head_dim;
+    let cache = batch * kv_heads * keys * head_dim;
+    let int = |n: usize| i32::try_from(n).ok().filter(|&n| n > 0);
+    let dims = [batch, kv_heads, group, queries, keys, head_dim].map(int);
+    if q.len() != rows || out.len() != rows || len != (cache, cache) || queries > keys {
         return Err(KernelError(format!(
-            "softmax: {} inputs and {} outputs for rows of {keys}",
-            x.len(),
-            y.len()
+            "prompt attention: buffers of {} queries, {} keys, {} values and {} outputs \
+             do not fit {shape:?}",
+            q.len(),
+            len.0,
+            len.1,
+            out.len()
         )));
     }
-    let rows = x.len() / keys;
-    if queries > keys || (queries > 0 && !rows.is_multiple_of(queries)) {
+    let [Some(b), Some(nkv), Some(g), Some(l), Some(s), Some(hd)] = dims else {
         return Err(KernelError(format!(
-            "softmax: {queries} queries for {rows} rows of {keys} keys"
+            "prompt attention: {shape:?} has an empty or too large side"
         )));
-    }
-    // SAFETY: both buffers hold rows * keys floats, checked above.
+    };
+    // SAFETY: every buffer holds the elements the shape names, checked above.
     let status = unsafe {
-        emlx_kernels_softmax(
-            x.as_ptr(),
-            y.as_mut_ptr(),
-            rows as std::ffi::c_long,
-            keys as c_int,
-            queries as c_int,
+        emlx_kernels_prompt_attention_raw(
+            q.as_ptr(),
+            k,
+            v,
+            bits,
+            out.as_mut_ptr(),
+            b,
+            nkv,
+            g,
+            l,
+            s,
+            hd,
             isa as c_int,
-            max_threads as c_int,
         )
     };
-    ran(status, isa, None)
+    ran(status, isa, Some("prompt attention"))
 }
 
 /// A bfloat16 value as stored (its bits), for scales and biases read as

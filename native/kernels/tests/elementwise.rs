@@ -1,150 +1,16 @@
-//! The elementwise kernels against MLX: the softmax, plain and causal (MLX's
-//! attention mask, `where(q + offset >= k, scores, min)` then a precise
-//! softmax), the MLP's SwiGLU, RMSNorm, and per-head norm with RoPE; every variant, lengths that the 16-wide
-//! vectors do not divide, the MLX primitives on lazily computed strided
-//! inputs, and the cases they decline.
+//! The elementwise kernels against MLX: the MLP's SwiGLU, RMSNorm, and
+//! per-head norm with RoPE; every variant, lengths that the 16-wide vectors
+//! do not divide, the MLX primitives on lazily computed strided inputs, and
+//! the cases they decline. (The softmax rows are tested with the attention
+//! that uses them, `attend.rs`.)
 
 mod common;
 
 use common::{on_cpu, rel_err};
-use emlx_axon_kernels::{
-    causal_softmax, norm_rope, rms_norm, rms_norm_with, softmax_with, swiglu, swiglu_with, Isa,
-};
+use emlx_axon_kernels::{norm_rope, rms_norm, rms_norm_with, swiglu, swiglu_with, Isa};
 use mlx_rs::ops::indexing::IndexOp;
-use mlx_rs::ops::{arange, select, softmax_axis};
 use mlx_rs::random::{key, normal};
 use mlx_rs::Array;
-
-/// MLX's softmax of `x` `[rows, keys]`, causal over groups of `queries`
-/// rows (0: plain), as MLX's attention computes it.
-fn expected(x: &Array, queries: i32) -> Vec<f32> {
-    let keys = x.dim(-1);
-    let y = if queries == 0 {
-        softmax_axis(x, -1, true).unwrap()
-    } else {
-        let rows = x.dim(0);
-        let q = arange::<_, i32>(0, queries, None)
-            .unwrap()
-            .reshape(&[1, queries, 1])
-            .unwrap()
-            .add(Array::from_int(keys - queries))
-            .unwrap();
-        let k = arange::<_, i32>(0, keys, None)
-            .unwrap()
-            .reshape(&[1, 1, keys])
-            .unwrap();
-        let seen = q.ge(&k).unwrap();
-        let scores = x.reshape(&[rows / queries, queries, keys]).unwrap();
-        let masked = select(&seen, &scores, Array::from_f32(f32::MIN)).unwrap();
-        softmax_axis(&masked, -1, true)
-            .unwrap()
-            .reshape(&[rows, keys])
-            .unwrap()
-    };
-    y.eval().unwrap();
-    y.as_slice::<f32>().to_vec()
-}
-
-fn worst(ours: &[f32], theirs: &[f32]) -> f32 {
-    assert_eq!(ours.len(), theirs.len());
-    ours.iter()
-        .zip(theirs)
-        .fold(0f32, |m, (a, b)| m.max((a - b).abs() / b.abs().max(1e-30)))
-}
-
-#[test]
-fn every_variant_matches_mlx_softmax() {
-    on_cpu(|| {
-        let mut checked = 0;
-        for (rows, keys, queries) in [
-            (6, 1, 0),
-            (5, 37, 0),
-            (64, 300, 0),
-            (12, 5, 3),
-            (48, 45, 12),
-            (2 * 16 * 130, 130, 130),
-            (8 * 64, 200, 64),
-        ] {
-            let x = normal::<f32>(
-                &[rows, keys][..],
-                None,
-                4.0,
-                &key(rows as u64 + keys as u64).unwrap(),
-            )
-            .unwrap();
-            x.eval().unwrap();
-            let theirs = expected(&x, queries);
-            for isa in Isa::ALL.into_iter().filter(|i| i.supported()) {
-                for threads in [1, 0] {
-                    let mut y = vec![f32::NAN; (rows * keys) as usize];
-                    softmax_with(
-                        isa,
-                        threads,
-                        x.as_slice(),
-                        keys as usize,
-                        queries as usize,
-                        &mut y,
-                    )
-                    .unwrap();
-                    // Relative to each weight (MLX's exp and ours differ by
-                    // a few ulps); masked keys must be exactly 0 in both.
-                    let err = worst(&y, &theirs);
-                    assert!(
-                        err < 1e-5,
-                        "{isa:?} threads={threads} rows={rows} keys={keys} queries={queries}: {err}"
-                    );
-                    checked += 1;
-                }
-            }
-        }
-        assert!(checked >= 7 * 2);
-    })
-}
-
-#[test]
-fn mlx_primitive_matches_on_a_strided_input() {
-    on_cpu(|| {
-        // [heads, queries, keys] scores read through a transpose.
-        let x = normal::<f32>(&[70, 4, 9][..], None, 3.0, &key(5).unwrap()).unwrap();
-        let strided = x.transpose_axes(&[1, 0, 2]).unwrap().index((.., 1.., ..));
-        let y = causal_softmax(&strided, 6)
-            .unwrap()
-            .expect("a CPU float32 softmax is ours");
-        assert_eq!(y.shape(), &[4, 69, 9]);
-        y.eval().unwrap();
-        let flat = strided.reshape(&[4 * 69, 9]).unwrap();
-        let err = worst(y.as_slice(), &expected(&flat, 0));
-        assert!(
-            err > 1e-3,
-            "a causal softmax differs from a plain one: {err}"
-        );
-        let plain = causal_softmax(&strided, 0).unwrap().unwrap();
-        plain.eval().unwrap();
-        let err = worst(plain.as_slice(), &expected(&flat, 0));
-        assert!(err < 1e-5, "{err}");
-        // Causal over groups of 3 queries of 9 keys: 276 rows.
-        let y = causal_softmax(&strided, 3).unwrap().unwrap();
-        y.eval().unwrap();
-        let theirs = expected(&flat, 3);
-        let err = worst(y.as_slice(), &theirs);
-        assert!(err < 1e-5, "{err}");
-    })
-}
-
-#[test]
-fn declines_what_it_does_not_take() {
-    on_cpu(|| {
-        let x = normal::<f32>(&[10, 8][..], None, None, &key(9).unwrap()).unwrap();
-        // 10 rows are not groups of 4 queries; more queries than keys.
-        assert!(causal_softmax(&x, 4).unwrap().is_none());
-        assert!(causal_softmax(&x, 9).unwrap().is_none());
-        let half = x.as_dtype(mlx_rs::Dtype::Float16).unwrap();
-        assert!(causal_softmax(&half, 0).unwrap().is_none());
-        let mut y = vec![0.0; 80];
-        assert!(softmax_with(Isa::Scalar, 1, &vec![0.0; 80], 8, 3, &mut y).is_err());
-        assert!(softmax_with(Isa::Scalar, 1, &vec![0.0; 79], 8, 0, &mut y).is_err());
-    })
-}
 
 /// MLX's `(g * sigmoid(g)) * up` for `x` `[rows, 2F]`.
 fn expected_swiglu(x: &Array, f: i32) -> Vec<f32> {

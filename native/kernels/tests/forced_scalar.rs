@@ -5,11 +5,11 @@
 mod common;
 
 use common::on_cpu;
-use emlx_axon_kernels::{causal_softmax, quantized_linear, swiglu, Isa};
+use emlx_axon_kernels::{prompt_attention, quantized_linear, swiglu, Isa};
+use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
 use mlx_rs::ops::indexing::IndexOp;
-use mlx_rs::ops::{arange, quantize, quantized_matmul, select, sigmoid, softmax_axis};
+use mlx_rs::ops::{quantize, quantized_matmul, sigmoid};
 use mlx_rs::random::{key, normal};
-use mlx_rs::Array;
 
 #[test]
 fn forced_scalar_variant_matches_mlx() {
@@ -33,31 +33,27 @@ fn forced_scalar_variant_matches_mlx() {
                 .fold(0f32, |a, (p, q)| a.max((p - q).abs() / scale));
             assert!(worst < 1e-5, "bits={bits} group={group} m={m}: {worst}");
         }
-        // The elementwise primitives too: a causal softmax of 2 heads x 5
-        // queries over 7 keys, and a SwiGLU.
-        let scores = normal::<f32>(&[10, 7][..], None, 3.0, &key(3).unwrap()).unwrap();
-        let ours = causal_softmax(&scores, 5).unwrap().unwrap();
-        let q = arange::<_, i32>(2, 7, None)
-            .unwrap()
-            .reshape(&[1, 5, 1])
-            .unwrap();
-        let k = arange::<_, i32>(0, 7, None)
-            .unwrap()
-            .reshape(&[1, 1, 7])
-            .unwrap();
-        let masked = select(
-            q.ge(&k).unwrap(),
-            scores.reshape(&[2, 5, 7]).unwrap(),
-            Array::from_f32(f32::MIN),
+        // The prompt attention and the SwiGLU too: 2 key heads of 2 query
+        // heads, 5 queries after 2 cached keys, against MLX's attention.
+        let q = normal::<f32>(&[1, 2, 2 * 5, 16][..], None, 0.5, &key(3).unwrap()).unwrap();
+        let kv = normal::<f32>(&[1, 2, 7, 16][..], None, None, &key(5).unwrap()).unwrap();
+        let ours = prompt_attention(&q, &kv, &kv, 5).unwrap().unwrap();
+        let heads = q.reshape(&[1, 4, 5, 16]).unwrap();
+        let theirs = scaled_dot_product_attention(
+            &heads,
+            &kv,
+            &kv,
+            1.0,
+            ScaledDotProductAttentionMask::Causal,
+            None,
         )
         .unwrap();
-        let theirs = softmax_axis(&masked, -1, true).unwrap();
         let worst = ours
             .as_slice::<f32>()
             .iter()
             .zip(theirs.as_slice::<f32>())
             .fold(0f32, |a, (p, q)| a.max((p - q).abs()));
-        assert!(worst < 1e-6, "softmax: {worst}");
+        assert!(worst < 1e-5, "prompt attention: {worst}");
         let x = normal::<f32>(&[3, 2 * 50][..], None, 2.0, &key(4).unwrap()).unwrap();
         let ours = swiglu(&x).unwrap().unwrap();
         let (gate, up) = (x.index((.., ..50)), x.index((.., 50..)));

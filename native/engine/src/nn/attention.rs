@@ -250,11 +250,6 @@ impl Attention {
         };
         let v = heads_first(heads.index((.., .., nq + nkv.., ..)))?;
         let (keys, values) = match cache.update(layer, &k, &v)? {
-            // A cache of another dtype than the pass's (`kv_dtype`) is read
-            // in the pass's.
-            KvView::Dense(keys, values) if keys.dtype() != v.dtype() => {
-                (keys.as_dtype(v.dtype())?, values.as_dtype(v.dtype())?)
-            }
             KvView::Dense(keys, values) => (keys, values),
             KvView::Quantized {
                 keys,
@@ -271,15 +266,25 @@ impl Attention {
                 return self.o.forward(&out, workers);
             }
         };
+        // A cache of another dtype than the pass's (`kv_dtype`) is read in
+        // the pass's: by the prompt attention kernel as stored, elsewhere
+        // through a float32 copy.
+        let as_pass = |a: Array| -> Result<Array> {
+            Ok(if a.dtype() == v.dtype() {
+                a
+            } else {
+                a.as_dtype(v.dtype())?
+            })
+        };
         let q = match rope {
             Rope::Table { .. }
                 if matches!(mask, AttentionMask::None)
                     || (matches!(mask, AttentionMask::Causal) && l > 1) =>
             {
-                // Without our causal softmax (another dtype, kernels off),
+                // Without our prompt attention (another dtype, kernels off),
                 // MLX's attention with its mask below.
                 let causal = matches!(mask, AttentionMask::Causal);
-                match self.on_cpu(c, &q, &keys, &values, causal)? {
+                match self.on_cpu(c, &q, &keys, &values, causal, as_pass)? {
                     Some(out) => return self.o.forward(&out, workers),
                     None => heads_first(q)?,
                 }
@@ -287,6 +292,7 @@ impl Attention {
             Rope::Table { .. } => heads_first(q)?,
             Rope::Fused { .. } => q,
         };
+        let (keys, values) = (as_pass(keys)?, as_pass(values)?);
         let out = attend(&q, &keys, &values, mask)?
             .transpose_axes(&[0, 2, 1, 3])?
             .reshape(&[b, l, nq * hd])?;
@@ -297,10 +303,10 @@ impl Attention {
     /// computes it (scale the queries, scores, masked precise softmax,
     /// weighted values), with each key head's query heads folded into the
     /// rows of one product rather than a product per query head: `q`
-    /// `[B, L, nq, hd]`, `keys`/`values` `[B, nkv, S, hd]` -> `[B, L, nq * hd]`.
-    /// One token needs no transposes. The causal softmax is our kernel
-    /// (MLX's runs on one thread with a scalar exp: a third of a 512-token
-    /// prompt's time), which gives the masked keys weight 0 as MLX's mask does.
+    /// `[B, L, nq, hd]`, `keys`/`values` `[B, nkv, S, hd]` (the cache's
+    /// dtype; `as_pass` gives the pass's) -> `[B, L, nq * hd]`. One token
+    /// needs no transposes. A causal prompt chunk is our kernel's one node,
+    /// which reads the cache where it lies, float16 included.
     fn on_cpu(
         &self,
         c: &ModelConfig,
@@ -308,6 +314,7 @@ impl Attention {
         keys: &Array,
         values: &Array,
         causal: bool,
+        as_pass: impl Fn(Array) -> Result<Array>,
     ) -> Result<Option<Array>> {
         let (b, l) = (q.dim(0), q.dim(1));
         let (nq, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
@@ -322,33 +329,15 @@ impl Attention {
         } else {
             self.scale.multiply(&q)?
         };
-        let out = if causal && l > QUERY_BLOCK {
-            // [B, nkv, rep, L, hd]: a block's queries are a slice of L.
-            let rep = nq / nkv;
-            let q = q.reshape(&[b, nkv, rep, l, hd])?;
-            let s = keys.dim(2);
-            let mut blocks = Vec::new();
-            for at in (0..l).step_by(QUERY_BLOCK as usize) {
-                let lb = QUERY_BLOCK.min(l - at);
-                let qb = q
-                    .index((.., .., .., at..at + lb, ..))
-                    .reshape(&[b, nkv, rep * lb, hd])?;
-                // The block's last query sees keys up to here.
-                let end = s - l + at + lb;
-                let keys = keys.index((.., .., ..end, ..));
-                let values = values.index((.., .., ..end, ..));
-                let Some(out) = causal_attend(&qb, &keys, &values, lb)? else {
-                    return Ok(None);
-                };
-                blocks.push(out.reshape(&[b, nkv, rep, lb, hd])?);
-            }
-            concatenate(&blocks, 3)?
-        } else if causal {
-            match causal_attend(&q, keys, values, l)? {
+        let out = if causal {
+            let attended = emlx_axon_kernels::prompt_attention(&q, keys, values, l)
+                .map_err(|e| crate::error::Error::Mlx(e.to_string()))?;
+            match attended {
                 Some(out) => out,
                 None => return Ok(None),
             }
         } else {
+            let (keys, values) = (as_pass(keys.clone())?, as_pass(values.clone())?);
             let scores = matmul(&q, keys.swap_axes(-1, -2)?)?;
             matmul(&softmax_axis(&scores, -1, true)?, values)?
         };
@@ -360,23 +349,6 @@ impl Attention {
                 .reshape(&[b, l, nq * hd])?
         }))
     }
-}
-
-/// Queries a prompt chunk attends at a time on CPU: a block's scores end at
-/// its last query's key, so the masked keys past it are never multiplied,
-/// and its score buffers are a fraction of the chunk's (whose allocation and
-/// first touch cost as much as a tenth of a long prompt's time).
-const QUERY_BLOCK: i32 = 128;
-
-/// `q` `[B, nkv, rep * l, hd]` (each query head's `l` positions in turn, the
-/// last `l` of the keys' positions) against `keys`/`values` `[B, nkv, S,
-/// hd]`, causally: our softmax kernel gives the masked keys weight 0 as
-/// MLX's mask does. `None` where the kernel does not take it.
-fn causal_attend(q: &Array, keys: &Array, values: &Array, l: i32) -> Result<Option<Array>> {
-    let scores = matmul(q, keys.swap_axes(-1, -2)?)?;
-    let weights = emlx_axon_kernels::causal_softmax(&scores, l)
-        .map_err(|e| crate::error::Error::Mlx(e.to_string()))?;
-    weights.map(|w| Ok(matmul(&w, values)?)).transpose()
 }
 
 /// Attention over a quantized cache as mlx-lm computes it
