@@ -283,7 +283,8 @@ void rms_norm(const RmsNormArgs& a, Isa isa, int max_threads) {
 namespace {
 
 // A block's scores buffer holds at most this many floats (8 MB), which
-// bounds the queries of a block at long contexts.
+// bounds the queries of a block at long contexts. Each thread keeps its
+// buffers between calls: fresh ones cost page faults and zeroing.
 constexpr long kPromptScores = 1L << 21;
 // Queries per block at most: the products' rows are G times as many.
 constexpr int kPromptQueries = 128;
