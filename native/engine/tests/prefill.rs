@@ -83,3 +83,33 @@ fn a_prompt_at_once_in_chunks_and_token_by_token_gives_the_same_logits() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// A prompt long enough sends the larger products of a checkpoint 1,024
+/// wide through the dequantized weights on a CUDA GPU (the q/k/v and
+/// gate/up products of 1,100 rows; `prefill::dequantizes`), while chunks of
+/// 256 tokens keep MLX's quantized product: both give the same logits (on
+/// the CPU both are the engine's own product).
+#[test]
+fn a_long_prompt_at_once_gives_the_logits_of_its_chunks() {
+    use emlx_axon_engine::backend::cuda::prefill::dequantizes;
+    let prompt: Vec<u32> = (0..1100u32).map(|i| (i * 7919 + 13) % 1000).collect();
+    let model = load_f32("qwen3-wide");
+    let c = &model.config;
+    let qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
+    let gate_up = 2 * c.intermediate_size;
+    for outputs in [qkv, gate_up] {
+        assert!(dequantizes(prompt.len(), outputs, c.hidden_size));
+        assert!(!dequantizes(256, outputs, c.hidden_size));
+    }
+    let at_once = logits_in_chunks(&model, &prompt, prompt.len());
+    let chunked = logits_in_chunks(&model, &prompt, 256);
+    let scale = at_once.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let worst = at_once
+        .iter()
+        .zip(&chunked)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(
+        worst <= 1e-3 * scale,
+        "the prompt in parts of 256 moved the logits by {worst} (of {scale})"
+    );
+}

@@ -144,14 +144,30 @@ impl Weight {
                 biases,
                 spec,
             } => {
+                if dequantized_on_gpu(x.dim(-1), spec, crate::runtime::device::on_cpu_stream) {
+                    return self.apply_dequantized(x);
+                }
                 // MLX's op wants scales in the activations' dtype.
                 let (scales, biases) = (as_dtype_of(scales, x)?, as_dtype_of(biases, x)?);
-                if dequantized_on_gpu(x.dim(-1), spec, crate::runtime::device::on_cpu_stream) {
-                    let dense = dequantize(w, &scales, &biases, spec.group_size, spec.bits)?;
-                    matmul(x, dense.t())?
-                } else {
-                    quantized_matmul(x, w, &scales, &biases, true, spec.group_size, spec.bits)?
-                }
+                quantized_matmul(x, w, &scales, &biases, true, spec.group_size, spec.bits)?
+            }
+        })
+    }
+
+    /// `x @ W.T` through the weight dequantized in `x`'s dtype: a plain
+    /// matmul of the same weight values as `quantized_matmul`'s.
+    fn apply_dequantized(&self, x: &Array) -> Result<Array> {
+        Ok(match self {
+            Weight::Dense(w) => matmul(x, w.t())?,
+            Weight::Quantized {
+                w,
+                scales,
+                biases,
+                spec,
+            } => {
+                let (scales, biases) = (as_dtype_of(scales, x)?, as_dtype_of(biases, x)?);
+                let dense = dequantize(w, &scales, &biases, spec.group_size, spec.bits)?;
+                matmul(x, dense.t())?
             }
         })
     }
@@ -359,11 +375,25 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &Array, workers: Workers) -> Result<Array> {
-        let y = self.projection.apply(x, workers)?;
+        self.with_bias(self.projection.apply(x, workers)?)
+    }
+
+    /// [`Linear::forward`] as one matmul of the dequantized weight, whatever
+    /// the stream (the backends choose where that pays).
+    pub fn forward_dequantized(&self, x: &Array) -> Result<Array> {
+        self.with_bias(self.projection.weight.apply_dequantized(x)?)
+    }
+
+    fn with_bias(&self, y: Array) -> Result<Array> {
         Ok(match &self.bias {
             Some(b) => y.add(b)?,
             None => y,
         })
+    }
+
+    /// Outputs per row.
+    pub fn out_dim(&self) -> i32 {
+        self.projection.weight.rows()
     }
 
     pub fn arrays(&self) -> Vec<&Array> {
@@ -461,6 +491,41 @@ impl RmsNorm {
             &self.inv_dim,
             &self.eps_step,
         ]
+    }
+}
+
+/// A projection computed either way: by the stream's own quantized product
+/// or through the dequantized weight, for a backend that picks per product.
+pub trait Projects {
+    /// Outputs per row.
+    fn out_dim(&self) -> i32;
+    /// `x @ W.T`, plus the bias, with no worker streams.
+    fn project(&self, x: &Array) -> Result<Array>;
+    /// The same through the weight dequantized in `x`'s dtype.
+    fn project_dequantized(&self, x: &Array) -> Result<Array>;
+}
+
+impl Projects for Linear {
+    fn out_dim(&self) -> i32 {
+        Linear::out_dim(self)
+    }
+    fn project(&self, x: &Array) -> Result<Array> {
+        self.forward(x, &[])
+    }
+    fn project_dequantized(&self, x: &Array) -> Result<Array> {
+        self.forward_dequantized(x)
+    }
+}
+
+impl Projects for LinearGroup {
+    fn out_dim(&self) -> i32 {
+        LinearGroup::out_dim(self)
+    }
+    fn project(&self, x: &Array) -> Result<Array> {
+        self.forward(x, &[])
+    }
+    fn project_dequantized(&self, x: &Array) -> Result<Array> {
+        self.forward_dequantized(x)
     }
 }
 
@@ -573,16 +638,29 @@ impl LinearGroup {
 
     /// The members' outputs side by side: `[..., sum of widths]`.
     pub fn forward(&self, x: &Array, workers: Workers) -> Result<Array> {
+        self.side_by_side(|l| l.forward(x, workers))
+    }
+
+    /// [`LinearGroup::forward`] through the dequantized weights (see
+    /// [`Linear::forward_dequantized`]).
+    pub fn forward_dequantized(&self, x: &Array) -> Result<Array> {
+        self.side_by_side(|l| l.forward_dequantized(x))
+    }
+
+    /// `product` of each stored projection, side by side.
+    fn side_by_side(&self, product: impl Fn(&Linear) -> Result<Array>) -> Result<Array> {
         match &self.layout {
-            GroupLayout::Stacked(linear) => linear.forward(x, workers),
+            GroupLayout::Stacked(linear) => product(linear),
             GroupLayout::Apart(linears) => {
-                let parts = linears
-                    .iter()
-                    .map(|l| l.forward(x, workers))
-                    .collect::<Result<Vec<_>>>()?;
+                let parts = linears.iter().map(product).collect::<Result<Vec<_>>>()?;
                 Ok(concatenate(&parts, -1)?)
             }
         }
+    }
+
+    /// Outputs per row, every member's together.
+    pub fn out_dim(&self) -> i32 {
+        self.sizes.iter().sum()
     }
 
     /// Each member's output.
@@ -813,9 +891,9 @@ pub(crate) mod tests {
         assert!(!dequantized_on_gpu(4096, &g(64), || unreachable!()));
     }
 
-    /// What the dequantized way computes equals MLX's quantized product on
-    /// the same weights, up to float32 rounding, for both bit widths, one
-    /// and several rows, and a batch.
+    /// What the dequantized way computes (`apply_dequantized`) equals MLX's
+    /// quantized product on the same weights, up to float32 rounding, for
+    /// both bit widths, one and several rows, and a batch.
     #[test]
     fn the_dequantized_product_matches_mlxs_quantized_matmul() {
         let lease = Lease::new(DeviceKind::Cpu).unwrap();
@@ -836,8 +914,7 @@ pub(crate) mod tests {
                     // The CPU stream's own product, as a reference.
                     let theirs =
                         quantized_matmul(&x, &w, &scales, &biases, true, 128, bits).unwrap();
-                    let dense = dequantize(&w, &scales, &biases, 128, bits).unwrap();
-                    let ours = matmul(&x, dense.t()).unwrap();
+                    let ours = weight.apply_dequantized(&x).unwrap();
                     assert_eq!(ours.shape(), theirs.shape());
                     let (ours, theirs) = (ours.as_slice::<f32>(), theirs.as_slice::<f32>());
                     let worst = relative_error(ours, theirs);
@@ -874,6 +951,16 @@ pub(crate) mod tests {
                     let flat = |a: &Array| a.reshape(&[-1]).unwrap().as_slice::<f32>().to_vec();
                     assert!(flat(got) == flat(want), "bits {bits:?}");
                 }
+                // Through the dequantized weights, stacked or apart, biases
+                // included: the same outputs up to float32 rounding.
+                let dequantized = group.forward_dequantized(&x).unwrap();
+                assert_eq!(dequantized.shape(), joined.shape());
+                assert_eq!(group.out_dim(), joined.dim(-1));
+                let worst = relative_error(
+                    dequantized.reshape(&[-1]).unwrap().as_slice::<f32>(),
+                    joined.reshape(&[-1]).unwrap().as_slice::<f32>(),
+                );
+                assert!(worst < 1e-5, "bits {bits:?}: {worst}");
             }
         });
     }

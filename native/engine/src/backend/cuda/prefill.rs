@@ -11,6 +11,10 @@
 //! against 46.9k tok/s to the first token), the host building its graph
 //! for 6.1 ms of it against 7.8.
 //!
+//! Large products (a long chunk of an 8B model's, say) run as cuBLAS
+//! matmuls of the weight dequantized for the chunk rather than MLX's
+//! quantized product ([`DEQUANTIZED_WORK`]).
+//!
 //! On by default where the step kernels passed their check and these passed
 //! theirs (`EMLX_AXON_PREFILL_KERNELS=0` keeps MLX's ops); where the q/k
 //! kernel does not take the cache (rows at positions of their own)
@@ -31,7 +35,7 @@ use crate::backend::cuda::kernel::{within, written_by};
 use crate::checkpoint::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::kv::cache::{KvStore, RopeOffset};
-use crate::nn::layers::RmsNorm;
+use crate::nn::layers::{Projects, RmsNorm};
 use crate::nn::rope::PositionTable;
 use crate::nn::{attention::AttentionMask, block::Block};
 
@@ -127,7 +131,7 @@ pub(crate) fn layers<C: KvStore>(
             Some((at, offset, cos, signed_sin)) => {
                 let (keys, values) = cache.buffers(i);
                 let heads = QkvHeads {
-                    qkv: &block.attn.qkv.forward(&x, &[])?,
+                    qkv: &product(&x, &block.attn.qkv)?,
                     qk_norm: block.attn.qk_norms(),
                     cos,
                     signed_sin,
@@ -151,7 +155,7 @@ pub(crate) fn layers<C: KvStore>(
                 .transpose_axes(&[0, 2, 1, 3])?
                 .reshape(&[b, l, p.config.num_heads * p.config.head_dim])?;
                 cache.set_buffers(i, keys, values);
-                block.attn.o.forward(&out, &[])?
+                product(&out, &block.attn.o)?
             }
             None => mlx_attend(&x, block, i, cache)?,
         };
@@ -160,12 +164,41 @@ pub(crate) fn layers<C: KvStore>(
         let mlp = block.mlp.dense().ok_or_else(|| {
             crate::error::Error::Mlx("the prompt kernels were given routed experts".into())
         })?;
-        let act = k.swiglu(&mlp.gate_up.forward(&x1, &[])?)?;
-        let down = mlp.down.forward(&act, &[])?;
+        let act = k.swiglu(&product(&x1, &mlp.gate_up)?)?;
+        let down = product(&act, &mlp.down)?;
         let next = p.blocks.get(i + 1).map_or(p.final_norm, |b| &b.input_norm);
         (h, x) = k.add_norm(&h1, &down, next.weight(), next.eps())?;
     }
     Ok(Some(x))
+}
+
+/// Products of at least this many multiply-adds (token rows x outputs x
+/// inputs) run as one matmul of the weight dequantized for the chunk.
+/// MLX 0.32's quantized product for many rows on CUDA (its sm90 kernel)
+/// runs at about the same rate at every size, while cuBLAS on the dequantized
+/// weight gains with size; at about this size the two cost the same on an
+/// NVIDIA H200, dequantizing included (bench/RESULTS-gpu-prefill.md).
+const DEQUANTIZED_WORK: i64 = 1 << 32;
+
+/// Whether a prompt's product of `rows` token rows, `outputs` and `inputs`
+/// runs through the dequantized weight.
+pub fn dequantizes(rows: usize, outputs: i32, inputs: i32) -> bool {
+    rows as i64 * outputs as i64 * inputs as i64 >= DEQUANTIZED_WORK
+}
+
+/// `projection`'s product of `x` `[.., inputs]`, the way [`dequantizes`]
+/// picks.
+fn product(x: &Array, projection: &impl Projects) -> Result<Array> {
+    let inputs = x.dim(-1);
+    if dequantizes(
+        x.size() / inputs.max(1) as usize,
+        projection.out_dim(),
+        inputs,
+    ) {
+        projection.project_dequantized(x)
+    } else {
+        projection.project(x)
+    }
 }
 
 /// Whether the q/k kernel can write `rows` rows' keys up to position `end`

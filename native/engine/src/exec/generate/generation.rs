@@ -9,7 +9,9 @@ use mlx_rs::ops::{arange, ge, logical_and};
 use mlx_rs::{transforms, Array};
 
 use super::constrained::{Constraints, Rules};
-use super::options::{cache_capacity, cache_shape, validate, KV_KEEP};
+use super::options::{
+    cache_capacity, cache_shape, prefill_chunk, resolve_prefill_chunk, validate, KV_KEEP,
+};
 use super::rows::Row;
 use super::{FinishReason, GenerateOptions, RowDelta, Stats};
 use crate::backend::cuda::kernel::{mark, Role};
@@ -73,7 +75,7 @@ impl Generation {
         tokenizer: Option<Arc<Tokenizer>>,
         stream: Option<MlxStream>,
         prompts: &[Vec<u32>],
-        options: GenerateOptions,
+        mut options: GenerateOptions,
     ) -> Result<Self> {
         let started = Instant::now();
         validate(&model, tokenizer.as_deref(), prompts, &options)?;
@@ -86,6 +88,7 @@ impl Generation {
         let kind = stream
             .as_ref()
             .map_or_else(DeviceKind::default_kind, |s| s.kind);
+        resolve_prefill_chunk(&mut options, kind == DeviceKind::Cpu);
         let kv_shape = cache_shape(&model, &options, kind == DeviceKind::Cpu);
         let capacity = cache_capacity(&model, &kv_shape, prompts.len(), longest, &options)?;
         let row_seeds: Vec<Option<u64>> = if options.rows.is_empty() {
@@ -177,7 +180,7 @@ impl Generation {
             ids.extend(p);
         }
         let ids = Array::from_slice(&ids, &[batch, longest as i32]);
-        let chunk = self.options.prefill_chunk.max(1) as i32;
+        let chunk = prefill_chunk(&self.options) as i32;
         let longest = longest as i32;
         // With a quantized or rotating cache asked for, the prompt's last
         // token goes on its own, as mlx-lm's generate_step feeds it: after

@@ -20,8 +20,10 @@ pub struct GenerateOptions {
     /// Stop strings (need a tokenizer); the matched text is not returned.
     pub stop: Vec<String>,
     pub profile_timing: bool,
-    /// Longest prompt slice run through the model at once.
-    pub prefill_chunk: usize,
+    /// Longest prompt slice run through the model at once; `None`: 2,048
+    /// tokens on a GPU (mlx-lm's prefill step), where longer slices make
+    /// larger, faster products, and 512 on the CPU.
+    pub prefill_chunk: Option<usize>,
     /// Per-row settings, one per prompt, or empty for none.
     pub rows: Vec<RowOptions>,
     /// Tokens a row's grammar forces are taken without sampling or masking
@@ -86,7 +88,7 @@ impl Default for GenerateOptions {
             ignore_eos: false,
             stop: vec![],
             profile_timing: true,
-            prefill_chunk: 512,
+            prefill_chunk: None,
             rows: vec![],
             fast_forward: true,
             step_replay: true,
@@ -205,6 +207,18 @@ pub(super) fn cache_shape(model: &Model, o: &GenerateOptions, on_cpu: bool) -> K
     shape.in_dtype(o.kv_dtype)
 }
 
+/// `o`'s prompt slice length, its default for a generation on the CPU
+/// (`on_cpu`) or a GPU filled in.
+pub(super) fn resolve_prefill_chunk(o: &mut GenerateOptions, on_cpu: bool) {
+    let default = if on_cpu { 512 } else { 2048 };
+    o.prefill_chunk = Some(o.prefill_chunk.unwrap_or(default).max(1));
+}
+
+/// `o`'s prompt slice length once resolved ([`resolve_prefill_chunk`]).
+pub(super) fn prefill_chunk(o: &GenerateOptions) -> usize {
+    o.prefill_chunk.unwrap_or(512).max(1)
+}
+
 /// The KV cache's length: the longest prompt plus what may be generated.
 /// Refused when MLX cannot address it (shapes are i32: a silently wrapped
 /// length would end decoding early with no finish reason) or when the cache,
@@ -230,7 +244,7 @@ pub(super) fn cache_capacity(
         .ok_or_else(too_long)?;
     // A rotating window holds its size, and a prefill chunk beside it.
     let positions = match o.max_kv_size {
-        Some(size) => positions.min(size.saturating_add(o.prefill_chunk.max(1))),
+        Some(size) => positions.min(size.saturating_add(prefill_chunk(o))),
         None => positions,
     };
     let positions = positions
@@ -241,7 +255,7 @@ pub(super) fn cache_capacity(
     let scores = [
         batch,
         model.config.num_heads as usize,
-        longest.min(o.prefill_chunk.max(1)),
+        longest.min(prefill_chunk(o)),
         positions,
         4,
     ];
