@@ -136,26 +136,34 @@ impl Weight {
 
     /// `x @ W.T`.
     fn apply_transposed(&self, x: &Array) -> Result<Array> {
-        Ok(match self {
-            Weight::Dense(w) => matmul(x, w.t())?,
-            Weight::Quantized {
-                w,
-                scales,
-                biases,
-                spec,
-            } => {
-                if dequantized_on_gpu(x.dim(-1), spec, crate::runtime::device::on_cpu_stream) {
-                    return self.apply_dequantized(x);
-                }
-                // MLX's op wants scales in the activations' dtype.
-                let (scales, biases) = (as_dtype_of(scales, x)?, as_dtype_of(biases, x)?);
-                quantized_matmul(x, w, &scales, &biases, true, spec.group_size, spec.bits)?
-            }
-        })
+        let Weight::Quantized {
+            w,
+            scales,
+            biases,
+            spec,
+        } = self
+        else {
+            return self.apply_dequantized(x);
+        };
+        if dequantized_on_gpu(x.dim(-1), spec, crate::runtime::device::on_cpu_stream) {
+            return self.apply_dequantized(x);
+        }
+        // MLX's op wants scales in the activations' dtype.
+        let (scales, biases) = (as_dtype_of(scales, x)?, as_dtype_of(biases, x)?);
+        Ok(quantized_matmul(
+            x,
+            w,
+            &scales,
+            &biases,
+            true,
+            spec.group_size,
+            spec.bits,
+        )?)
     }
 
     /// `x @ W.T` through the weight dequantized in `x`'s dtype: a plain
-    /// matmul of the same weight values as `quantized_matmul`'s.
+    /// matmul of the same weight values as `quantized_matmul`'s (of a dense
+    /// weight, its matmul).
     fn apply_dequantized(&self, x: &Array) -> Result<Array> {
         Ok(match self {
             Weight::Dense(w) => matmul(x, w.t())?,
