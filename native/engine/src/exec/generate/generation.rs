@@ -9,9 +9,7 @@ use mlx_rs::ops::{arange, ge, logical_and};
 use mlx_rs::{transforms, Array};
 
 use super::constrained::{Constraints, Rules};
-use super::options::{
-    cache_capacity, cache_shape, prefill_chunk, resolve_prefill_chunk, validate, KV_KEEP,
-};
+use super::options::{cache_shape, capacity_and_chunk, prefill_chunk, validate, KV_KEEP};
 use super::rows::Row;
 use super::{FinishReason, GenerateOptions, RowDelta, Stats};
 use crate::backend::cuda::kernel::{mark, Role};
@@ -88,9 +86,16 @@ impl Generation {
         let kind = stream
             .as_ref()
             .map_or_else(DeviceKind::default_kind, |s| s.kind);
-        resolve_prefill_chunk(&mut options, kind == DeviceKind::Cpu);
-        let kv_shape = cache_shape(&model, &options, kind == DeviceKind::Cpu);
-        let capacity = cache_capacity(&model, &kv_shape, prompts.len(), longest, &options)?;
+        let on_cpu = kind == DeviceKind::Cpu;
+        let kv_shape = cache_shape(&model, &options, on_cpu);
+        let capacity = capacity_and_chunk(
+            &model,
+            &kv_shape,
+            prompts.len(),
+            longest,
+            &mut options,
+            on_cpu,
+        )?;
         let row_seeds: Vec<Option<u64>> = if options.rows.is_empty() {
             vec![None; prompts.len()]
         } else {

@@ -22,7 +22,8 @@ pub struct GenerateOptions {
     pub profile_timing: bool,
     /// Longest prompt slice run through the model at once; `None`: 2,048
     /// tokens on a GPU (mlx-lm's prefill step), where longer slices make
-    /// larger, faster products, and 512 on the CPU.
+    /// larger, faster products, or 1,024 or 512 where a long context's
+    /// attention scores would not fit in memory; 512 on the CPU.
     pub prefill_chunk: Option<usize>,
     /// Per-row settings, one per prompt, or empty for none.
     pub rows: Vec<RowOptions>,
@@ -207,14 +208,47 @@ pub(super) fn cache_shape(model: &Model, o: &GenerateOptions, on_cpu: bool) -> K
     shape.in_dtype(o.kv_dtype)
 }
 
-/// `o`'s prompt slice length, its default for a generation on the CPU
-/// (`on_cpu`) or a GPU filled in.
-pub(super) fn resolve_prefill_chunk(o: &mut GenerateOptions, on_cpu: bool) {
-    let default = if on_cpu { 512 } else { 2048 };
-    o.prefill_chunk = Some(o.prefill_chunk.unwrap_or(default).max(1));
+/// The KV cache's length ([`cache_capacity`]), with `o`'s prompt slice
+/// length filled in where it was not given: the longest of the device's
+/// defaults whose chunk fits in memory beside the cache. On a GPU that is
+/// 2,048 tokens, else 1,024, else 512 (a long context's attention scores
+/// grow with the chunk); on the CPU (`on_cpu`) 512.
+pub(super) fn capacity_and_chunk(
+    model: &Model,
+    kv: &KvShape,
+    batch: usize,
+    longest: usize,
+    o: &mut GenerateOptions,
+    on_cpu: bool,
+) -> Result<i32> {
+    let defaults: &[usize] = if on_cpu { &[512] } else { &[2048, 1024, 512] };
+    first_fitting(o, defaults, |o| {
+        cache_capacity(model, kv, batch, longest, o)
+    })
 }
 
-/// `o`'s prompt slice length once resolved ([`resolve_prefill_chunk`]).
+/// `capacity` of `o` with its own prompt slice length, or with the first of
+/// `defaults` it accepts (else its error for the last).
+fn first_fitting(
+    o: &mut GenerateOptions,
+    defaults: &[usize],
+    capacity: impl Fn(&GenerateOptions) -> Result<i32>,
+) -> Result<i32> {
+    if o.prefill_chunk.is_some() {
+        return capacity(o);
+    }
+    let mut result = Err(Error::invalid("no prompt slice length to try"));
+    for &chunk in defaults {
+        o.prefill_chunk = Some(chunk);
+        result = capacity(o);
+        if result.is_ok() {
+            break;
+        }
+    }
+    result
+}
+
+/// `o`'s prompt slice length (filled in by [`capacity_and_chunk`]).
 pub(super) fn prefill_chunk(o: &GenerateOptions) -> usize {
     o.prefill_chunk.unwrap_or(512).max(1)
 }
@@ -267,4 +301,37 @@ pub(super) fn cache_capacity(
         &format!("a KV cache of {positions} positions for {batch} prompt(s)"),
     )?;
     Ok(capacity)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A generation with no prompt slice length takes the longest default
+    /// its cache accepts; one given is kept, fitting or not.
+    #[test]
+    fn the_longest_default_chunk_that_fits_is_taken() {
+        // A cache that refuses chunks of more than 1,024 tokens.
+        let capacity = |o: &GenerateOptions| match o.prefill_chunk {
+            Some(chunk) if chunk <= 1024 => Ok(chunk as i32),
+            _ => Err(Error::OutOfMemory("the chunk's scores".into())),
+        };
+        let gpu = [2048, 1024, 512];
+        let mut o = GenerateOptions::default();
+        assert_eq!(first_fitting(&mut o, &gpu, capacity).unwrap(), 1024);
+        assert_eq!(o.prefill_chunk, Some(1024));
+
+        let mut asked = GenerateOptions {
+            prefill_chunk: Some(4096),
+            ..GenerateOptions::default()
+        };
+        let err = first_fitting(&mut asked, &gpu, capacity).unwrap_err();
+        assert_eq!(err.kind(), "out_of_memory");
+        assert_eq!(asked.prefill_chunk, Some(4096));
+
+        let mut none_fits = GenerateOptions::default();
+        let err = first_fitting(&mut none_fits, &[8192, 4096], capacity).unwrap_err();
+        assert_eq!(err.kind(), "out_of_memory");
+        assert_eq!(none_fits.prefill_chunk, Some(4096));
+    }
 }
