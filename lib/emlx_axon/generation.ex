@@ -27,7 +27,8 @@ defmodule EMLXAxon.Generation do
           total_ms: float(),
           decode_path: String.t() | nil,
           prefill_path: String.t() | nil,
-          fallbacks: [String.t()] | nil
+          fallbacks: [String.t()] | nil,
+          kv_dtype: EMLXAxon.Options.kv_dtype() | nil
         }
 
   @typedoc """
@@ -111,7 +112,7 @@ defmodule EMLXAxon.Generation do
 
           stop_metadata =
             stats
-            |> Map.take([:decode_path, :prefill_path, :fallbacks])
+            |> Map.take([:decode_path, :prefill_path, :fallbacks, :kv_dtype])
             |> Map.put(:finish_reasons, Enum.map(rows, & &1.finish_reason))
 
           {ok, measurements, stop_metadata}
@@ -274,7 +275,8 @@ defmodule EMLXAxon.Generation do
       total_ms: stats.total_ms,
       decode_path: stats.decode_path,
       prefill_path: stats.prefill_path,
-      fallbacks: stats.fallbacks
+      fallbacks: stats.fallbacks,
+      kv_dtype: stats.kv_dtype
     }
   end
 end

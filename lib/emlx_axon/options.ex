@@ -27,6 +27,9 @@ defmodule EMLXAxon.Options do
 
   @kv_dtypes [:float32, :bfloat16, :float16]
 
+  @typedoc "A KV cache's dtype."
+  @type kv_dtype :: :float32 | :bfloat16 | :float16
+
   @doc false
   def kv_dtypes, do: @kv_dtypes
 
@@ -165,6 +168,16 @@ defmodule EMLXAxon.Options do
   @doc "A KV cache dtype as the NIF takes it (`nil`: the engine's default)."
   def native_kv_dtype(nil), do: nil
   def native_kv_dtype(dtype) when dtype in @kv_dtypes, do: Atom.to_string(dtype)
+
+  @doc false
+  # A KV dtype as the engine reports it (a binary), or as Elixir names it.
+  @spec kv_dtype_of(String.t() | kv_dtype() | nil) :: kv_dtype() | nil
+  def kv_dtype_of(dtype) when dtype in @kv_dtypes, do: dtype
+
+  def kv_dtype_of(name) when is_binary(name),
+    do: Enum.find(@kv_dtypes, &(Atom.to_string(&1) == name))
+
+  def kv_dtype_of(_), do: nil
 
   @doc "The constrained decoding options (at most one of them is given)."
   def constraints, do: @constraints

@@ -43,6 +43,9 @@ defmodule EMLXAxon.Result do
       `"cpu_layers"` or `"mlx"`), `nil` where the engine does not say
     * `:fallbacks` - a list of binaries, each a reason a faster path was
       not taken (`nil` where the engine does not say)
+    * `:kv_dtype` - the dtype the KV cache kept its keys and values in
+      (`:float32`, `:bfloat16` or `:float16`; before any `kv_bits`
+      quantization), `nil` where the engine does not say
 
   A direct generation (without a scheduler) also has `:forced_tokens`:
   tokens a constraint allowed alone, so they were appended without a
@@ -90,6 +93,7 @@ defmodule EMLXAxon.Result do
           required(:decode_path) => String.t() | nil,
           required(:prefill_path) => String.t() | nil,
           required(:fallbacks) => [String.t()] | nil,
+          required(:kv_dtype) => EMLXAxon.Options.kv_dtype() | nil,
           optional(:forced_tokens) => non_neg_integer(),
           optional(:queue_ms) => float(),
           optional(:cached_tokens) => non_neg_integer(),
@@ -130,12 +134,14 @@ defmodule EMLXAxon.Result do
   end
 
   @doc false
-  # The engine paths a native stats map names. Engines that do not report
-  # them give nil, so this reads them whether or not they are there.
+  # The engine paths a native stats map names, and its KV cache's dtype.
+  # Engines that do not report them give nil, so this reads them whether
+  # or not they are there.
   @spec paths(map() | nil) :: %{
           decode_path: String.t() | nil,
           prefill_path: String.t() | nil,
-          fallbacks: [String.t()] | nil
+          fallbacks: [String.t()] | nil,
+          kv_dtype: EMLXAxon.Options.kv_dtype() | nil
         }
   def paths(stats) do
     stats = stats || %{}
@@ -143,7 +149,8 @@ defmodule EMLXAxon.Result do
     %{
       decode_path: Map.get(stats, :decode_path),
       prefill_path: Map.get(stats, :prefill_path),
-      fallbacks: Map.get(stats, :fallbacks)
+      fallbacks: Map.get(stats, :fallbacks),
+      kv_dtype: EMLXAxon.Options.kv_dtype_of(Map.get(stats, :kv_dtype))
     }
   end
 

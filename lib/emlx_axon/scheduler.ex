@@ -46,8 +46,8 @@ defmodule EMLXAxon.Scheduler do
       `:queue_ms`, `:prefill_ms`, `:time_to_first_token_ms`,
       `:decode_tokens_per_s` and `:constraint_ms` (host time spent on the
       request's constraint, 0 without one), and the engine's
-      `:decode_path`, `:prefill_path` and `:fallbacks` where it reports
-      them (see `EMLXAxon.Result`); only `:prompt_tokens` after a
+      `:decode_path`, `:prefill_path`, `:fallbacks` and `:kv_dtype` where
+      it reports them (see `EMLXAxon.Result`); only `:prompt_tokens` after a
       `:timeout`
     * `{EMLXAxon.Scheduler, ref, {:error, %EMLXAxon.Error{}}}` - the
       request failed (also the last message)

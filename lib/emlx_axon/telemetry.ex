@@ -13,11 +13,11 @@ defmodule EMLXAxon.Telemetry do
   | `[:emlx_axon, :load, :stop]` | `:duration`, `:monotonic_time`, `:weight_bytes`, `:load_ms` | `:path`, and `:model_type`, `:quantization`, `:dtype` (or `:error`) |
   | `[:emlx_axon, :load, :exception]` | `:duration`, `:monotonic_time` | `:path`, `:kind`, `:reason`, `:stacktrace` |
   | `[:emlx_axon, :generate, :start]` | `:system_time`, `:monotonic_time` | `:batch_size`, `:sampler`, `:max_new_tokens` |
-  | `[:emlx_axon, :generate, :stop]` | `:duration`, `:monotonic_time`, `:prompt_tokens`, `:generated_tokens`, `:prefill_ms`, `:decode_ms`, `:decode_tokens_per_s`, `:time_to_first_token_ms` | `:start`'s, and `:finish_reasons`, `:decode_path`, `:prefill_path`, `:fallbacks` (or `:error`) |
+  | `[:emlx_axon, :generate, :stop]` | `:duration`, `:monotonic_time`, `:prompt_tokens`, `:generated_tokens`, `:prefill_ms`, `:decode_ms`, `:decode_tokens_per_s`, `:time_to_first_token_ms` | `:start`'s, and `:finish_reasons`, `:decode_path`, `:prefill_path`, `:fallbacks`, `:kv_dtype` (or `:error`) |
   | `[:emlx_axon, :generate, :exception]` | `:duration`, `:monotonic_time` | `:start`'s, and `:kind`, `:reason`, `:stacktrace` |
   | `[:emlx_axon, :scheduler, :step]` | `:duration`, `:running`, `:waiting`, `:slots`, `:tokens` | `%{}` |
   | `[:emlx_axon, :notice]` | `%{}` | `:message`: a notice of the engine (a kernel check that failed, step replays turned off), once per VM, also written to the log |
-  | `[:emlx_axon, :scheduler, :request]` | `:prompt_tokens`, `:cached_tokens`, `:generated_tokens`, `:queue_ms`, `:prefill_ms`, `:time_to_first_token_ms`, `:decode_tokens_per_s`, `:constraint_ms` | `:finish_reason`, `:decode_path`, `:prefill_path`, `:fallbacks` |
+  | `[:emlx_axon, :scheduler, :request]` | `:prompt_tokens`, `:cached_tokens`, `:generated_tokens`, `:queue_ms`, `:prefill_ms`, `:time_to_first_token_ms`, `:decode_tokens_per_s`, `:constraint_ms` | `:finish_reason`, `:decode_path`, `:prefill_path`, `:fallbacks`, `:kv_dtype` |
 
     * `:load` - loading a model (`EMLXAxon.Qwen3.Loader.load/2`), a span.
       `:load_ms` is the engine's own measure; `:quantization` is the
@@ -55,9 +55,9 @@ defmodule EMLXAxon.Telemetry do
 
   `:decode_path` and `:prefill_path` name the engine path that decoded
   and prefilled (such as `"cuda_replay"`, `"cuda_layers"`, `"cpu_layers"`
-  or `"mlx"`) and `:fallbacks` lists why a faster path was not taken, as in
-  a result's metadata (see `EMLXAxon.Result`); all three are `nil` where
-  the engine does not report them.
+  or `"mlx"`), `:fallbacks` lists why a faster path was not taken and
+  `:kv_dtype` is the KV cache's dtype, as in a result's metadata (see
+  `EMLXAxon.Result`); each is `nil` where the engine does not report it.
 
   The spans' three events share a `:telemetry_span_context`.
   """

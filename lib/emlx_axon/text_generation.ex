@@ -76,7 +76,7 @@ defmodule EMLXAxon.TextGeneration do
           }
         ],
         metadata: %{prompt_tokens: 12, generated_tokens: 17, batch_size: 1, prefill_ms: ...,
-                    decode_path: ..., prefill_path: ..., fallbacks: ..., ...}
+                    decode_path: ..., prefill_path: ..., fallbacks: ..., kv_dtype: ..., ...}
       }
 
   `metadata` describes the batch the input was decoded in: when the

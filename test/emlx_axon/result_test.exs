@@ -19,7 +19,8 @@ defmodule EMLXAxon.ResultTest do
     :total_ms,
     :decode_path,
     :prefill_path,
-    :fallbacks
+    :fallbacks,
+    :kv_dtype
   ]
   @scheduler_keys [:queue_ms, :cached_tokens, :constraint_ms]
 
@@ -131,8 +132,14 @@ defmodule EMLXAxon.ResultTest do
       %{ids: [9], text: "", finish_reason: :eos}
     ]
 
-    test "carry the engine paths and forced tokens" do
-      paths = %{decode_path: "cuda_replay", prefill_path: "mlx", fallbacks: ["no graph", "é"]}
+    test "carry the engine paths, the KV dtype and forced tokens" do
+      paths = %{
+        decode_path: "cuda_replay",
+        prefill_path: "mlx",
+        fallbacks: ["no graph", "é"],
+        kv_dtype: :bfloat16
+      }
+
       fields = Results.encode(@rows, stats(paths), 4)
       binaries = Map.new(fields, fn {name, {_type, _shape, binary}} -> {name, binary} end)
 
@@ -144,7 +151,14 @@ defmodule EMLXAxon.ResultTest do
       none = %{decode_path: nil, prefill_path: nil, fallbacks: nil}
       fields = Results.encode(@rows, stats(none), 4)
       binaries = Map.new(fields, fn {name, {_type, _shape, binary}} -> {name, binary} end)
-      assert [%{metadata: %{decode_path: nil, fallbacks: nil}}, _] = Results.decode(binaries, 4)
+
+      assert [%{metadata: %{decode_path: nil, fallbacks: nil, kv_dtype: nil}}, _] =
+               Results.decode(binaries, 4)
+
+      # As the engine reports it: a binary.
+      fields = Results.encode(@rows, stats(%{kv_dtype: "float16"}), 4)
+      binaries = Map.new(fields, fn {name, {_type, _shape, binary}} -> {name, binary} end)
+      assert [%{metadata: %{kv_dtype: :float16}}, _] = Results.decode(binaries, 4)
     end
 
     test "keep one row width whatever the fallbacks, dropping what does not fit" do

@@ -183,9 +183,9 @@ defmodule EMLXAxon.TestFixtures do
   @doc """
   Asserts that `metadata` (of a result or an event) names the engine paths
   that ran: `:decode_path` and `:prefill_path` binaries and `:fallbacks` a
-  list of binaries. An engine whose stats (`native_stats`, a map as it
-  reports them) do not have these keys yet reports none of them: the keys
-  must then be there, `nil`.
+  list of binaries; and `:kv_dtype`, the KV cache's dtype as an atom. An
+  engine whose stats (`native_stats`, a map as it reports them) do not have
+  these keys yet reports none of them: the keys must then be there, `nil`.
   """
   def assert_paths(metadata, native_stats) do
     import ExUnit.Assertions
@@ -200,6 +200,15 @@ defmodule EMLXAxon.TestFixtures do
         key == :fallbacks -> assert is_list(value) and Enum.all?(value, &is_binary/1)
         true -> assert is_binary(value) and value != ""
       end
+    end
+
+    assert Map.has_key?(metadata, :kv_dtype), ":kv_dtype missing from #{inspect(metadata)}"
+
+    if Map.has_key?(native_stats, :kv_dtype) do
+      assert metadata.kv_dtype in EMLXAxon.Options.kv_dtypes()
+      assert Atom.to_string(metadata.kv_dtype) == native_stats.kv_dtype
+    else
+      assert metadata.kv_dtype == nil
     end
 
     :ok

@@ -245,9 +245,15 @@ fn float16_slots_decode_as_a_float16_generation_alone() {
             admitted.push(scheduler.admit(prompt.clone(), options).unwrap());
         }
         let mut got: std::collections::HashMap<u64, Vec<u32>> = Default::default();
+        let mut finished = 0;
         for _ in 0..200 {
             for e in scheduler.step(4).unwrap() {
                 got.entry(e.id).or_default().extend(&e.delta.ids);
+                // Each finished request reports its slot's dtype.
+                if let Some(stats) = e.stats {
+                    assert_eq!(stats.kv_dtype, Some(Dtype::Float16), "request {}", e.id);
+                    finished += 1;
+                }
             }
             if admitted
                 .iter()
@@ -256,6 +262,7 @@ fn float16_slots_decode_as_a_float16_generation_alone() {
                 break;
             }
         }
+        assert_eq!(finished, admitted.len());
         for (id, prompt) in admitted.iter().zip(&prompts) {
             let alone = GenerateOptions {
                 kv_dtype: Some(Dtype::Float16),

@@ -235,6 +235,7 @@ pub struct StatsOut {
     decode_path: String,
     prefill_path: String,
     fallbacks: Vec<String>,
+    kv_dtype: Option<String>,
 }
 
 #[rustler::nif]
@@ -253,6 +254,7 @@ fn generation_stats(resource: ResourceArc<GenerationResource>) -> NifResult<Stat
             decode_path: s.paths.main_name(Work::Decode).into(),
             prefill_path: s.paths.main_name(Work::Prefill).into(),
             fallbacks: s.paths.fallbacks,
+            kv_dtype: s.kv_dtype.map(|d| crate::model::dtype_name(d).into()),
         })
     })
 }

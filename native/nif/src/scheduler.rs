@@ -173,6 +173,7 @@ pub struct StatsOut {
     decode_path: String,
     prefill_path: String,
     fallbacks: Vec<String>,
+    kv_dtype: Option<String>,
 }
 
 impl From<RequestStats> for StatsOut {
@@ -189,6 +190,7 @@ impl From<RequestStats> for StatsOut {
             decode_path: s.paths.main_name(Work::Decode).into(),
             prefill_path: s.paths.main_name(Work::Prefill).into(),
             fallbacks: s.paths.fallbacks,
+            kv_dtype: s.kv_dtype.map(|d| crate::model::dtype_name(d).into()),
         }
     }
 }

@@ -104,6 +104,8 @@ pub struct RequestStats {
     pub constraint_ms: f64,
     /// Which paths ran the forward passes this request took part in.
     pub paths: Paths,
+    /// The dtype of the slot's keys and values (its scheduler's).
+    pub kv_dtype: Option<mlx_rs::Dtype>,
 }
 
 /// What a step produced for one request.
@@ -171,6 +173,7 @@ impl Request {
             },
             constraint_ms: self.constraint_ms,
             paths: self.paths.clone(),
+            kv_dtype: None,
         }
     }
 

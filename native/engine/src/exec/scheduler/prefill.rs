@@ -110,7 +110,10 @@ impl Scheduler {
         if delta.finish.is_some() {
             return Event {
                 id,
-                stats: Some(request.stats()),
+                stats: Some(RequestStats {
+                    kv_dtype: self.config.kv_dtype,
+                    ..request.stats()
+                }),
                 delta,
             };
         }
