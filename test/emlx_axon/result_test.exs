@@ -105,7 +105,9 @@ defmodule EMLXAxon.ResultTest do
       assert result.finish_reason == :timeout
       assert result.token_summary.input == 5
       assert result.metadata.prompt_tokens == 5
-      assert %{decode_path: nil, prefill_path: nil, fallbacks: nil} = result.metadata
+
+      assert %{decode_path: nil, prefill_path: nil, fallbacks: nil, kv_dtype: nil} =
+               result.metadata
     end
   end
 

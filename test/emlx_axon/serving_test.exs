@@ -904,7 +904,7 @@ defmodule EMLXAxon.TextGeneration.ServingLogicTest do
       # A caller whose rows sit in the middle of an execution.
       [row] = Results.decode(slice(first, 2, 1), 8)
 
-      # No forced tokens nor engine paths in these stats.
+      # No forced tokens, engine paths nor KV dtype in these stats.
       assert row.metadata == %{
                prompt_tokens: 4,
                generated_tokens: 4,
@@ -917,7 +917,8 @@ defmodule EMLXAxon.TextGeneration.ServingLogicTest do
                total_ms: 14.0,
                decode_path: nil,
                prefill_path: nil,
-               fallbacks: nil
+               fallbacks: nil,
+               kv_dtype: nil
              }
     end
 
