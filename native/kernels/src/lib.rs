@@ -1086,6 +1086,18 @@ pub struct PromptShape {
     pub head_dim: usize,
 }
 
+impl PromptShape {
+    /// Values in the queries (and in the output).
+    pub fn query_values(&self) -> usize {
+        self.batch * self.kv_heads * self.group * self.queries * self.head_dim
+    }
+
+    /// Values in the keys (and in the values).
+    pub fn cache_values(&self) -> usize {
+        self.batch * self.kv_heads * self.keys * self.head_dim
+    }
+}
+
 /// [`prompt_attention`] on plain buffers with a chosen variant: `q`
 /// `[batch, kv_heads, group * queries, head_dim]` (already scaled), keys and
 /// values [`KeysValues::F32`] or [`KeysValues::F16`] `[batch, kv_heads,
@@ -1114,8 +1126,7 @@ pub fn prompt_attention_with(
             ))
         }
     };
-    let rows = batch * kv_heads * group * queries * head_dim;
-    let cache = batch * kv_heads * keys * head_dim;
+    let (rows, cache) = (shape.query_values(), shape.cache_values());
     let int = |n: usize| i32::try_from(n).ok().filter(|&n| n > 0);
     let dims = [batch, kv_heads, group, queries, keys, head_dim].map(int);
     if q.len() != rows || out.len() != rows || len != (cache, cache) || queries > keys {

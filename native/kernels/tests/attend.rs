@@ -235,8 +235,7 @@ fn prompt_attention_matches_a_float64_evaluation_in_every_variant() {
             keys,
             head_dim,
         };
-        let rows = batch * kv_heads * group * queries * head_dim;
-        let cache = batch * kv_heads * keys * head_dim;
+        let (rows, cache) = (shape.query_values(), shape.cache_values());
         let scale = (head_dim as f32).powf(-0.5) * 2.0;
         let q: Vec<f32> = data(rows, 3).iter().map(|x| x * scale).collect();
         let (k, v) = (data(cache, 4), data(cache, 5));
