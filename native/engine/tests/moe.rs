@@ -1,5 +1,6 @@
 //! Qwen3-MoE against mlx-lm: teacher-forced logits at every position (a
-//! prompt pass, where tokens are sorted by expert, then one-token steps),
+//! prompt pass, where tokens are sorted by expert, then one-token steps,
+//! through the CPU's layer nodes where the experts are quantized),
 //! float32, MLX-quantized and quantized at load; mlx-lm's layout and the
 //! Hugging Face per-expert one; greedy generation through `Generation` and
 //! the `Scheduler`.
@@ -38,10 +39,17 @@ fn check_model(name: &str, suffix: &str, model: &Model) {
         worst < 1e-4,
         "{name}{suffix}: logits differ from mlx-lm by {worst}"
     );
-    // On a CUDA GPU one-token steps take the layer kernels (the experts'
-    // own where they are quantized); prompts run MLX's ops everywhere.
+    // One-token steps take a CUDA GPU's layer kernels (the experts' own
+    // where they are quantized), and the CPU's layer nodes where the
+    // experts and router are quantized; prompts run MLX's ops everywhere.
     let step = match emlx_axon_engine::backend::cuda::layer::checked() {
         Some(true) if emlx_axon_engine::runtime::device::gpu_available() => Path::CudaLayers,
+        _ if !emlx_axon_engine::runtime::device::gpu_available()
+            && emlx_axon_engine::backend::cpu::available()
+            && model.is_quantized() =>
+        {
+            Path::CpuLayers
+        }
         _ => Path::Mlx,
     };
     assert_eq!((prefill, decode), (Path::Mlx, step), "{name}");
@@ -112,9 +120,14 @@ fn generation_ids(
     }
     let paths = generation.stats().paths;
     if !emlx_axon_engine::runtime::device::gpu_available() {
-        assert_eq!(paths.main(Work::Decode), Some(Path::Mlx));
-        assert!(
+        // The CPU's layer nodes take quantized experts; float32 ones run
+        // as separate nodes, and the reason says so.
+        let nodes = quantized && emlx_axon_engine::backend::cpu::available();
+        let expected = if nodes { Path::CpuLayers } else { Path::Mlx };
+        assert_eq!(paths.main(Work::Decode), Some(expected), "{paths:?}");
+        assert_eq!(
             paths.fallbacks.iter().any(|r| r.contains("MoE")),
+            !nodes,
             "{paths:?}"
         );
     } else if emlx_axon_engine::backend::cuda::layer::checked() == Some(true) {

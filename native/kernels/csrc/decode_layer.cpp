@@ -17,6 +17,7 @@
 #include "decode_layer.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -83,6 +84,103 @@ static KvRows rows_from(const KvRows& r, size_t first, int hd) {
   return out;
 }
 
+namespace {
+
+// Expert e's slice of a stacked weight [E, N, K].
+QuantWeight expert(const QuantWeight& w, int e, int N, int K) {
+  const size_t words = (size_t)K * w.bits / 32, params = (size_t)K / w.group;
+  const size_t item = w.bf16_params ? 2 : 4;
+  QuantWeight out = w;
+  out.w = w.w + (size_t)e * N * words;
+  out.scales = static_cast<const uint8_t*>(w.scales) + (size_t)e * N * params * item;
+  out.biases = static_cast<const uint8_t*>(w.biases) + (size_t)e * N * params * item;
+  return out;
+}
+
+// Rows x [B, D] through their routed experts (see DecodeExperts) into y
+// [B, D]. The rows that picked an expert go through it together, so its
+// weights are read once a step; with an expert a thread or more, each
+// thread takes whole experts (gate, up and down), which needs no join
+// between an expert's products.
+void routed_experts(const DecodeExperts& m, const float* x, float* y, int B, int D, int F,
+                    Isa isa) {
+  const int E = m.E, k = m.k;
+  std::vector<float> probs((size_t)B * E);
+  product(m.router, x, probs.data(), B, E, D, isa);
+  // Each row's softmax in float32, its k largest probabilities (ties to the
+  // lower index) and their weights.
+  std::vector<int> picked((size_t)B * k), order(E);
+  std::vector<float> weights((size_t)B * k);
+  for (int b = 0; b < B; ++b) {
+    float* p = probs.data() + (size_t)b * E;
+    const float top = *std::max_element(p, p + E);
+    float sum = 0.0f;
+    for (int i = 0; i < E; ++i) sum += p[i] = std::exp(p[i] - top);
+    for (int i = 0; i < E; ++i) p[i] /= sum;
+    for (int i = 0; i < E; ++i) order[i] = i;
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [p](int i, int j) { return p[i] > p[j] || (p[i] == p[j] && i < j); });
+    float total = 0.0f;
+    for (int c = 0; c < k; ++c) total += p[order[c]];
+    for (int c = 0; c < k; ++c) {
+      picked[(size_t)b * k + c] = order[c];
+      weights[(size_t)b * k + c] = m.norm_topk ? p[order[c]] / total : p[order[c]];
+    }
+  }
+  // The (row, choice) pairs of each expert, in row order (a counting sort).
+  std::vector<int> start(E + 1, 0), pairs((size_t)B * k);
+  for (int r = 0; r < B * k; ++r) ++start[picked[r] + 1];
+  for (int e = 0; e < E; ++e) start[e + 1] += start[e];
+  std::vector<int> fill(start.begin(), start.end() - 1);
+  for (int r = 0; r < B * k; ++r) pairs[fill[picked[r]]++] = r;
+  std::vector<int> used;
+  for (int e = 0; e < E; ++e)
+    if (start[e + 1] > start[e]) used.push_back(e);
+  // Each pair's expert output [B * k, D].
+  std::vector<float> outs((size_t)B * k * D);
+  auto run_expert = [&](int e, int threads) {
+    const int n = start[e + 1] - start[e];
+    const int* rows = pairs.data() + start[e];
+    std::vector<float> xs((size_t)n * D), g((size_t)n * F), u((size_t)n * F);
+    std::vector<float> gu((size_t)n * 2 * F), act((size_t)n * F), ys((size_t)n * D);
+    for (int i = 0; i < n; ++i)
+      std::memcpy(xs.data() + (size_t)i * D, x + (size_t)(rows[i] / k) * D, sizeof(float) * D);
+    auto run = [&](const QuantWeight& w, const float* in, float* out, int N, int K) {
+      const QuantWeight p = expert(w, e, N, K);
+      qmm_selected(QmmArgs{in, p.w, p.scales, p.biases, out, n, N, K, p.bits, p.group,
+                           p.bf16_params},
+                   isa, threads);
+    };
+    run(m.gate, xs.data(), g.data(), F, D);
+    run(m.up, xs.data(), u.data(), F, D);
+    for (int i = 0; i < n; ++i) {
+      std::memcpy(gu.data() + (size_t)i * 2 * F, g.data() + (size_t)i * F, sizeof(float) * F);
+      std::memcpy(gu.data() + (size_t)i * 2 * F + F, u.data() + (size_t)i * F, sizeof(float) * F);
+    }
+    swiglu(SwigluArgs{gu.data(), act.data(), n, F}, isa, threads == 1 ? 1 : 0);
+    run(m.down, act.data(), ys.data(), D, F);
+    for (int i = 0; i < n; ++i)
+      std::memcpy(outs.data() + (size_t)rows[i] * D, ys.data() + (size_t)i * D, sizeof(float) * D);
+  };
+  Pool& pool = Pool::shared();
+  if ((int)used.size() >= pool.size() && pool.size() > 1) {
+    pool.run((int)used.size(), [&](int i) { run_expert(used[i], 1); });
+  } else {
+    for (int e : used) run_expert(e, 0);
+  }
+  for (int b = 0; b < B; ++b) {
+    float* out = y + (size_t)b * D;
+    std::fill(out, out + D, 0.0f);
+    for (int c = 0; c < k; ++c) {
+      const float w = weights[(size_t)b * k + c];
+      const float* o = outs.data() + ((size_t)b * k + c) * D;
+      for (int i = 0; i < D; ++i) out[i] += o[i] * w;
+    }
+  }
+}
+
+}  // namespace
+
 void decode_rest(const DecodeRestArgs& a, Isa isa) {
   const int G = a.nq / a.nkv;
   std::vector<float> attn((size_t)a.B * a.nq * a.hd);
@@ -111,13 +209,17 @@ void decode_rest(const DecodeRestArgs& a, Isa isa) {
   }
 
   std::vector<float> h1((size_t)a.B * a.D), x((size_t)a.B * a.D);
-  std::vector<float> gu((size_t)a.B * 2 * a.F), act((size_t)a.B * a.F);
   product(a.o, attn.data(), h1.data(), a.B, a.D, a.nq * a.hd, isa);
   for (size_t i = 0; i < h1.size(); ++i) h1[i] = a.h[i] + h1[i];
   rms_norm(RmsNormArgs{h1.data(), a.w_post, x.data(), a.B, a.D, 1, a.eps_post}, isa, 0);
-  product(a.gate_up, x.data(), gu.data(), a.B, 2 * a.F, a.D, isa);
-  swiglu(SwigluArgs{gu.data(), act.data(), a.B, a.F}, isa, 0);
-  product(a.down, act.data(), a.out, a.B, a.D, a.F, isa);
+  if (a.experts.k > 0) {
+    routed_experts(a.experts, x.data(), a.out, a.B, a.D, a.F, isa);
+  } else {
+    std::vector<float> gu((size_t)a.B * 2 * a.F), act((size_t)a.B * a.F);
+    product(a.gate_up, x.data(), gu.data(), a.B, 2 * a.F, a.D, isa);
+    swiglu(SwigluArgs{gu.data(), act.data(), a.B, a.F}, isa, 0);
+    product(a.down, act.data(), a.out, a.B, a.D, a.F, isa);
+  }
   for (size_t i = 0; i < h1.size(); ++i) a.out[i] = h1[i] + a.out[i];
 }
 
@@ -226,19 +328,24 @@ class DecodeQkv : public mx::Primitive {
   QkvShape s_;
 };
 
-// Inputs of DecodeLayerRest; a quantized cache's scales and biases follow
-// the others (keys and values are then its packed values).
-enum RestInput {
-  kRH, kRQ, kKeys, kValues, kOW, kOS, kOB, kNormPost, kGuW, kGuS, kGuB, kDownW, kDownS, kDownB,
-  kRestInputs,
-  kKeyScales = kRestInputs, kKeyBiases, kValueScales, kValueBiases, kRestQuantizedInputs
-};
+// Inputs of DecodeLayerRest: these, then the MLP's weights (weight, scales
+// and biases each: gate_up and down, or for routed experts the router,
+// gate, up and down), then a quantized cache's keys' scales and biases and
+// values' (keys and values are then its packed values).
+enum RestInput { kRH, kRQ, kKeys, kValues, kOW, kOS, kOB, kNormPost, kMlp };
 
 struct RestShape {
-  int nkv, bits[3], group[3];  // o, gate_up, down
+  int nkv;
+  int bits[5], group[5];  // o, then the MLP's weights in input order
   float eps_post, scale;
   int kv_bits, kv_group;  // the cache's rows (see KvRows)
+  int top_k;  // experts a row; 0: a dense MLP
+  bool norm_topk;
 };
+
+// The MLP's weights and the first input after them.
+int mlp_weights(int top_k) { return top_k > 0 ? 4 : 2; }
+int kv_params_at(int top_k) { return kMlp + 3 * mlp_weights(top_k); }
 
 class DecodeLayerRest : public mx::UnaryPrimitive {
  public:
@@ -253,9 +360,11 @@ class DecodeLayerRest : public mx::UnaryPrimitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     DecodeRestArgs a{};
+    const bool moe = s_.top_k > 0;
     a.B = inputs[kRH].shape(0);
     a.D = inputs[kRH].shape(-1);
-    a.F = inputs[kGuW].shape(0) / 2;
+    // The MLP's width: the stacked gate/up's half, or an expert's gate's.
+    a.F = moe ? inputs[kMlp + 3].shape(1) : inputs[kMlp].shape(0) / 2;
     a.nq = inputs[kRQ].shape(1);
     a.hd = inputs[kRQ].shape(2);
     a.nkv = s_.nkv;
@@ -264,14 +373,23 @@ class DecodeLayerRest : public mx::UnaryPrimitive {
     a.eps_post = s_.eps_post;
     a.keys = KvRows{nullptr, nullptr, nullptr, s_.kv_bits, s_.kv_group};
     a.values = a.keys;
-    const bool bf16[3] = {inputs[kOS].dtype() == mx::bfloat16,
-                          inputs[kGuS].dtype() == mx::bfloat16,
-                          inputs[kDownS].dtype() == mx::bfloat16};
+    if (moe) {
+      a.experts.E = inputs[kMlp].shape(0);
+      a.experts.k = s_.top_k;
+      a.experts.norm_topk = s_.norm_topk;
+    }
+    // Whether each weight's scales are bfloat16: o's, then the MLP's.
+    std::vector<bool> bf16{inputs[kOS].dtype() == mx::bfloat16};
+    for (int i = 0; i < mlp_weights(s_.top_k); ++i)
+      bf16.push_back(inputs[kMlp + 3 * i + 1].dtype() == mx::bfloat16);
     std::vector<mx::array> outputs{out};  // the same array, as a vector
     const RestShape s = s_;
     dispatch_raw(stream(), inputs, outputs,
-                 [a, s, b0 = bf16[0], b1 = bf16[1], b2 = bf16[2], positions = positions_,
-                  starts = starts_](const auto& in, const auto& outs) mutable {
+                 [a, s, bf16, positions = positions_, starts = starts_](const auto& in,
+                                                                       const auto& outs) mutable {
+                   auto weight = [&](int at, int i) {
+                     return quant(in, at, bf16[i], s.bits[i], s.group[i]);
+                   };
                    a.positions = positions.data();
                    a.starts = starts.data();
                    a.h = f32(in[kRH]);
@@ -279,15 +397,23 @@ class DecodeLayerRest : public mx::UnaryPrimitive {
                    a.keys.data = in[kKeys];
                    a.values.data = in[kValues];
                    if (s.kv_bits < 16) {
-                     a.keys.scales = f32(in[kKeyScales]);
-                     a.keys.biases = f32(in[kKeyBiases]);
-                     a.values.scales = f32(in[kValueScales]);
-                     a.values.biases = f32(in[kValueBiases]);
+                     const int at = kv_params_at(s.top_k);
+                     a.keys.scales = f32(in[at]);
+                     a.keys.biases = f32(in[at + 1]);
+                     a.values.scales = f32(in[at + 2]);
+                     a.values.biases = f32(in[at + 3]);
                    }
-                   a.o = quant(in, kOW, b0, s.bits[0], s.group[0]);
+                   a.o = weight(kOW, 0);
                    a.w_post = f32(in[kNormPost]);
-                   a.gate_up = quant(in, kGuW, b1, s.bits[1], s.group[1]);
-                   a.down = quant(in, kDownW, b2, s.bits[2], s.group[2]);
+                   if (s.top_k > 0) {
+                     a.experts.router = weight(kMlp, 1);
+                     a.experts.gate = weight(kMlp + 3, 2);
+                     a.experts.up = weight(kMlp + 6, 3);
+                     a.experts.down = weight(kMlp + 9, 4);
+                   } else {
+                     a.gate_up = weight(kMlp, 1);
+                     a.down = weight(kMlp + 3, 2);
+                   }
                    a.out = outs[0];
                    decode_rest(a, selected_isa());
                  });
@@ -306,16 +432,21 @@ class DecodeLayerRest : public mx::UnaryPrimitive {
   std::vector<int> starts_;
 };
 
+// Whether w, s, b are a quantized weight [E..., N, K] (`stacked` leading
+// experts' axes: 0 or 1) in MLX's layout that the products take.
 bool quant_ok(const mx::array& w, const mx::array& s, const mx::array& b, int N, int K, int bits,
-              int group) {
+              int group, int E = 0) {
   if (bits != 4 && bits != 8) return false;
   if (group != 32 && group != 64 && group != 128) return false;
   if (w.dtype() != mx::uint32 || (s.dtype() != mx::float32 && s.dtype() != mx::bfloat16) ||
       b.dtype() != s.dtype())
     return false;
-  if (w.ndim() != 2 || s.ndim() != 2 || b.shape() != s.shape() || K % group != 0) return false;
-  return w.shape(0) == N && w.shape(1) == (long)K * bits / 32 && s.shape(0) == N &&
-         s.shape(1) == K / group;
+  const int lead = E > 0 ? 1 : 0;
+  if (w.ndim() != 2 + lead || s.ndim() != 2 + lead || b.shape() != s.shape() || K % group != 0)
+    return false;
+  if (lead && (w.shape(0) != E || s.shape(0) != E)) return false;
+  return w.shape(lead) == N && w.shape(lead + 1) == (long)K * bits / 32 && s.shape(lead) == N &&
+         s.shape(lead + 1) == K / group;
 }
 
 bool f32_shaped(const mx::array& a, const mx::Shape& shape) {
@@ -390,8 +521,11 @@ int emlx_kernels_decode_qkv(emlx_mlx_array* outs, const emlx_mlx_array* arrays,
 // [B, heads, hd] of emlx_kernels_decode_qkv, the layer's whole key and
 // value buffers [>= B, kv_heads, capacity, hd] (already holding the new
 // keys), the output projection's weight, scales and biases, the post norm's
-// weight [D], then the stacked gate/up projection's and the down
-// projection's; `bits` and `group` are those of the three products. With
+// weight [D], then the MLP's: the stacked gate/up projection's and the down
+// projection's, or with `top_k` > 0 routed experts' router [E, D], gate and
+// up [E, F, D] and down [E, D, F] (each row through its top_k experts,
+// their weights renormalized when `norm_topk`). `bits` and `group` are
+// those of the products in that order (3, or 5 with experts). With
 // `kv_bits` > 0 the buffers are a quantized cache's packed values (uint32)
 // and the keys' scales and biases, then the values', follow (float32
 // [>= B, kv_heads, capacity, hd / kv_group]). Row b attends keys
@@ -399,10 +533,12 @@ int emlx_kernels_decode_qkv(emlx_mlx_array* outs, const emlx_mlx_array* arrays,
 int emlx_kernels_decode_layer_rest(emlx_mlx_array* out, const emlx_mlx_array* arrays,
                                    const int* bits, const int* group, int rows,
                                    const int* positions, const int* starts, float eps_post,
-                                   float scale, int kv_bits, int kv_group,
-                                   emlx_mlx_stream stream, char* err, size_t err_len) {
-  const int inputs = kv_bits > 0 ? emlx::kRestQuantizedInputs : emlx::kRestInputs;
-  const bool set = arrays && bits && group && positions && starts && rows > 0 &&
+                                   float scale, int kv_bits, int kv_group, int top_k,
+                                   int norm_topk, emlx_mlx_stream stream, char* err,
+                                   size_t err_len) {
+  const int kv_at = emlx::kv_params_at(top_k);
+  const int inputs = kv_bits > 0 ? kv_at + 4 : kv_at;
+  const bool set = arrays && bits && group && positions && starts && rows > 0 && top_k >= 0 &&
                    emlx::handles_set(arrays, inputs);
   return emlx::build_node(
       "decode layer", out, set, stream, err, err_len,
@@ -424,7 +560,7 @@ int emlx_kernels_decode_layer_rest(emlx_mlx_array* out, const emlx_mlx_array* ar
         if (kv_bits > 0) {
           rows_bits = K.dtype() == mx::uint32 && emlx::attend_takes(hd, kv_bits, kv_group) ? kv_bits : 0;
           width = rows_bits ? hd * kv_bits / 32 : 0;
-          for (int i = emlx::kKeyScales; rows_bits && i < emlx::kRestQuantizedInputs; ++i) {
+          for (int i = kv_at; rows_bits && i < inputs; ++i) {
             const auto& p = in[i];
             if (p.dtype() != mx::float32 || p.ndim() != 4 || p.shape(0) != K.shape(0) ||
                 p.shape(1) != nkv || p.shape(2) != cap || p.shape(3) != hd / kv_group ||
@@ -438,18 +574,40 @@ int emlx_kernels_decode_layer_rest(emlx_mlx_array* out, const emlx_mlx_array* ar
           return {};
         for (int b = 0; b < rows; ++b)
           if (starts[b] < 0 || starts[b] > positions[b] || positions[b] >= cap) return {};
-        const auto& GU = in[emlx::kGuW];
-        if (GU.ndim() != 2 || GU.shape(0) % 2 != 0) return {};
-        const int F = GU.shape(0) / 2;
         if (!emlx::f32_shaped(in[emlx::kNormPost], {D}) ||
             !emlx::quant_ok(in[emlx::kOW], in[emlx::kOS], in[emlx::kOB], D, nq * hd, bits[0],
-                            group[0]) ||
-            !emlx::quant_ok(GU, in[emlx::kGuS], in[emlx::kGuB], 2 * F, D, bits[1], group[1]) ||
-            !emlx::quant_ok(in[emlx::kDownW], in[emlx::kDownS], in[emlx::kDownB], D, F, bits[2],
-                            group[2]))
+                            group[0]))
           return {};
-        emlx::RestShape shape{nkv,      {bits[0], bits[1], bits[2]}, {group[0], group[1], group[2]},
-                              eps_post, scale, rows_bits, kv_bits > 0 ? kv_group : 0};
+        // The MLP's weight i (0-based, after o) as [E..., N, K].
+        auto weight_ok = [&](int i, int N, int K, int E) {
+          const int at = emlx::kMlp + 3 * i;
+          return emlx::quant_ok(in[at], in[at + 1], in[at + 2], N, K, bits[i + 1], group[i + 1], E);
+        };
+        const auto& M = in[emlx::kMlp];
+        if (top_k > 0) {
+          const auto& G = in[emlx::kMlp + 3];
+          if (M.ndim() != 2 || G.ndim() != 3) return {};
+          const int E = M.shape(0), F = G.shape(1);
+          if (top_k > E || !weight_ok(0, E, D, 0) || !weight_ok(1, F, D, E) ||
+              !weight_ok(2, F, D, E) || !weight_ok(3, D, F, E))
+            return {};
+        } else {
+          if (M.ndim() != 2 || M.shape(0) % 2 != 0) return {};
+          const int F = M.shape(0) / 2;
+          if (!weight_ok(0, 2 * F, D, 0) || !weight_ok(1, D, F, 0)) return {};
+        }
+        emlx::RestShape shape{};
+        shape.nkv = nkv;
+        for (int i = 0; i <= emlx::mlp_weights(top_k); ++i) {
+          shape.bits[i] = bits[i];
+          shape.group[i] = group[i];
+        }
+        shape.eps_post = eps_post;
+        shape.scale = scale;
+        shape.kv_bits = rows_bits;
+        shape.kv_group = kv_bits > 0 ? kv_group : 0;
+        shape.top_k = top_k;
+        shape.norm_topk = norm_topk != 0;
         auto primitive = std::make_shared<emlx::DecodeLayerRest>(
             s, shape, std::vector<int>(positions, positions + rows),
             std::vector<int>(starts, starts + rows));

@@ -41,9 +41,21 @@ struct DecodeQkvArgs {
 
 void decode_qkv(const DecodeQkvArgs& a, Isa isa);
 
+// Routed experts in place of the dense MLP (Qwen3-MoE): the router's
+// softmax picks each row's k most probable experts, whose SwiGLU MLPs'
+// outputs are summed, weighted by those probabilities (renormalized over
+// the k when asked), as mlx-lm's qwen3_moe computes it.
+struct DecodeExperts {
+  int E = 0, k = 0;  // experts, experts a row; k == 0: the dense MLP
+  bool norm_topk = false;
+  QuantWeight router;  // [E, D]
+  QuantWeight gate, up;  // [E, F, D] each
+  QuantWeight down;  // [E, D, F]
+};
+
 // The rest, once the cache holds the new keys: attention of each row over
 // its keys starts[b]..=positions[b], the output product and residual,
-// RMSNorm, the SwiGLU MLP and residual.
+// RMSNorm, the SwiGLU MLP (or routed experts) and residual.
 struct DecodeRestArgs {
   int B, D, F, nq, nkv, hd;
   int cap;  // positions per row of the cache buffers
@@ -60,6 +72,7 @@ struct DecodeRestArgs {
   float eps_post;
   QuantWeight gate_up;  // [2F, D], gate rows then up rows
   QuantWeight down;  // [D, F]
+  DecodeExperts experts;  // with experts.k > 0, in place of gate_up and down
   float* out;  // [B, D]
 };
 

@@ -271,6 +271,8 @@ extern "C" {
         scale: f32,
         kv_bits: c_int,
         kv_group: c_int,
+        top_k: c_int,
+        norm_topk: c_int,
         stream: Handle,
         err: *mut c_char,
         err_len: usize,
@@ -796,9 +798,46 @@ pub struct RestParts<'a> {
     pub o: QuantWeight<'a>,
     /// Post-attention norm weight `[hidden]` and eps.
     pub post_norm: (&'a Array, f32),
-    /// gate and up projections stacked, gate first, of equal widths.
-    pub gate_up: QuantWeight<'a>,
-    pub down: QuantWeight<'a>,
+    pub mlp: RestMlp<'a>,
+}
+
+/// A layer's feed-forward part, as [`decode_layer_rest`] takes it.
+pub enum RestMlp<'a> {
+    /// A SwiGLU MLP: gate and up projections stacked, gate first, of equal
+    /// widths.
+    Dense {
+        gate_up: QuantWeight<'a>,
+        down: QuantWeight<'a>,
+    },
+    /// Routed experts (Qwen3-MoE): the router `[experts, hidden]` and the
+    /// experts' projections stacked `[experts, out, in]`. Each row goes
+    /// through the `top_k` experts of its largest router probabilities
+    /// (softmax in float32), weighted by them, renormalized over the k with
+    /// `norm_topk_prob`, as mlx-lm's qwen3_moe computes it.
+    Experts {
+        router: QuantWeight<'a>,
+        gate: QuantWeight<'a>,
+        up: QuantWeight<'a>,
+        down: QuantWeight<'a>,
+        top_k: i32,
+        norm_topk_prob: bool,
+    },
+}
+
+impl<'a> RestMlp<'a> {
+    /// The weights in the order the node takes them.
+    pub fn weights(&self) -> Vec<&QuantWeight<'a>> {
+        match self {
+            RestMlp::Dense { gate_up, down } => vec![gate_up, down],
+            RestMlp::Experts {
+                router,
+                gate,
+                up,
+                down,
+                ..
+            } => vec![router, gate, up, down],
+        }
+    }
 }
 
 /// A layer's whole cache buffers, `[>= rows, kv_heads, capacity, ...]`
@@ -819,19 +858,30 @@ pub enum KvBuffers<'a> {
 
 /// The rest of a one-token step's layer as one lazy MLX node of our
 /// kernels: each row's attention over keys `starts[b]..=positions[b]`, the
-/// output product and residual, RMSNorm, the SwiGLU MLP and residual.
-/// Returns the residual stream out, `[rows, 1, hidden]`. `Ok(None)` when the
-/// case is not ours (as [`decode_qkv`], and positions outside the cache).
+/// output product and residual, RMSNorm, the MLP (SwiGLU or routed experts)
+/// and residual. Returns the residual stream out, `[rows, 1, hidden]`.
+/// `Ok(None)` when the case is not ours (as [`decode_qkv`], and positions
+/// outside the cache).
 pub fn decode_layer_rest(
     p: &RestParts,
     positions: &[i32],
     starts: &[i32],
 ) -> Result<Option<Array>, KernelError> {
     let rows = p.h.shape().first().copied().unwrap_or(0);
-    let weights = [&p.o, &p.gate_up, &p.down];
+    let mut weights = vec![&p.o];
+    weights.extend(p.mlp.weights());
+    let (top_k, norm_topk) = match p.mlp {
+        RestMlp::Dense { .. } => (0, false),
+        RestMlp::Experts {
+            top_k,
+            norm_topk_prob,
+            ..
+        } => (top_k, norm_topk_prob),
+    };
     if !enabled()
         || positions.len() != rows as usize
         || starts.len() != rows as usize
+        || top_k < 0
         || !weights.iter().all(|w| supports(w.bits, w.group_size))
     {
         return Ok(None);
@@ -854,15 +904,16 @@ pub fn decode_layer_rest(
     let mut arrays = vec![handle(p.h), handle(p.q), handle(keys), handle(values)];
     arrays.extend([handle(p.o.w), handle(p.o.scales), handle(p.o.biases)]);
     arrays.push(handle(p.post_norm.0));
-    for w in [&p.gate_up, &p.down] {
+    for w in p.mlp.weights() {
         arrays.extend([handle(w.w), handle(w.scales), handle(w.biases)]);
     }
     arrays.extend(quantized);
-    let bits = weights.map(|w| w.bits);
-    let group = weights.map(|w| w.group_size);
+    let bits: Vec<c_int> = weights.iter().map(|w| w.bits).collect();
+    let group: Vec<c_int> = weights.iter().map(|w| w.group_size).collect();
     node(|out, stream, err, n| {
         // SAFETY: see `node`; `arrays`, `bits`, `group`, `positions` and
-        // `starts` live for the call and hold what the C side reads.
+        // `starts` live for the call and hold what the C side reads (one
+        // bit width and group a product: o and the MLP's weights).
         unsafe {
             emlx_kernels_decode_layer_rest(
                 out,
@@ -876,6 +927,8 @@ pub fn decode_layer_rest(
                 p.scale,
                 kv_bits,
                 kv_group,
+                top_k,
+                norm_topk as c_int,
                 stream,
                 err,
                 n,

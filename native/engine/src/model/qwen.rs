@@ -102,8 +102,8 @@ pub struct Model {
 unsafe impl Sync for Model {}
 
 /// Why a MoE model's layers are not fused.
-const MOE_DECLINED: &str = "cpu_layers: routed experts (MoE) run as separate nodes (their \
-     products through our gathered products); the CPU layer nodes take dense MLPs only";
+const MOE_DECLINED: &str = "cpu_layers: routed experts (MoE) that are not quantized, or whose \
+     router is not, run as separate nodes; the CPU layer nodes take quantized experts only";
 
 const MOE_PROMPT_DECLINED: &str = "cuda_prompt: routed experts (MoE) run MLX's ops in prompts; \
      the prompt kernels take dense MLPs only";
@@ -514,7 +514,9 @@ impl Model {
             cpu_layers == self.blocks.len(),
         ) {
             (true, true) => note(work, Ran::CpuLayers, None),
-            (true, false) if sparse => note(work, Ran::Mlx, Some(MOE_DECLINED)),
+            (true, false) if sparse && !self.experts_quantized() => {
+                note(work, Ran::Mlx, Some(MOE_DECLINED))
+            }
             (true, false) => note(
                 work,
                 Ran::Mlx,
@@ -529,6 +531,14 @@ impl Model {
     /// Whether any layer routes its tokens to experts.
     fn has_experts(&self) -> bool {
         self.blocks.iter().any(|b| matches!(b.mlp, Ffn::Sparse(_)))
+    }
+
+    /// Whether every layer's experts and router are quantized.
+    fn experts_quantized(&self) -> bool {
+        self.blocks
+            .iter()
+            .filter_map(|b| b.mlp.sparse())
+            .all(|moe| moe.quantized().is_some())
     }
 
     /// The output head's weight when quantized and without bias.
@@ -645,14 +655,16 @@ mod tests {
     /// content keeps the separate nodes. Both give the same logits, for a
     /// batch-1 cache and for the scheduler's rows at different positions:
     /// Qwen3 at 0.6B widths with 8-bit group-32 down projections (threaded
-    /// products), and Qwen2 with q/k/v biases and traditional RoPE.
+    /// products), Qwen2 with q/k/v biases and traditional RoPE, and
+    /// Qwen3-MoE with quantized experts (top 2 of 8, an 8-bit router, a
+    /// dense layer among them).
     #[test]
     fn one_token_layer_nodes_give_the_separate_nodes_logits() {
         if !emlx_axon_kernels::enabled() {
             return;
         }
         let lease = Lease::new(DeviceKind::Cpu).unwrap();
-        for name in ["qwen3-wide", "qwen2-rope-traditional"] {
+        for name in ["qwen3-wide", "qwen2-rope-traditional", "qwen3-moe-4bit"] {
             lease.stream().run(|| {
                 let options = LoadOptions {
                     dtype: Some(Dtype::Float32),

@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 /// stored (the widening is exact), which saves a float32 copy (an eighth of a
 /// 4-bit checkpoint's bytes) and its memory traffic every step. (On a GPU,
 /// MLX's op would need a cast per call.)
-fn params_dtype(a: Array, compute: Dtype) -> Result<Array> {
+pub(crate) fn params_dtype(a: Array, compute: Dtype) -> Result<Array> {
     if compute == Dtype::Float32
         && a.dtype() == Dtype::Bfloat16
         && !crate::runtime::device::gpu_available()

@@ -6,11 +6,11 @@
 //! Experts are stored stacked, `[experts, out, in]` per projection: as
 //! mlx-lm saves them (`mlp.switch_mlp.{gate,up,down}_proj`), or stacked at
 //! load from the Hugging Face layout (`mlp.experts.{e}.{proj}`, read joined
-//! by [`expert_joins`]). The CPU layer nodes take dense MLPs only: there
-//! these blocks run as graph nodes, the experts' products through our
-//! kernels' gathered product (MLX's CPU `gather_qmm` runs one thread). A
-//! CUDA step's layers read them through kernels of their own
-//! ([`ExpertWeights`]); prompts there run MLX's ops.
+//! by [`expert_joins`]). Quantized experts and router are read by the
+//! layer nodes of a CPU step and the kernels of a CUDA step
+//! ([`ExpertWeights`]); elsewhere (prompts, unquantized experts) these
+//! blocks run as graph nodes, on a CPU stream the experts' products through
+//! our kernels' gathered product (MLX's CPU `gather_qmm` runs one thread).
 
 use mlx_rs::ops::indexing::{take_along_axis, IndexOp};
 use mlx_rs::ops::{
@@ -23,7 +23,7 @@ use mlx_rs::Array;
 use crate::checkpoint::config::{MoeConfig, QuantSpec};
 use crate::checkpoint::weights::{Join, Weights};
 use crate::error::{Error, Result};
-use crate::nn::layers::{dequantized_on_gpu, Linear, LoadPlan, Weight, Workers};
+use crate::nn::layers::{dequantized_on_gpu, params_dtype, Linear, LoadPlan, Weight, Workers};
 use emlx_axon_kernels::QuantWeight;
 
 /// Tokens times experts from which the tokens are sorted by expert before
@@ -106,8 +106,8 @@ impl Weight {
             let biases = take("biases", cols / spec.group_size)?;
             return Ok(Weight::Quantized {
                 w,
-                scales: scales.as_dtype(plan.dtype)?,
-                biases: biases.as_dtype(plan.dtype)?,
+                scales: params_dtype(scales, plan.dtype)?,
+                biases: params_dtype(biases, plan.dtype)?,
                 spec,
             });
         }
@@ -208,8 +208,8 @@ pub(crate) struct SparseMoe {
     norm_topk_prob: bool,
 }
 
-/// A layer's quantized router and experts, as the CUDA step's kernels read
-/// them (`[experts, out, in]` stacks).
+/// A layer's quantized router and experts, as a CPU or CUDA step's layer
+/// kernels read them (`[experts, out, in]` stacks).
 pub(crate) struct ExpertWeights<'a> {
     pub router: QuantWeight<'a>,
     pub gate: QuantWeight<'a>,

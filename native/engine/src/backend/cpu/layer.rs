@@ -5,20 +5,22 @@
 //! ~940 separate nodes cost a few milliseconds a token beside 13 ms of
 //! products.
 //!
-//! Layers whose parts the nodes do not take (dense or unstacked
-//! projections, a bias outside q/k/v, bit widths or group sizes without a
-//! kernel, MLX's rope, another dtype, routed experts in place of the MLP)
-//! return `None` before touching the cache, and are built from separate
-//! nodes as before. The cache may be float16 under float32 activations
+//! The MLP is a dense SwiGLU or a quantized router with routed experts
+//! (Qwen3-MoE). Layers whose parts the nodes do not take (dense or
+//! unstacked projections, a bias outside q/k/v, bit widths or group sizes
+//! without a kernel, MLX's rope, another dtype, unquantized experts or
+//! router) return `None` before touching the cache, and are built from
+//! separate nodes as before. The cache may be float16 under float32 activations
 //! (`kv_dtype`), or quantized to 8 or 4 bits (`kv_bits`): the attention
 //! then reads its half or fewer bytes as they are stored.
 
+use emlx_axon_kernels::RestMlp;
 use mlx_rs::{Array, Dtype};
 
 use crate::checkpoint::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::kv::cache::{KvStore, StepRows};
-use crate::nn::block::Block;
+use crate::nn::block::{Block, Ffn};
 use crate::nn::rope::Rope;
 
 /// The layer `layer` of `block` over `h` (`[rows, 1, hidden]`), or `None`
@@ -40,17 +42,30 @@ pub(crate) fn forward<C: KvStore>(
     else {
         return Ok(None);
     };
-    let Some(mlp) = block.mlp.dense() else {
+    let attn = &block.attn;
+    let (Some((qkv, qkv_bias)), Some((o, None))) =
+        (attn.qkv.stacked_quantized(), attn.o.quantized())
+    else {
         return Ok(None);
     };
-    let attn = &block.attn;
-    let (Some((qkv, qkv_bias)), Some((o, None)), Some((gate_up, None)), Some((down, None))) = (
-        attn.qkv.stacked_quantized(),
-        attn.o.quantized(),
-        mlp.gate_up.stacked_quantized(),
-        mlp.down.quantized(),
-    ) else {
-        return Ok(None);
+    let mlp = match &block.mlp {
+        Ffn::Dense(mlp) => match (mlp.gate_up.stacked_quantized(), mlp.down.quantized()) {
+            (Some((gate_up, None)), Some((down, None))) if matches!(mlp.gate_up.sizes(), [g, u] if g == u) => {
+                RestMlp::Dense { gate_up, down }
+            }
+            _ => return Ok(None),
+        },
+        Ffn::Sparse(moe) => match moe.quantized() {
+            Some(e) => RestMlp::Experts {
+                router: e.router,
+                gate: e.gate,
+                up: e.up,
+                down: e.down,
+                top_k: e.top_k,
+                norm_topk_prob: e.norm_topk_prob,
+            },
+            None => return Ok(None),
+        },
     };
     // What the second node checks, checked before the first one's keys
     // reach the cache: past that point the layer cannot go back.
@@ -69,11 +84,9 @@ pub(crate) fn forward<C: KvStore>(
         ),
         _ => false,
     };
-    if h.dtype() != Dtype::Float32
-        || !matches!(mlp.gate_up.sizes(), [g, u] if g == u)
-        || ![&o, &gate_up, &down].into_iter().all(takes)
-        || !cache_read
-    {
+    let mut products = vec![&o];
+    products.extend(mlp.weights());
+    if h.dtype() != Dtype::Float32 || !products.into_iter().all(takes) || !cache_read {
         return Ok(None);
     }
     let qkv_parts = emlx_axon_kernels::QkvParts {
@@ -112,8 +125,7 @@ pub(crate) fn forward<C: KvStore>(
         scale: (c.head_dim as f32).powf(-0.5),
         o,
         post_norm: (block.post_norm.weight(), block.post_norm.eps()),
-        gate_up,
-        down,
+        mlp,
     };
     emlx_axon_kernels::decode_layer_rest(&rest, &rows.positions, &rows.starts)
         .map_err(kernel_error)?
