@@ -3,7 +3,7 @@
 //!
 //! cargo run --release -p emlx_axon_engine --example bench -- --model DIR
 //!     (--prompts FILE | --prompt-ids 1,2,3) [--dtype float32|bfloat16|float16]
-//!     [--kv-dtype float32|bfloat16|float16] [--kv-bits 4|8]
+//!     [--kv-dtype float32|bfloat16|float16] [--kv-bits 4|8] [--kv-start N]
 //!     [--tokens N] [--batch-tokens N] [--batch 1,4,8] [--measures decode,prefill,batch,scheduler,profile]
 //!     [--warmup K] [--warmup-mode full|light] [--runs R] [--profile-stream own|default] [--chunk C] [--label TEXT]
 //!     [--sampler greedy|top_p_cpu|top_p_gpu ...] [--json-schema FILE] [--scheduler-budget-ms MS]
@@ -101,6 +101,9 @@ struct Args {
     /// (mlx-lm's `kv_bits`, groups of 64, with `quantized_kv_start` the
     /// prompt's length): the steps read a quantized cache.
     kv_bits: Option<i32>,
+    /// With `kv_bits`, quantized from this many positions on instead
+    /// (mlx-lm's `quantized_kv_start`).
+    kv_start: Option<usize>,
 }
 
 fn dtype(name: &str, flag: &str) -> AnyResult<Dtype> {
@@ -162,6 +165,7 @@ fn parse() -> AnyResult<Args> {
         json_schema: None,
         kv_dtype: None,
         kv_bits: None,
+        kv_start: None,
     };
     let float = |s: String, flag: &str| -> AnyResult<f32> {
         s.parse()
@@ -195,6 +199,7 @@ fn parse() -> AnyResult<Args> {
             "--dtype" => args.dtype = Some(dtype(&v(&mut rest, &flag)?, &flag)?),
             "--kv-dtype" => args.kv_dtype = Some(dtype(&v(&mut rest, &flag)?, &flag)?),
             "--kv-bits" => args.kv_bits = Some(count(v(&mut rest, &flag)?, &flag)? as i32),
+            "--kv-start" => args.kv_start = Some(count(v(&mut rest, &flag)?, &flag)?),
             "--tokens" => args.tokens = count(v(&mut rest, &flag)?, &flag)?,
             "--batch-tokens" => args.batch_tokens = Some(count(v(&mut rest, &flag)?, &flag)?),
             "--warmup" => args.warmup = count(v(&mut rest, &flag)?, &flag)?,
@@ -397,9 +402,10 @@ impl Bench {
                 bits,
                 group_size: KV_GROUP,
             }),
-            quantized_kv_start: match self.args.kv_bits {
-                Some(_) => longest,
-                None => GenerateOptions::default().quantized_kv_start,
+            quantized_kv_start: match (self.args.kv_bits, self.args.kv_start) {
+                (Some(_), Some(start)) => start,
+                (Some(_), None) => longest,
+                (None, _) => GenerateOptions::default().quantized_kv_start,
             },
             ..GenerateOptions::default()
         }

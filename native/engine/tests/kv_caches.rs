@@ -150,6 +150,39 @@ fn quantized_cache_logits_match_mlx_lm() {
     }
 }
 
+/// A cache made to be quantized keeps dense buffers only as long as it
+/// needs: 4 positions, grown to a bucket of 256 by the prompt's pass (of
+/// a capacity of more), then quantized over its whole capacity. Its logits
+/// are mlx-lm's, as a full cache's are.
+#[test]
+fn a_quantizing_cache_keeps_short_dense_buffers() {
+    let model = load_f32(FIXTURE);
+    let vocab = model.config.vocab_size as usize;
+    let r = kv_reference(8);
+    let capacity = r.ids.len() as i32 + 400;
+    assert!(r.prompt < 256 && capacity > 256);
+    let bytes = |c: &KvCache| -> usize {
+        let arrays: Vec<&Array> = c.arrays().collect();
+        mlx_rs::transforms::eval(arrays.iter().copied()).unwrap();
+        arrays.iter().map(|a| a.nbytes()).sum()
+    };
+    let full = bytes(&KvCache::new(&model.kv_shape(), 1, capacity).unwrap());
+    let cache = KvCache::quantizing(&model.kv_shape(), 1, capacity, 4).unwrap();
+    assert_eq!(bytes(&cache) * capacity as usize, full * 4);
+    let ours = fed_as_generate_step(&model, cache, &r, |cache| {
+        assert_eq!(bytes(cache) * capacity as usize, full * 256);
+        cache.quantize(quant(8)).unwrap();
+        for layer in 0..model.config.num_layers {
+            let (keys, values) = cache.quantized_buffers(layer).unwrap();
+            for a in keys.iter().chain(values.iter()) {
+                assert_eq!(a.dim(2), capacity);
+            }
+        }
+    });
+    let error = worst_relative(&ours, &r.logits, vocab);
+    assert!(error < 1e-4, "logits differ from mlx-lm by {error}");
+}
+
 /// A prompt's later part over a quantized cache, all at once (on a CPU
 /// stream: the dequantized cache through float products), gives the logits
 /// of the same ids fed one at a time (the quantized products, or the CPU

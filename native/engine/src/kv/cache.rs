@@ -2,7 +2,9 @@
 //! layer for keys and for values, written in place at the current offset,
 //! or, once [`KvCache::quantize`]d, MLX's affine quantization of them (as
 //! mlx-lm's `QuantizedKVCache` keeps them: packed values, scales and biases
-//! per group of `group_size` along the head dimension).
+//! per group of `group_size` along the head dimension). A cache that will
+//! be quantized keeps dense buffers only as long as it needs before that
+//! ([`KvCache::quantizing`]).
 //! [`KvStore`] is what the model needs of a cache, so a cache whose rows sit
 //! at different positions (the scheduler's slots) runs the same layers.
 
@@ -147,9 +149,34 @@ pub struct KvCache {
     capacity: i32,
 }
 
+/// `a` (`[B, heads, len, d]`) followed by zeros up to `len` positions.
+fn padded_to(a: Array, len: i32) -> Result<Array> {
+    let n = a.dim(2);
+    if len <= n {
+        return Ok(a);
+    }
+    let mut out = zeros_dtype(&[a.dim(0), a.dim(1), len, a.dim(3)], a.dtype())?;
+    out.try_index_mut((.., .., ..n, ..), &a)
+        .map_err(|e| Error::Mlx(e.to_string()))?;
+    Ok(out)
+}
+
 impl KvCache {
     pub fn new(kv: &KvShape, batch: i32, capacity: i32) -> Result<Self> {
-        let shape = [batch, kv.kv_heads, capacity, kv.head_dim];
+        Self::with_dense(kv, batch, capacity, capacity)
+    }
+
+    /// A cache of `capacity` positions that is to be [`KvCache::quantize`]d
+    /// once it holds about `dense` of them (a generation's `kv_bits` from
+    /// `quantized_kv_start` on): its dense buffers are `dense` positions
+    /// long, so that the whole capacity is never held in the model's dtype
+    /// beside its quantized copy. A pass that writes past them grows them.
+    pub fn quantizing(kv: &KvShape, batch: i32, capacity: i32, dense: i32) -> Result<Self> {
+        Self::with_dense(kv, batch, capacity, dense.clamp(1, capacity.max(1)))
+    }
+
+    fn with_dense(kv: &KvShape, batch: i32, capacity: i32, dense: i32) -> Result<Self> {
+        let shape = [batch, kv.kv_heads, dense, kv.head_dim];
         let mut layers = Vec::with_capacity(kv.layers);
         for _ in 0..kv.layers {
             layers.push((
@@ -210,9 +237,15 @@ impl KvCache {
                 "a rotating KV cache is not quantized (as in mlx-lm)",
             ));
         }
+        // Over the whole capacity, where the dense buffers are shorter.
+        let capacity = self.capacity;
         let triple = |a: &Array| -> Result<[Array; 3]> {
             let (w, scales, biases) = quantize(a, quant.group_size, quant.bits)?;
-            Ok([w, scales, biases])
+            Ok([
+                padded_to(w, capacity)?,
+                padded_to(scales, capacity)?,
+                padded_to(biases, capacity)?,
+            ])
         };
         let mut layers = Vec::with_capacity(self.layers.len());
         for (k, v) in &self.layers {
@@ -398,6 +431,14 @@ impl KvStore for KvCache {
             });
         }
         let (keys, values) = &mut self.layers[layer];
+        if end > keys.dim(2) {
+            // Past a quantizing cache's dense buffers: longer ones (a copy),
+            // in whole buckets or twice as long.
+            let wanted = end.max(keys.dim(2).saturating_mul(2)) as i64;
+            let len = ((wanted + 255) / 256 * 256).min(self.capacity as i64) as i32;
+            *keys = padded_to(keys.clone(), len)?;
+            *values = padded_to(values.clone(), len)?;
+        }
         Ok(KvView::Dense(put(keys, k)?, put(values, v)?))
     }
 }

@@ -108,9 +108,21 @@ impl Generation {
         } else {
             vec![]
         };
-        let cache = MlxStream::run_on(stream.as_ref(), || match options.max_kv_size {
-            Some(size) => KvCache::rotating(&kv_shape, size as i32, KV_KEEP as i32),
-            None => KvCache::new(&kv_shape, prompts.len() as i32, capacity),
+        let rows = prompts.len() as i32;
+        let cache = MlxStream::run_on(stream.as_ref(), || {
+            match (options.max_kv_size, options.kv_quant) {
+                (Some(size), _) => KvCache::rotating(&kv_shape, size as i32, KV_KEEP as i32),
+                // Quantized after the pass that reaches `quantized_kv_start`
+                // positions: dense up to the end of that pass at most.
+                (None, Some(_)) => {
+                    let dense = options
+                        .quantized_kv_start
+                        .saturating_add(prefill_chunk(&options));
+                    let dense = i32::try_from(dense).unwrap_or(i32::MAX);
+                    KvCache::quantizing(&kv_shape, rows, capacity, dense)
+                }
+                (None, None) => KvCache::new(&kv_shape, rows, capacity),
+            }
         })?;
         let mut generation = Generation {
             model,
