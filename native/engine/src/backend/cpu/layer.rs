@@ -10,9 +10,9 @@
 //! unstacked projections, a bias outside q/k/v, bit widths or group sizes
 //! without a kernel, MLX's rope, another dtype, unquantized experts or
 //! router) return `None` before touching the cache, and are built from
-//! separate nodes as before. The cache may be float16 under float32 activations
-//! (`kv_dtype`), or quantized to 8 or 4 bits (`kv_bits`): the attention
-//! then reads its half or fewer bytes as they are stored.
+//! separate nodes as before. The cache may be float16 under float32
+//! activations (`kv_dtype`), or quantized to 8 or 4 bits (`kv_bits`): the
+//! attention then reads its half or fewer bytes as they are stored.
 
 use emlx_axon_kernels::RestMlp;
 use mlx_rs::{Array, Dtype};
