@@ -184,7 +184,7 @@ fn a_quantizing_cache_keeps_short_dense_buffers() {
 }
 
 /// A prompt's later part over a quantized cache, all at once (on a CPU
-/// stream: the dequantized cache through float products), gives the logits
+/// stream: the dequantized cache through the prompt attention node), gives the logits
 /// of the same ids fed one at a time (the quantized products, or the CPU
 /// layer nodes), position by position: the part's own keys are quantized
 /// as they are stored either way.

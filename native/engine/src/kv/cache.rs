@@ -349,7 +349,7 @@ impl KvStore for KvCache {
 
     fn no_buffers(&self) -> Option<&'static str> {
         if self.quantized.is_some() {
-            Some("the KV cache is quantized; attention reads it through MLX's ops")
+            Some("the KV cache is quantized; attention reads it outside the fused layers")
         } else if self.window.is_some() {
             Some("the KV cache is a rotating window; attention reads it through MLX's ops")
         } else {

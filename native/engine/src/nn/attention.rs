@@ -256,6 +256,21 @@ impl Attention {
                 values,
                 quant,
             } => {
+                // A causal prompt chunk on a CPU stream: the cache
+                // dequantized (the values mlx-lm's products take) through
+                // our prompt attention node.
+                let prompt = l > 1 && matches!(mask, AttentionMask::Causal);
+                if prompt
+                    && matches!(rope, Rope::Table { .. })
+                    && crate::runtime::device::on_cpu_stream()
+                {
+                    let dense =
+                        |[w, s, b]: &[Array; 3]| dequantize(w, s, b, quant.group_size, quant.bits);
+                    let (k, v) = (dense(&keys)?, dense(&values)?);
+                    if let Some(out) = self.on_cpu(c, &q, &k, &v, true, Ok)? {
+                        return self.o.forward(&out, workers);
+                    }
+                }
                 let q = match rope {
                     Rope::Table { .. } => heads_first(q)?,
                     Rope::Fused { .. } => q,
