@@ -24,6 +24,7 @@ fn main() {
             "csrc/qmm.cpp",
             "csrc/qmm_int8.cpp",
             "csrc/pool.cpp",
+            "csrc/experts.cpp",
             "csrc/qmm_scalar.cpp",
             "csrc/sgemm.cpp",
             "csrc/elementwise.cpp",

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "elementwise.h"
+#include "experts.h"
 #include "glue.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -99,9 +100,8 @@ QuantWeight expert(const QuantWeight& w, int e, int N, int K) {
 
 // Rows x [B, D] through their routed experts (see DecodeExperts) into y
 // [B, D]. The rows that picked an expert go through it together, so its
-// weights are read once a step; with an expert a thread or more, each
-// thread takes whole experts (gate, up and down), which needs no join
-// between an expert's products.
+// weights are read once a step; a thread that takes a whole expert (see
+// for_each_expert) runs its gate, up and down with no join between them.
 void routed_experts(const DecodeExperts& m, const float* x, float* y, int B, int D, int F,
                     Isa isa) {
   const int E = m.E, k = m.k;
@@ -109,7 +109,8 @@ void routed_experts(const DecodeExperts& m, const float* x, float* y, int B, int
   product(m.router, x, probs.data(), B, E, D, isa);
   // Each row's softmax in float32, its k largest probabilities (ties to the
   // lower index) and their weights.
-  std::vector<int> picked((size_t)B * k), order(E);
+  std::vector<uint32_t> picked((size_t)B * k);
+  std::vector<int> order(E);
   std::vector<float> weights((size_t)B * k);
   for (int b = 0; b < B; ++b) {
     float* p = probs.data() + (size_t)b * E;
@@ -127,20 +128,13 @@ void routed_experts(const DecodeExperts& m, const float* x, float* y, int B, int
       weights[(size_t)b * k + c] = m.norm_topk ? p[order[c]] / total : p[order[c]];
     }
   }
-  // The (row, choice) pairs of each expert, in row order (a counting sort).
-  std::vector<int> start(E + 1, 0), pairs((size_t)B * k);
-  for (int r = 0; r < B * k; ++r) ++start[picked[r] + 1];
-  for (int e = 0; e < E; ++e) start[e + 1] += start[e];
-  std::vector<int> fill(start.begin(), start.end() - 1);
-  for (int r = 0; r < B * k; ++r) pairs[fill[picked[r]]++] = r;
-  std::vector<int> used;
-  for (int e = 0; e < E; ++e)
-    if (start[e + 1] > start[e]) used.push_back(e);
+  // The (row, choice) pairs of each expert, in row order.
+  const ExpertRows pairs = rows_by_expert(picked.data(), (long)B * k, E);
   // Each pair's expert output [B * k, D].
   std::vector<float> outs((size_t)B * k * D);
   auto run_expert = [&](int e, int threads) {
-    const int n = start[e + 1] - start[e];
-    const int* rows = pairs.data() + start[e];
+    const int n = pairs.start[e + 1] - pairs.start[e];
+    const int* rows = pairs.order.data() + pairs.start[e];
     std::vector<float> xs((size_t)n * D), g((size_t)n * F), u((size_t)n * F);
     std::vector<float> gu((size_t)n * 2 * F), act((size_t)n * F), ys((size_t)n * D);
     for (int i = 0; i < n; ++i)
@@ -162,12 +156,7 @@ void routed_experts(const DecodeExperts& m, const float* x, float* y, int B, int
     for (int i = 0; i < n; ++i)
       std::memcpy(outs.data() + (size_t)rows[i] * D, ys.data() + (size_t)i * D, sizeof(float) * D);
   };
-  Pool& pool = Pool::shared();
-  if ((int)used.size() >= pool.size() && pool.size() > 1) {
-    pool.run((int)used.size(), [&](int i) { run_expert(used[i], 1); });
-  } else {
-    for (int e : used) run_expert(e, 0);
-  }
+  for_each_expert(pairs.used, run_expert);
   for (int b = 0; b < B; ++b) {
     float* out = y + (size_t)b * D;
     std::fill(out, out + D, 0.0f);

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "elementwise.h"
+#include "experts.h"
 #include "glue.h"
 #include "mlx/allocator.h"
 #include "mlx/array.h"
@@ -140,30 +141,17 @@ class GatheredQuantizedLinear : public KernelPrimitive {
     dispatch(inputs, out, [=](const Inputs& in, float* y) {
       const float* x = floats(in[0]);
       const uint32_t* ids = static_cast<const uint32_t*>(in[4]);
-      // Each expert's rows, in row order (a counting sort).
-      std::vector<int> start(E + 1, 0), order((size_t)T * C);
+      // The router cannot pick ids of E or more; a bad id gives zeros, not
+      // a read out of the weights.
       for (long r = 0; r < (long)T * C; ++r)
-        if (ids[r] < (uint32_t)E) ++start[ids[r] + 1];
-      for (int e = 0; e < E; ++e) start[e + 1] += start[e];
-      std::vector<int> fill(start.begin(), start.end() - 1);
-      for (long r = 0; r < (long)T * C; ++r) {
-        if (ids[r] < (uint32_t)E) {
-          order[fill[ids[r]]++] = (int)r;
-        } else {
-          // The router cannot pick these; a bad id gives zeros, not a read
-          // out of the weights.
-          std::memset(y + r * N, 0, sizeof(float) * N);
-        }
-      }
+        if (ids[r] >= (uint32_t)E) std::memset(y + r * N, 0, sizeof(float) * N);
+      const ExpertRows g = rows_by_expert(ids, (long)T * C, E);
       const long wrow = (long)K * bits / 32, prow = K / group;
       const size_t psize = bf16 ? 2 : 4;
-      std::vector<int> used;
-      for (int e = 0; e < E; ++e)
-        if (start[e + 1] > start[e]) used.push_back(e);
       // Expert e's rows through its weight, on `threads` threads.
       auto product = [&](int e, int threads) {
-        const int n = start[e + 1] - start[e];
-        const int* rows = order.data() + start[e];
+        const int n = g.start[e + 1] - g.start[e];
+        const int* rows = g.order.data() + g.start[e];
         auto row_of = [&](int r) { return x + ((long)(r / C) * R + (R == 1 ? 0 : r % C)) * K; };
         QmmArgs a;
         a.bf16_params = bf16;
@@ -191,16 +179,7 @@ class GatheredQuantizedLinear : public KernelPrimitive {
           for (int i = 0; i < n; ++i)
             std::memcpy(y + (long)rows[i] * N, ys.data() + (size_t)i * N, sizeof(float) * N);
       };
-      // With at least an expert a thread, each thread takes whole experts
-      // (a token's few small products, each split over the threads, spent
-      // their time starting and joining); with fewer, each expert's product
-      // is split over the threads.
-      Pool& pool = Pool::shared();
-      if ((int)used.size() >= pool.size() && pool.size() > 1) {
-        pool.run((int)used.size(), [&](int i) { product(used[i], 1); });
-      } else {
-        for (int e : used) product(e, 0);
-      }
+      for_each_expert(g.used, product);
     });
   }
 

@@ -176,23 +176,17 @@ impl Weight {
     /// on a CPU stream, float32 rows): `x` `[T, 1 or C, in]` through the
     /// experts `ids` `[T, C]` names, `[T, C, out]`.
     fn gathered(&self, x: &Array, ids: &Array) -> Result<Option<Array>> {
-        let Weight::Quantized {
-            w,
-            scales,
-            biases,
-            spec,
-        } = self
-        else {
+        let Some(q) = self.quantized() else {
             return Ok(None);
         };
         emlx_axon_kernels::gathered_quantized_linear(
             x,
-            w,
-            scales,
-            biases,
+            q.w,
+            q.scales,
+            q.biases,
             ids,
-            spec.group_size,
-            spec.bits,
+            q.group_size,
+            q.bits,
         )
         .map_err(|e| Error::Mlx(e.to_string()))
     }
